@@ -1,0 +1,54 @@
+"""Audio containers and rates for the transports: WAV in/out, PCM16, G.711, resampling (numpy only)."""
+
+from __future__ import annotations
+
+import io
+import wave
+from math import gcd
+
+import numpy as np
+import soundfile
+from scipy.signal import resample_poly
+
+
+class AudioFormatError(ValueError):
+    pass
+
+
+def decode_audio_file(data: bytes) -> tuple[np.ndarray, int]:
+    """A WAV (or FLAC/OGG) file -> (float32 mono samples, sample rate)."""
+    try:
+        samples, rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=True)
+    except Exception as exc:
+        raise AudioFormatError(f"not a readable audio file ({exc.__class__.__name__})") from exc
+    if samples.size == 0:
+        raise AudioFormatError("the audio file has no samples")
+    return samples.mean(axis=1), int(rate)
+
+
+def encode_wav(pcm16: bytes, sample_rate: int) -> bytes:
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(sample_rate)
+        w.writeframes(pcm16)
+    return buf.getvalue()
+
+
+def pcm16_to_float(pcm16: bytes) -> np.ndarray:
+    if len(pcm16) % 2:
+        raise AudioFormatError("PCM16 audio must have an even number of bytes")
+    return np.frombuffer(pcm16, dtype="<i2").astype(np.float32) / 32768.0
+
+
+def float_to_pcm16(samples: np.ndarray) -> bytes:
+    return (np.clip(samples, -1.0, 1.0) * 32767.0).round().astype("<i2").tobytes()
+
+
+def resample(samples: np.ndarray, from_rate: int, to_rate: int) -> np.ndarray:
+    """Polyphase resampling (anti-aliased); a no-op when the rates agree."""
+    if from_rate == to_rate or samples.size == 0:
+        return samples.astype(np.float32, copy=False)
+    g = gcd(from_rate, to_rate)
+    return resample_poly(samples, to_rate // g, from_rate // g).astype(np.float32)

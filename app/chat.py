@@ -1,0 +1,139 @@
+"""POST /v1/chat/completions in OpenAI's shapes: text or text+audio, streaming (SSE) or not.
+
+With audio output, as in OpenAI's API, the text arrives as the audio's transcript
+(`message.audio.transcript`, `delta.audio.transcript`) and `content` is null; audio is a base64
+WAV in the non-streaming body and base64 PCM16 (24 kHz mono) deltas when streaming.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from app.audio import encode_wav
+from app.chat_protocol import ChatRequest, to_engine_messages
+from app.errors import APIError
+from pipeline.engine import RequestError
+from pipeline.request import AudioChunk, Finished, OmniRequest, TextDelta
+
+router = APIRouter()
+AUDIO_TTL_S = 3600
+
+
+def _engine_request(body: ChatRequest, request: Request) -> OmniRequest:
+    server = request.app.state.server
+    if body.model not in server.model_names:
+        raise APIError(404, f"the model {body.model!r} does not exist; served: {', '.join(server.model_names)}",
+                       "model", "model_not_found")
+    wants_audio = "audio" in body.modalities
+    if wants_audio and body.audio is None:
+        raise APIError(400, "audio output needs the `audio` parameter ({voice, format})", "audio",
+                       "missing_audio_params")
+    messages = to_engine_messages(body.messages, server.engine.models.input_sample_rate, server.max_audio_s)
+    if server.system_prompt and not any(m["role"] == "system" for m in messages):
+        messages.insert(0, {"role": "system", "content": server.system_prompt})
+    return OmniRequest(
+        request_id=f"chatcmpl-{uuid.uuid4().hex}", messages=messages, modalities=tuple(body.modalities),
+        voice=body.audio.voice if body.audio else None, thinker_sampling=body.thinker_overrides(),
+        talker_sampling=body.talker_sampling or {}, initial_codec_chunk_frames=body.initial_codec_chunk_frames)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatRequest, request: Request):
+    req = _engine_request(body, request)
+    engine = request.app.state.server.engine
+    try:
+        events = await engine.submit(req)
+    except RequestError as exc:
+        raise APIError(400, str(exc), exc.param, exc.code) from exc
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(_sse(body, req, events, include_usage), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return await _until_done_or_gone(_collect(body, req, events), request, events)
+
+
+async def _until_done_or_gone(work, request: Request, events) -> JSONResponse:
+    """Collect the whole reply, but abort in every stage if the client goes away first."""
+    task = asyncio.ensure_future(work)
+    while not task.done():
+        await asyncio.wait({task}, timeout=0.25)
+        if not task.done() and await request.is_disconnected():
+            task.cancel()
+            await events.aclose()
+            return JSONResponse({}, status_code=499)
+    return task.result()
+
+
+async def _collect(body: ChatRequest, req: OmniRequest, events: AsyncIterator) -> JSONResponse:
+    text, pcm, fin = [], bytearray(), None
+    async for ev in events:
+        if isinstance(ev, TextDelta):
+            text.append(ev.text)
+        elif isinstance(ev, AudioChunk):
+            pcm += ev.pcm16
+        elif isinstance(ev, Finished):
+            fin = ev
+    _raise_if_failed(fin)
+    message: dict = {"role": "assistant", "content": "".join(text), "refusal": None}
+    if req.wants_audio:
+        data = encode_wav(bytes(pcm), 24000) if body.audio.format == "wav" else bytes(pcm)
+        message["content"] = None
+        message["audio"] = {"id": f"audio_{uuid.uuid4().hex}", "data": base64.b64encode(data).decode(),
+                            "expires_at": int(time.time()) + AUDIO_TTL_S, "transcript": "".join(text)}
+    return JSONResponse({
+        "id": req.request_id, "object": "chat.completion", "created": int(time.time()), "model": body.model,
+        "choices": [{"index": 0, "message": message, "finish_reason": fin.finish_reason, "logprobs": None}],
+        "usage": _usage(fin)})
+
+
+def _raise_if_failed(fin: Finished | None) -> None:
+    if fin is None or fin.finish_reason == "error":
+        raise APIError(500, f"generation failed: {fin.error if fin else 'no result'}", code="generation_failed")
+
+
+def _usage(fin: Finished) -> dict:
+    u = fin.usage
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+            "total_tokens": u.prompt_tokens + u.completion_tokens}
+
+
+async def _sse(body: ChatRequest, req: OmniRequest, events: AsyncIterator, include_usage: bool):
+    created, audio_id = int(time.time()), f"audio_{uuid.uuid4().hex}"
+
+    def chunk(delta: dict, finish: str | None = None, usage: dict | None = None, choices: bool = True) -> str:
+        payload = {"id": req.request_id, "object": "chat.completion.chunk", "created": created,
+                   "model": body.model,
+                   "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]
+                   if choices else []}
+        if usage is not None:
+            payload["usage"] = usage
+        return f"data: {json.dumps(payload)}\n\n"
+
+    try:
+        yield chunk({"role": "assistant", "content": None if req.wants_audio else ""})
+        async for ev in events:
+            if isinstance(ev, TextDelta):
+                yield chunk({"audio": {"id": audio_id, "transcript": ev.text}} if req.wants_audio
+                            else {"content": ev.text})
+            elif isinstance(ev, AudioChunk):
+                yield chunk({"audio": {"id": audio_id, "data": base64.b64encode(ev.pcm16).decode()}})
+            elif isinstance(ev, Finished):
+                if ev.finish_reason == "error":
+                    yield f"data: {json.dumps({'error': {'message': 'generation failed', 'type': 'server_error', 'param': None, 'code': 'generation_failed'}})}\n\n"  # noqa: E501
+                    return
+                if req.wants_audio:
+                    yield chunk({"audio": {"id": audio_id, "expires_at": created + AUDIO_TTL_S}})
+                yield chunk({}, ev.finish_reason)
+                if include_usage:
+                    yield chunk({}, usage=_usage(ev), choices=False)
+        yield "data: [DONE]\n\n"
+    finally:
+        await events.aclose()  # a client that went away frees its slots in every stage

@@ -1,0 +1,161 @@
+"""Deploy profiles: YAML -> frozen engine config.
+
+Precedence, highest first: CLI overrides (`--stage-overrides`, global flags) > the profile's
+`platforms.<detected>` entry > the profile > built-in defaults. A bad profile raises
+`ProfileError` naming the offending key.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pipeline.platform import PLATFORMS
+
+STAGE_NAMES = ("thinker", "talker", "code2wav")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class ProfileError(ValueError):
+    pass
+
+
+@dataclass(slots=True, frozen=True)
+class StageConfig:
+    stage_id: int
+    devices: str = "0"
+    num_replicas: int = 1
+    max_num_seqs: int = 8
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    enforce_eager: bool = True
+    gpu_memory_utilization: float | None = None
+    default_sampling_params: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return STAGE_NAMES[self.stage_id]
+
+    def __post_init__(self):
+        _check(0 <= self.stage_id < len(STAGE_NAMES), "stage_id", f"must be 0..{len(STAGE_NAMES) - 1}")
+        _check(self.num_replicas >= 1, f"stages[{self.stage_id}].num_replicas", "must be >= 1")
+        _check(self.max_num_seqs >= 1, f"stages[{self.stage_id}].max_num_seqs", "must be >= 1")
+        _check(self.max_num_batched_tokens >= 1, f"stages[{self.stage_id}].max_num_batched_tokens", "must be >= 1")
+        _check(self.max_model_len >= 16, f"stages[{self.stage_id}].max_model_len", "must be >= 16")
+        devices = [d.strip() for d in str(self.devices).split(",")]
+        _check(all(d.isdigit() for d in devices), f"stages[{self.stage_id}].devices",
+               f"must be a comma-separated list of device indices, got {self.devices!r}")
+
+
+@dataclass(slots=True, frozen=True)
+class ConnectorConfig:
+    initial_codec_chunk_frames: int = 4
+    codec_chunk_frames: int = 25
+    codec_left_context_frames: int = 25
+    async_chunk: bool = True
+
+    def __post_init__(self):
+        _check(self.initial_codec_chunk_frames >= 1, "connector.initial_codec_chunk_frames", "must be >= 1")
+        _check(self.codec_chunk_frames >= 1, "connector.codec_chunk_frames", "must be >= 1")
+        _check(self.codec_left_context_frames >= 1, "connector.codec_left_context_frames",
+               "must be >= 1 (a chunk re-emits the previous chunk's withheld tail from its context)")
+
+
+@dataclass(slots=True, frozen=True)
+class EngineConfig:
+    model: str = "tiny"
+    load_format: str = "auto"  # "auto" (weights from the checkpoint) | "dummy" (random, real architecture)
+    dtype: str = "float32"
+    platform: str = "cpu"
+    default_voice: str = "ethan"
+    system_prompt: str = "You are a helpful voice assistant."
+    connector: ConnectorConfig = field(default_factory=ConnectorConfig)
+    stages: tuple[StageConfig, ...] = ()
+
+    def __post_init__(self):
+        _check(self.load_format in ("auto", "dummy"), "load_format", "must be 'auto' or 'dummy'")
+        _check(self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}")
+        _check(self.platform in PLATFORMS, "platform", f"must be one of {', '.join(PLATFORMS)}")
+        if not self.stages:
+            object.__setattr__(self, "stages", tuple(StageConfig(i) for i in range(len(STAGE_NAMES))))
+        _check([s.stage_id for s in self.stages] == list(range(len(STAGE_NAMES))), "stages",
+               f"must list stage_id 0..{len(STAGE_NAMES) - 1} ({', '.join(STAGE_NAMES)}) once each, in order")
+
+    def stage(self, name: str) -> StageConfig:
+        return self.stages[STAGE_NAMES.index(name)]
+
+
+def _check(ok: bool, key: str, why: str) -> None:
+    if not ok:
+        raise ProfileError(f"deploy profile: {key} {why}")
+
+
+def load_profile(path: str | Path, platform: str, overrides: dict[str, Any] | None = None,
+                 stage_overrides: dict[str, dict[str, Any]] | None = None) -> EngineConfig:
+    """Read a profile, merge its `platforms.<platform>` entry, then the CLI overrides."""
+    try:
+        raw = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ProfileError(f"deploy profile {path}: {exc}") from exc
+    _check(isinstance(raw, dict), "(top level)", "must be a mapping")
+    return build_config(raw, platform, overrides or {}, stage_overrides or {})
+
+
+def build_config(raw: dict[str, Any], platform: str, overrides: dict[str, Any],
+                 stage_overrides: dict[str, dict[str, Any]]) -> EngineConfig:
+    raw = copy.deepcopy(raw)
+    platforms = raw.pop("platforms", None) or {}
+    _check(isinstance(platforms, dict), "platforms", "must be a mapping of platform name to overrides")
+    for name in platforms:
+        _check(name in PLATFORMS, f"platforms.{name}", f"is not a platform ({', '.join(PLATFORMS)})")
+    stages = _stages_by_id(raw.pop("stages", []), "stages")
+    entry = platforms.get(platform) or {}
+    _merge_stages(stages, _stages_by_id(entry.pop("stages", []), f"platforms.{platform}.stages"))
+    raw = {**raw, **entry, **{k: v for k, v in overrides.items() if v is not None}}
+    _merge_stages(stages, {int(k): v for k, v in stage_overrides.items()})
+    raw["platform"] = platform
+    return _build(raw, stages)
+
+
+def _stages_by_id(items: Any, key: str) -> dict[int, dict[str, Any]]:
+    _check(isinstance(items, list), key, "must be a list of stage entries")
+    out = {}
+    for i, item in enumerate(items):
+        _check(isinstance(item, dict) and "stage_id" in item, f"{key}[{i}]", "must be a mapping with stage_id")
+        out[int(item["stage_id"])] = dict(item)
+    return out
+
+
+def _merge_stages(base: dict[int, dict[str, Any]], over: dict[int, dict[str, Any]]) -> None:
+    for sid, entry in over.items():
+        cur = base.setdefault(sid, {"stage_id": sid})
+        for k, v in entry.items():
+            if isinstance(v, dict) and isinstance(cur.get(k), dict):
+                cur[k] = {**cur[k], **v}  # e.g. default_sampling_params: keep siblings
+            else:
+                cur[k] = v
+
+
+def _build(raw: dict[str, Any], stages: dict[int, dict[str, Any]]) -> EngineConfig:
+    connector = raw.pop("connector", {}) or {}
+    if "async_chunk" in raw:
+        connector["async_chunk"] = raw.pop("async_chunk")
+    stage_objs = tuple(_make(StageConfig, stages.get(i, {"stage_id": i}), f"stages[{i}]")
+                       for i in range(len(STAGE_NAMES)))
+    return _make(EngineConfig, {**raw, "stages": stage_objs,
+                                "connector": _make(ConnectorConfig, connector, "connector")}, "(top level)")
+
+
+def _make(cls, values: dict[str, Any], where: str):
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    for k in values:
+        _check(k in known, f"{where}.{k}", f"is not a known key ({', '.join(sorted(known))})")
+    try:
+        return cls(**values)
+    except TypeError as exc:
+        raise ProfileError(f"deploy profile: {where}: {exc}") from exc

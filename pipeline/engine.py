@@ -1,0 +1,305 @@
+"""OmniEngine: submit / stream / abort over the Thinker -> Talker -> Code2Wav stage graph.
+
+The engine is asyncio-facing; each stage steps on its own thread. Stage threads only push raw
+results (token ids, PCM) into a per-request queue; detokenisation and event shaping happen on the
+consumer's side, off the decode loops (async output).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from pipeline.config import EngineConfig
+from pipeline.connector import CodecStream, Command, Message
+from pipeline.models import OmniModels, TalkerState
+from pipeline.request import (FINISH_REASONS, AudioChunk, Event, Finished, OmniRequest, RequestStatus,
+                              StageRequest, TextDelta, Usage)
+from pipeline.sampling import Sampler, SamplingParams
+from pipeline.scheduler import Batch, ChunkScheduler, Scheduler, StepOutput
+from pipeline.stage import ARRunner, Stage
+
+log = logging.getLogger(__name__)
+
+
+class RequestError(ValueError):
+    """The request cannot be served as asked (bad voice, prompt too long, bad sampling values)."""
+
+    def __init__(self, message: str, param: str | None = None, code: str = "invalid_request"):
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
+@dataclass(slots=True)
+class _Stream:
+    """Engine-side record of one request: the queue its events go to, filled from stage threads."""
+
+    request: OmniRequest
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    num_prompt_tokens: int
+    finish_reason: str = "stop"
+    num_completion_tokens: int = 0
+    num_audio_frames: int = 0
+    closed: bool = False
+    token_ids: list[int] = field(default_factory=list)
+
+    def push(self, item: tuple) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class Code2WavRunner:
+    def __init__(self, model):
+        self.model = model
+
+    def run(self, batch: Batch) -> list[StepOutput]:
+        wavs = self.model.decode([r.state.next_window()[0] for r in batch.requests])
+        return [StepOutput(payload=w) for w in wavs]
+
+
+class OmniEngine:
+    def __init__(self, cfg: EngineConfig, models: OmniModels):
+        self.cfg, self.models = cfg, models
+        self._streams: dict[str, _Stream] = {}
+        self._ids = itertools.count()
+        th, tk, c2w = cfg.stage("thinker"), cfg.stage("talker"), cfg.stage("code2wav")
+        thinker = models.thinker
+        self.thinker = Stage(
+            "thinker", Scheduler(thinker.kv, th.max_num_seqs, th.max_num_batched_tokens, thinker.eos_ids,
+                                 is_ready=lambda r: True),
+            ARRunner(thinker, Sampler(thinker.vocab_size, thinker.eos_ids)), on_step=self._thinker_step)
+        self.stages = [self.thinker]
+        if models.talker is not None:
+            talker = models.talker
+            self.talker = Stage(
+                "talker", Scheduler(talker.kv, tk.max_num_seqs, tk.max_num_batched_tokens, talker.eos_ids,
+                                    is_ready=self._talker_may_step),
+                ARRunner(talker, Sampler(talker.vocab_size, talker.eos_ids, talker.suppress_ids)),
+                on_step=self._talker_step, on_input=lambda r, rows: r.state.add(rows),
+                on_input_done=self._thinker_done)
+            self.code2wav = Stage(
+                "code2wav", ChunkScheduler(c2w.max_num_seqs), Code2WavRunner(models.code2wav),
+                on_step=self._audio_step, on_input=lambda r, frame: r.state.frames.append(frame),
+                on_input_done=self._talker_done)
+            self.stages += [self.talker, self.code2wav]
+
+    # ---- lifecycle ----------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        for stage in self.stages:
+            stage.start()
+
+    def stop(self) -> None:
+        for stage in self.stages:
+            stage.stop()
+
+    @property
+    def voices(self) -> list[str]:
+        return sorted(self.models.voices)
+
+    def num_free_slots(self) -> dict[str, int]:
+        out = {"thinker": self.models.thinker.kv.num_free_slots}
+        if self.models.talker is not None:
+            out["talker"] = self.models.talker.kv.num_free_slots
+        return out
+
+    def num_slots(self) -> dict[str, int]:
+        out = {"thinker": self.models.thinker.kv.num_slots}
+        if self.models.talker is not None:
+            out["talker"] = self.models.talker.kv.num_slots
+        return out
+
+    @property
+    def num_active_requests(self) -> int:
+        return len(self._streams)
+
+    # ---- the API ---------------------------------------------------------------------------------------
+
+    async def submit(self, req: OmniRequest) -> AsyncIterator[Event]:
+        """Validate and start `req`; returns the stream of its events (ending with `Finished`).
+        Raises RequestError before anything starts when the request cannot be served."""
+        voice = self._check_voice(req)
+        prompt = await asyncio.to_thread(self.models.encoder.encode, req.messages)
+        n_prompt = len(prompt.input_ids)
+        th_params = self._params("thinker", req.thinker_sampling, n_prompt)
+        stream = _Stream(req, asyncio.get_running_loop(), asyncio.Queue(), n_prompt)
+        if req.request_id in self._streams:
+            raise RequestError(f"request id {req.request_id!r} is already running", "request_id")
+        self._streams[req.request_id] = stream
+        state = self.models.thinker.prepare(prompt, wants_rows=req.wants_audio)
+        if req.wants_audio:
+            tk_params = self._params("talker", req.talker_sampling, n_prompt + 9)
+            self._start_speech(req, voice, prompt, tk_params)
+        self.thinker.send(Message(Command.ADD, req.request_id, self._stage_request(
+            req.request_id, th_params, state, n_prompt)))
+        return self._events(stream)
+
+    def abort(self, request_id: str) -> None:
+        """Free the request in every stage; its stream ends with finish_reason "abort"."""
+        stream = self._streams.get(request_id)
+        for stage in self.stages:
+            stage.send(Message(Command.ABORT, request_id))
+        if stream is not None:
+            self._close(stream, "abort")
+
+    async def _events(self, stream: _Stream) -> AsyncIterator[Event]:
+        rid, index, text = stream.request.request_id, 0, ""
+        try:
+            while True:
+                kind, *data = await stream.queue.get()
+                if kind == "tokens":
+                    stream.token_ids.extend(data[0])
+                    full = self.models.decode_text(stream.token_ids)
+                    if full.endswith("\ufffd"):
+                        continue  # an incomplete UTF-8 sequence: wait for the next token
+                    if len(full) > len(text):
+                        yield TextDelta(rid, full[len(text):], tuple(data[0]))
+                        text = full
+                elif kind == "audio":
+                    yield AudioChunk(rid, data[0], index)
+                    index += 1
+                else:
+                    rest = self.models.decode_text(stream.token_ids)[len(text):]
+                    if rest:  # text held back for an incomplete UTF-8 tail
+                        yield TextDelta(rid, rest, ())
+                    yield data[0]
+                    return
+        finally:
+            if not stream.closed:
+                self.abort(rid)
+
+    # ---- admission helpers ----------------------------------------------------------------------------
+
+    def _check_voice(self, req: OmniRequest) -> str | None:
+        if not req.wants_audio:
+            return None
+        if self.models.talker is None:
+            raise RequestError("this model has no audio output", "modalities")
+        voice = (req.voice or self.cfg.default_voice).lower()
+        if voice not in self.models.voices:
+            raise RequestError(f"unknown voice {req.voice!r}; available: {', '.join(self.voices)}", "voice",
+                               "invalid_voice")
+        return voice
+
+    def _params(self, stage: str, overrides: dict, num_prompt: int) -> SamplingParams:
+        cfg = self.cfg.stage(stage)
+        room = cfg.max_model_len - num_prompt
+        if room < 1:
+            raise RequestError(f"the prompt is {num_prompt} tokens; the {stage} context holds "
+                               f"{cfg.max_model_len}", "messages", "context_length_exceeded")
+        try:
+            params = SamplingParams(**cfg.default_sampling_params).merged(**overrides)
+        except (AssertionError, TypeError) as exc:
+            raise RequestError(f"bad sampling parameters: {exc}", "sampling") from exc
+        return params.merged(max_tokens=min(params.max_tokens, room))
+
+    @staticmethod
+    def _stage_request(rid: str, params: SamplingParams, state, num_prompt: int = 0) -> StageRequest:
+        gen = None if params.seed is None else torch.Generator().manual_seed(params.seed)
+        return StageRequest(rid, params, state=state, num_prompt_tokens=num_prompt, generator=gen)
+
+    def _start_speech(self, req: OmniRequest, voice: str, prompt, params: SamplingParams) -> None:
+        rid = req.request_id
+        state = TalkerState(self.models.voices[voice], prompt.input_ids, prompt.audio_lengths)
+        talker_req = self._stage_request(rid, params, state)
+        state.generator = talker_req.generator
+        talker_req.status = RequestStatus.WAITING_FOR_INPUT
+        self.talker.send(Message(Command.ADD, rid, talker_req))
+        codec = CodecStream.from_config(self.cfg.connector, req.initial_codec_chunk_frames)
+        self.code2wav.send(Message(Command.ADD, rid, StageRequest(rid, params, state=codec)))
+
+    # ---- stage callbacks (run on stage threads) ----------------------------------------------------
+
+    def _thinker_step(self, stage: Stage, batch: Batch, outputs: list[StepOutput],
+                      finished: list[StageRequest]) -> None:
+        eos = set(self.models.thinker.eos_ids)
+        for req, out in zip(batch.requests, outputs):
+            stream = self._streams.get(req.request_id)
+            if stream is None:
+                continue
+            if out.token is not None and out.token not in eos:
+                stream.push(("tokens", [out.token]))
+            if out.payload is not None:
+                self.talker.send(Message(Command.INPUT, req.request_id, out.payload))
+        for req in finished:
+            stream = self._streams.get(req.request_id)
+            if stream is None or self._failed(req):
+                continue
+            stream.finish_reason = FINISH_REASONS[req.status]
+            stream.num_completion_tokens = len(req.output_ids)
+            if stream.request.wants_audio:
+                self.talker.send(Message(Command.INPUT_DONE, req.request_id))
+            else:
+                self._close(stream)
+
+    def _talker_may_step(self, req: StageRequest) -> bool:
+        """Has the Thinker sent what the Talker's next step of this request consumes?"""
+        talker, st = self.models.talker, req.state
+        if req.num_prompt_tokens == 0:
+            if not talker.can_prefill(st):
+                return False
+            req.num_prompt_tokens = talker.build_prompt(st)
+            return True
+        return req.is_prefill or talker.can_decode(st, len(req.output_ids) - 1)
+
+    def _thinker_done(self, stage: Stage, req: StageRequest) -> None:
+        req.state.thinker_done = True
+        if not self.models.talker.has_speech(req.state):
+            stage.finish(req, RequestStatus.FINISHED_STOPPED)
+
+    def _talker_step(self, stage: Stage, batch: Batch, outputs: list[StepOutput],
+                     finished: list[StageRequest]) -> None:
+        for req, out in zip(batch.requests, outputs):
+            if out.payload is not None:
+                self.code2wav.send(Message(Command.INPUT, req.request_id, out.payload))
+                stream = self._streams.get(req.request_id)
+                if stream is not None:
+                    stream.num_audio_frames += 1
+        for req in finished:
+            if not self._failed(req):
+                self.code2wav.send(Message(Command.INPUT_DONE, req.request_id))
+
+    def _talker_done(self, stage: Stage, req: StageRequest) -> None:
+        req.state.input_done = True
+        if req.state.is_drained():
+            stage.finish(req, RequestStatus.FINISHED_STOPPED)
+
+    def _audio_step(self, stage: Stage, batch: Batch, outputs: list[StepOutput],
+                    finished: list[StageRequest]) -> None:
+        for req, out in zip(batch.requests, outputs):
+            stream = self._streams.get(req.request_id)
+            if stream is not None and len(out.payload):
+                pcm = (np.clip(out.payload, -1.0, 1.0) * 32767.0).round().astype("<i2").tobytes()
+                stream.push(("audio", pcm))
+        for req in finished:
+            stream = self._streams.get(req.request_id)
+            if stream is not None and not self._failed(req):
+                self._close(stream)
+
+    def _failed(self, req: StageRequest) -> bool:
+        """Aborted or errored: the request ends in every stage, with one Finished event."""
+        if req.status is RequestStatus.FINISHED_ABORTED:
+            return True
+        if req.status is RequestStatus.FINISHED_ERROR:
+            stream = self._streams.get(req.request_id)
+            for stage in self.stages:
+                stage.send(Message(Command.ABORT, req.request_id))
+            if stream is not None:
+                self._close(stream, "error", req.error)
+            return True
+        return False
+
+    def _close(self, stream: _Stream, reason: str | None = None, error: str | None = None) -> None:
+        if stream.closed:
+            return
+        stream.closed = True
+        self._streams.pop(stream.request.request_id, None)
+        usage = Usage(stream.num_prompt_tokens, stream.num_completion_tokens, stream.num_audio_frames)
+        stream.push(("finished", Finished(stream.request.request_id, reason or stream.finish_reason, usage,
+                                          error)))

@@ -1,0 +1,72 @@
+"""The one place that knows Qwen3-Omni: load weights and build the three stage models from a config."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from pipeline.config import EngineConfig
+from pipeline.kv_cache import SlotKVCache
+from pipeline.models.loader import ModelNotFoundError, load_hf_model
+from pipeline.models.qwen3_omni.code2wav import Code2WavModel, CodecWindow
+from pipeline.models.qwen3_omni.prompt import INPUT_SAMPLE_RATE, EncodedPrompt, PromptEncoder
+from pipeline.models.qwen3_omni.talker import TalkerModel, TalkerState
+from pipeline.models.qwen3_omni.thinker import ThinkerModel, ThinkerRows, ThinkerState
+from pipeline.platform import Platform
+
+__all__ = ["OmniModels", "load_models", "ModelNotFoundError", "CodecWindow", "EncodedPrompt", "TalkerState",
+           "ThinkerRows", "ThinkerState", "OUTPUT_SAMPLE_RATE"]
+
+log = logging.getLogger(__name__)
+OUTPUT_SAMPLE_RATE = 24000
+
+
+@dataclass(slots=True)
+class OmniModels:
+    encoder: PromptEncoder
+    thinker: ThinkerModel
+    talker: TalkerModel | None
+    code2wav: Code2WavModel | None
+    voices: dict[str, int]  # voice name -> speaker id
+    tokenizer: object
+    kv_bytes: dict[str, int]
+    input_sample_rate: int = INPUT_SAMPLE_RATE
+    output_sample_rate: int = OUTPUT_SAMPLE_RATE
+
+    def decode_text(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+def _kv_for(stack_config, stage_cfg, platform: Platform, dtype: torch.dtype, max_len: int | None = None,
+            num_slots: int | None = None) -> SlotKVCache:
+    c = stack_config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return SlotKVCache(c.num_hidden_layers, num_slots or stage_cfg.max_num_seqs, c.num_key_value_heads,
+                       max_len or stage_cfg.max_model_len, head_dim, dtype, platform.device(0))
+
+
+def load_models(cfg: EngineConfig, platform: Platform) -> OmniModels:
+    dtype = getattr(torch, cfg.dtype)
+    device = platform.device(0)
+    hf, tokenizer, _ = load_hf_model(cfg.model, cfg.load_format, dtype, device)
+    hc = hf.config
+    audio = hc.thinker_config.audio_config
+    encoder = PromptEncoder(tokenizer, audio.n_window, audio.num_mel_bins)
+    th_cfg = cfg.stage("thinker")
+    thinker = ThinkerModel(hf.thinker, hc, _kv_for(hc.thinker_config.text_config, th_cfg, platform, dtype))
+    talker = code2wav = None
+    kv_bytes = {"thinker": thinker.kv.num_bytes}
+    if getattr(hf, "has_talker", False):
+        tk_cfg = cfg.stage("talker")
+        tkc = hc.talker_config
+        predictor_kv = _kv_for(tkc.code_predictor_config, tk_cfg, platform, dtype, max_len=tkc.num_code_groups)
+        talker = TalkerModel(hf.talker, hc, _kv_for(tkc.text_config, tk_cfg, platform, dtype), predictor_kv,
+                             thinker.special_rows())
+        code2wav = Code2WavModel(hf.code2wav, device)
+        kv_bytes["talker"] = talker.kv.num_bytes + predictor_kv.num_bytes
+    voices = {k.lower(): v for k, v in hc.talker_config.speaker_id.items()} if talker else {}
+    for stage, n in kv_bytes.items():
+        log.info("%s KV cache: %.1f MiB", stage, n / 2**20)
+    return OmniModels(encoder, thinker, talker, code2wav, voices, tokenizer, kv_bytes)

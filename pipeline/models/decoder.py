@@ -1,0 +1,42 @@
+"""Drive a transformers decoder stack (its own layers, norms and rotary tables) over a slot cache.
+
+The layers are transformers' modules, so the numerics are the reference's; only the cache and the
+position bookkeeping are ours. Batches are padded [B, T] with per-row starts and lengths.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pipeline.kv_cache import CacheView
+
+
+def run_decoder(stack: torch.nn.Module, embeds: torch.Tensor, position_ids: torch.Tensor, view: CacheView,
+                tap_layer: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Returns (final normed hidden [B,T,H], hidden after `tap_layer` layers or None).
+
+    `tap_layer` counts like transformers' `hidden_states` tuple: 0 is the embeddings, k the output of
+    layer k, and the last index the normed output.
+    """
+    position_embeddings = stack.rotary_emb(embeds, position_ids)
+    hidden, tapped = embeds, embeds if tap_layer == 0 else None
+    num_layers = len(stack.layers)
+    for i, layer in enumerate(stack.layers):
+        hidden = layer(hidden, attention_mask=view.mask, cache=view, position_embeddings=position_embeddings)
+        if tap_layer == i + 1 and tap_layer < num_layers:
+            tapped = hidden
+    normed = stack.norm(hidden)
+    if tap_layer == num_layers:
+        tapped = normed
+    return normed, tapped
+
+
+def last_rows(hidden: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """The hidden state of each row's last valid position: [B, H]."""
+    idx = torch.tensor([n - 1 for n in lengths], device=hidden.device)
+    return hidden[torch.arange(hidden.shape[0], device=hidden.device), idx]
+
+
+def pad_rows(rows: list[torch.Tensor]) -> torch.Tensor:
+    """Right-pad a list of [T_i, ...] tensors into [B, T_max, ...] (zeros)."""
+    return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)

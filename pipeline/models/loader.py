@@ -1,0 +1,73 @@
+"""Find and load Qwen3-Omni weights: the built-in tiny model, a local folder or HF-cache id (offline),
+or the real architecture with random weights (`load_format="dummy"`)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from pipeline.models.tiny import ensure_tiny_model
+
+log = logging.getLogger(__name__)
+
+
+class ModelNotFoundError(FileNotFoundError):
+    pass
+
+
+def resolve_model_path(model: str) -> Path:
+    """`tiny`, a local folder, or a hub id already in the HF cache; never downloads."""
+    if model == "tiny":
+        return ensure_tiny_model()
+    if Path(model).is_dir():
+        return Path(model)
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(model, local_files_only=True))
+    except Exception as exc:
+        raise ModelNotFoundError(
+            f"model {model!r} is neither 'tiny', a local folder, nor in the HF cache "
+            f"({os.environ.get('HF_HOME', '~/.cache/huggingface')}); omnirt never downloads weights") from exc
+
+
+def load_hf_model(model: str, load_format: str, dtype: torch.dtype, device: torch.device):
+    """Returns (Qwen3OmniMoeForConditionalGeneration in eval mode, tokenizer, path)."""
+    from transformers import AutoTokenizer, Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneration
+
+    path = resolve_model_path(model)
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    if load_format == "dummy":
+        config = fix_config(Qwen3OmniMoeConfig.from_pretrained(path, local_files_only=True))
+        log.info("dummy weights: building the real architecture with random weights on %s", device)
+        with torch.device(device):
+            hf = Qwen3OmniMoeForConditionalGeneration._from_config(config, dtype=dtype)
+    else:
+        log.info("loading weights from %s", path)
+        hf = Qwen3OmniMoeForConditionalGeneration.from_pretrained(path, dtype=dtype, local_files_only=True)
+        hf = hf.to(device)
+        fix_config(hf.config)
+    hf.eval()
+    _fix_talker_audio_config(hf)
+    return hf, tokenizer, path
+
+
+def fix_config(config):
+    """Fill the fields the modeling code needs but the config classes do not declare (reference §3)."""
+    talker = config.talker_config
+    if getattr(talker.text_config, "shared_expert_intermediate_size", None) is None:
+        talker.text_config.shared_expert_intermediate_size = talker.text_config.moe_intermediate_size * 2
+    if getattr(talker, "spatial_merge_size", None) is None:
+        talker.spatial_merge_size = config.thinker_config.vision_config.spatial_merge_size
+    if not isinstance(talker.speaker_id, dict) or not talker.speaker_id:
+        raise ValueError("config: talker_config.speaker_id must map voice names to codec ids")
+    return config
+
+
+def _fix_talker_audio_config(hf) -> None:
+    """Upstream bug: image+audio prompts make the talker's rope index read `audio_config` it lacks."""
+    if hasattr(hf, "talker") and not hasattr(hf.talker.config, "audio_config"):
+        hf.talker.config.audio_config = hf.config.thinker_config.audio_config

@@ -1,0 +1,106 @@
+"""Qwen3-Omni Thinker as a batched stage model: multimodal prompt in, text tokens out, plus the
+per-token rows the Talker consumes (token embedding and the `accept_hidden_layer` tap)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pipeline.kv_cache import SlotKVCache
+from pipeline.models.decoder import last_rows, pad_rows, run_decoder
+from pipeline.models.qwen3_omni.prompt import EncodedPrompt
+from pipeline.scheduler import Batch, StepOutput
+
+
+@dataclass(slots=True)
+class ThinkerState:
+    input_ids: list[int]
+    embeds: torch.Tensor  # [P, H]: token embeddings with audio features scattered in
+    position_ids: torch.Tensor  # [3, P]
+    rope_delta: int
+    audio_lengths: torch.Tensor | None
+    wants_rows: bool  # audio requested: hand rows to the Talker
+
+
+@dataclass(slots=True)
+class ThinkerRows:
+    """What one Thinker step hands the Talker for one request (only the new rows)."""
+
+    prompt_embeds: torch.Tensor | None = None  # [n, H] prompt positions just computed
+    prompt_hidden: torch.Tensor | None = None  # [n, H] tapped layer at those positions
+    token_embed: torch.Tensor | None = None  # [H] embedding of the token just sampled
+
+
+class ThinkerModel:
+    def __init__(self, thinker, config, kv: SlotKVCache):
+        self.thinker = thinker
+        self.stack = thinker.model.language_model
+        self.config = config
+        self.kv = kv
+        self.tap_layer = config.talker_config.accept_hidden_layer
+        self.audio_token_id = config.thinker_config.audio_token_id
+        self.device = kv.k.device
+        self.vocab_size = config.thinker_config.text_config.vocab_size
+        self.eos_ids = [config.im_end_token_id]
+
+    @torch.inference_mode()
+    def prepare(self, prompt: EncodedPrompt, wants_rows: bool) -> ThinkerState:
+        """Encode audio and lay out positions once per request, before its first prefill chunk."""
+        ids = torch.tensor([prompt.input_ids], device=self.device)
+        embeds = self.stack.embed_tokens(ids)
+        lengths = prompt.audio_lengths
+        if prompt.input_features is not None:
+            feats = self.thinker.model.get_audio_features(
+                prompt.input_features.to(self.device, self.thinker.dtype), prompt.feature_mask.to(self.device),
+                return_dict=True).last_hidden_state
+            mask = (ids == self.audio_token_id).unsqueeze(-1)
+            embeds = embeds.masked_scatter(mask, feats.to(embeds.dtype))
+        pos, delta = self.thinker.model.get_rope_index(
+            ids, None, None, torch.ones_like(ids), False,
+            None if lengths is None else lengths.to(self.device), None)
+        return ThinkerState(prompt.input_ids, embeds[0], pos[:, 0].long(), int(delta.flatten()[0]),
+                            lengths, wants_rows)
+
+    def token_embeds(self, token_ids: list[int]) -> torch.Tensor:
+        return self.stack.embed_tokens(torch.tensor(token_ids, device=self.device))
+
+    @torch.inference_mode()
+    def run(self, batch: Batch) -> list[StepOutput]:
+        reqs, n_new = batch.requests, batch.num_new_tokens
+        starts = [r.num_computed_tokens for r in reqs]
+        if batch.is_prefill:
+            embeds = pad_rows([r.state.embeds[s:s + n] for r, s, n in zip(reqs, starts, n_new)])
+            pos = pad_rows([r.state.position_ids[:, s:s + n].T for r, s, n in zip(reqs, starts, n_new)])
+            pos = pos.permute(2, 0, 1)
+        else:
+            embeds = self.token_embeds([r.output_ids[-1] for r in reqs]).unsqueeze(1)
+            pos = torch.tensor([s + r.state.rope_delta for r, s in zip(reqs, starts)], device=self.device)
+            pos = pos.view(1, -1, 1).expand(3, -1, 1)
+        view = self.kv.view([r.slot for r in reqs], starts, n_new)
+        normed, tapped = run_decoder(self.stack, embeds, pos, view, self.tap_layer)
+        logits = self.thinker.lm_head(last_rows(normed, n_new))
+        return [self._output(r, s, n, embeds[i], tapped[i], logits[i])
+                for i, (r, s, n) in enumerate(zip(reqs, starts, n_new))]
+
+    @staticmethod
+    def _output(req, start, n, embeds, tapped, logits) -> StepOutput:
+        done_prompt = start + n >= req.num_prompt_tokens
+        rows = None
+        if req.state.wants_rows and req.is_prefill:
+            rows = ThinkerRows(prompt_embeds=embeds[:n], prompt_hidden=tapped[:n])
+        return StepOutput(logits=logits if done_prompt else None, payload=rows)
+
+    def complete(self, req, out: StepOutput, token: int | None) -> ThinkerRows | None:
+        """The hand-off for this step: prompt rows, plus the embedding of the token just sampled."""
+        if not req.state.wants_rows:
+            return None
+        rows = out.payload or ThinkerRows()
+        if token is not None:
+            rows.token_embed = self.token_embeds([token])[0]
+        return rows
+
+    def special_rows(self) -> torch.Tensor:
+        """Thinker embeddings of tts_bos, tts_eos, tts_pad: the Talker's text-track markers."""
+        c = self.config
+        return self.token_embeds([c.tts_bos_token_id, c.tts_eos_token_id, c.tts_pad_token_id])

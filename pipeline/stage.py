@@ -1,0 +1,152 @@
+"""A stage: scheduler + model runner + a step loop on its own thread.
+
+The loop body is three calls, `schedule()` -> `runner.run(batch)` -> `scheduler.update()`; inputs
+(new requests, upstream chunks, aborts) arrive through a queue and are applied between steps,
+so aborts that land during a forward take effect before its results are applied. The loop never
+does IO: results go to `on_step`, which hands them to the next stage or to the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+
+from pipeline.connector import Command, Message
+from pipeline.request import RequestStatus, StageRequest
+from pipeline.sampling import Sampler
+from pipeline.scheduler import Batch, StepOutput
+
+log = logging.getLogger(__name__)
+
+
+class StageModel(Protocol):
+    def run(self, batch: Batch) -> list[StepOutput]: ...
+
+
+class StepSink(Protocol):
+    def __call__(self, stage: Stage, batch: Batch, outputs: list[StepOutput],
+                 finished: list[StageRequest]) -> None: ...
+
+
+class ARRunner:
+    """An autoregressive model plus its sampler: sample where the model produced logits, then let
+    the model build the hand-off payload (`complete`) now that the token is known."""
+
+    def __init__(self, model: Any, sampler: Sampler):
+        self.model = model
+        self.sampler = sampler
+
+    def run(self, batch: Batch) -> list[StepOutput]:
+        outs = self.model.run(batch)
+        rows = [(r, o) for r, o in zip(batch.requests, outs) if o.logits is not None]
+        if rows:
+            tokens = self.sampler(torch.stack([o.logits for _, o in rows]), [r.sampling for r, _ in rows],
+                                  [r.output_ids for r, _ in rows], [r.generator for r, _ in rows])
+            for (_, o), t in zip(rows, tokens):
+                o.token = t
+        complete = getattr(self.model, "complete", None)
+        if complete is not None:
+            for r, o in zip(batch.requests, outs):
+                o.payload = complete(r, o, o.token)
+        return outs
+
+
+class Stage:
+    def __init__(self, name: str, scheduler: Any, runner: Any, on_step: StepSink,
+                 on_input: Callable[[StageRequest, Any], None] | None = None,
+                 on_input_done: Callable[[Stage, StageRequest], None] | None = None):
+        self.name = name
+        self.scheduler = scheduler
+        self.runner = runner
+        self.on_step = on_step
+        self.on_input = on_input  # apply an upstream chunk to a request's state
+        self.on_input_done = on_input_done
+        self.requests: dict[str, StageRequest] = {}
+        self.num_steps = 0
+        self._inbox: queue.SimpleQueue[Message | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name=f"omnirt-{name}", daemon=True)
+
+    # ---- called from other threads ------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._inbox.put(None)
+        self._thread.join(timeout=10)
+
+    def send(self, msg: Message) -> None:
+        self._inbox.put(msg)
+
+    # ---- the stage thread ----------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        torch.set_grad_enabled(False)
+        while True:
+            if not self._drain(block=False):
+                return
+            batch = self.scheduler.schedule()
+            if batch is None or not batch.requests:
+                if not self._drain(block=True):
+                    return
+                continue
+            self._step(batch)
+
+    def _step(self, batch: Batch) -> None:
+        try:
+            outputs = self.runner.run(batch)
+        except Exception as exc:  # one bad batch fails its requests, never the stage
+            log.exception("%s: step failed", self.name)
+            self._fail(batch.requests, f"{type(exc).__name__} in {self.name} stage")
+            return
+        if not self._drain(block=False):
+            return
+        finished = self.scheduler.update(batch, outputs)
+        self.num_steps += 1
+        for req in finished:
+            self.requests.pop(req.request_id, None)
+        self.on_step(self, batch, outputs, finished)
+
+    def _drain(self, block: bool) -> bool:
+        """Apply queued messages; False once stop was asked."""
+        while True:
+            try:
+                msg = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+            except queue.Empty:
+                return True
+            if msg is None:
+                return False
+            self._apply(msg)
+            block = False
+
+    def _apply(self, msg: Message) -> None:
+        if msg.command is Command.ADD:
+            self.requests[msg.request_id] = msg.payload
+            self.scheduler.add(msg.payload)
+            return
+        req = self.requests.get(msg.request_id)
+        if req is None:
+            return  # already finished here
+        if msg.command is Command.INPUT and self.on_input:
+            self.on_input(req, msg.payload)
+        elif msg.command is Command.INPUT_DONE and self.on_input_done:
+            self.on_input_done(self, req)
+        elif msg.command is Command.ABORT:
+            self.finish(req, RequestStatus.FINISHED_ABORTED)
+
+    def finish(self, req: StageRequest, status: RequestStatus, error: str | None = None) -> None:
+        """End a request outside a step (abort, error, nothing left to do) and report it."""
+        self.scheduler.finish(req, status)
+        req.error = error
+        self.requests.pop(req.request_id, None)
+        self.on_step(self, Batch([], [], False), [], [req])
+
+    def _fail(self, reqs: list[StageRequest], error: str) -> None:
+        for req in reqs:
+            if not req.status.is_finished:
+                self.finish(req, RequestStatus.FINISHED_ERROR, error)
