@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import time
 import uuid
@@ -57,17 +58,18 @@ async def chat_completions(body: ChatRequest, request: Request):
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(_sse(body, req, events, include_usage), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    return await _until_done_or_gone(_collect(body, req, events), request, events)
+    return await _until_done_or_gone(_collect(body, req, events), request)
 
 
-async def _until_done_or_gone(work, request: Request, events) -> JSONResponse:
+async def _until_done_or_gone(work, request: Request) -> JSONResponse:
     """Collect the whole reply, but abort in every stage if the client goes away first."""
     task = asyncio.ensure_future(work)
     while not task.done():
         await asyncio.wait({task}, timeout=0.25)
         if not task.done() and await request.is_disconnected():
-            task.cancel()
-            await events.aclose()
+            task.cancel()  # unwinds the event stream, whose cleanup aborts the request
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
             return JSONResponse({}, status_code=499)
     return task.result()
 
@@ -102,7 +104,8 @@ def _raise_if_failed(fin: Finished | None) -> None:
 def _usage(fin: Finished) -> dict:
     u = fin.usage
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-            "total_tokens": u.prompt_tokens + u.completion_tokens}
+            "total_tokens": u.prompt_tokens + u.completion_tokens,
+            "completion_tokens_details": {"audio_tokens": u.audio_frames, "reasoning_tokens": 0}}
 
 
 async def _sse(body: ChatRequest, req: OmniRequest, events: AsyncIterator, include_usage: bool):

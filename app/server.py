@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from fastapi.staticfiles import StaticFiles
 
@@ -48,18 +48,29 @@ class OmniServer:
         return self.settings.max_audio_s
 
 
+class BodySizeLimit:
+    """Refuse declared bodies over the limit with 413 (a pure ASGI middleware, so that client
+    disconnects still reach the routes)."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            size = dict(scope["headers"]).get(b"content-length", b"0")
+            if not size.isdigit() or int(size) > self.max_bytes:
+                response = error_response(APIError(413, f"request body over {self.max_bytes} bytes",
+                                                   code="payload_too_large"))
+                return await response(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
 def create_app(engine: OmniEngine, settings: ServerSettings) -> FastAPI:
     app = FastAPI(title="omnirt", version="0.1.0")
     app.state.server = OmniServer(engine, settings)
     install_error_handlers(app)
 
-    @app.middleware("http")
-    async def limit_body(request: Request, call_next):
-        size = request.headers.get("content-length")
-        if size is not None and (not size.isdigit() or int(size) > settings.max_body_bytes):
-            return error_response(APIError(413, f"request body over {settings.max_body_bytes} bytes",
-                                           code="payload_too_large"))
-        return await call_next(request)
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
 
     @app.get("/health")
     async def health():

@@ -145,6 +145,9 @@ def _build(raw: dict[str, Any], stages: dict[int, dict[str, Any]]) -> EngineConf
     connector = raw.pop("connector", {}) or {}
     if "async_chunk" in raw:
         connector["async_chunk"] = raw.pop("async_chunk")
+    for sid in stages:
+        _check(0 <= sid < len(STAGE_NAMES), f"stages[stage_id={sid}].stage_id",
+               f"must be 0..{len(STAGE_NAMES) - 1} ({', '.join(STAGE_NAMES)})")
     stage_objs = tuple(_make(StageConfig, stages.get(i, {"stage_id": i}), f"stages[{i}]")
                        for i in range(len(STAGE_NAMES)))
     return _make(EngineConfig, {**raw, "stages": stage_objs,

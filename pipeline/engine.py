@@ -19,8 +19,17 @@ import torch
 from pipeline.config import EngineConfig
 from pipeline.connector import CodecStream, Command, Message
 from pipeline.models import OmniModels, TalkerState
-from pipeline.request import (FINISH_REASONS, AudioChunk, Event, Finished, OmniRequest, RequestStatus,
-                              StageRequest, TextDelta, Usage)
+from pipeline.request import (
+    FINISH_REASONS,
+    AudioChunk,
+    Event,
+    Finished,
+    OmniRequest,
+    RequestStatus,
+    StageRequest,
+    TextDelta,
+    Usage,
+)
 from pipeline.sampling import Sampler, SamplingParams
 from pipeline.scheduler import Batch, ChunkScheduler, Scheduler, StepOutput
 from pipeline.stage import ARRunner, Stage
@@ -149,25 +158,24 @@ class OmniEngine:
             self._close(stream, "abort")
 
     async def _events(self, stream: _Stream) -> AsyncIterator[Event]:
-        rid, index, text = stream.request.request_id, 0, ""
+        rid, index, text, pending = stream.request.request_id, 0, "", []
         try:
             while True:
                 kind, *data = await stream.queue.get()
                 if kind == "tokens":
                     stream.token_ids.extend(data[0])
+                    pending.extend(data[0])
                     full = self.models.decode_text(stream.token_ids)
                     if full.endswith("\ufffd"):
                         continue  # an incomplete UTF-8 sequence: wait for the next token
-                    if len(full) > len(text):
-                        yield TextDelta(rid, full[len(text):], tuple(data[0]))
-                        text = full
+                    yield TextDelta(rid, full[len(text):], tuple(pending))
+                    text, pending = full, []
                 elif kind == "audio":
                     yield AudioChunk(rid, data[0], index)
                     index += 1
                 else:
-                    rest = self.models.decode_text(stream.token_ids)[len(text):]
-                    if rest:  # text held back for an incomplete UTF-8 tail
-                        yield TextDelta(rid, rest, ())
+                    if pending:  # tokens held back for an incomplete UTF-8 tail
+                        yield TextDelta(rid, self.models.decode_text(stream.token_ids)[len(text):], tuple(pending))
                     yield data[0]
                     return
         finally:

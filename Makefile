@@ -1,0 +1,38 @@
+# omnirt: `make serve` and `make test` each set up (or update) the local virtualenv first.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+EXTRAS ?= dev,webrtc,loadtest
+STAMP  := $(VENV)/.installed
+HOST   ?= 127.0.0.1
+PORT   ?= 8091
+export OMNIRT_THREADS ?= 2
+
+.PHONY: serve test lint venv sysdeps clean
+
+# torch is installed first and pinned: the local CPU wheel, never a several-GB CUDA build.
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e ".[$(EXTRAS)]"
+	@touch $@
+
+venv: $(STAMP)
+
+# Debian packages the tests use: espeak-ng (real speech for VAD tests), chromium (browser tests).
+sysdeps:
+	@command -v espeak-ng >/dev/null && command -v chromium >/dev/null || \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq espeak-ng chromium >/dev/null)
+
+serve: $(STAMP)
+	$(BIN)/omnirt serve --model tiny --host $(HOST) --port $(PORT)
+
+test: $(STAMP) sysdeps
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+
+lint: $(STAMP)
+	$(BIN)/ruff check app pipeline loadtest tests
+
+clean:
+	rm -rf $(VENV) .pytest_cache

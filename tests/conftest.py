@@ -1,0 +1,91 @@
+"""Shared fixtures: one in-process tiny engine, and a real server subprocess on a free loopback port."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+torch.set_num_threads(1)
+ROOT = Path(__file__).resolve().parents[1]
+ARTIFACTS = ROOT / "tests" / "artifacts"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_config():
+    from pipeline.config import load_profile
+
+    return load_profile(ROOT / "deploy" / "tiny.yaml", "cpu")
+
+
+@pytest.fixture(scope="session")
+def engine(tiny_config):
+    from pipeline.engine import OmniEngine
+    from pipeline.models import load_models
+    from pipeline.platform import get_platform
+
+    eng = OmniEngine(tiny_config, load_models(tiny_config, get_platform("cpu")))
+    eng.start()
+    yield eng
+    eng.stop()
+
+
+class ServerProcess:
+    def __init__(self, args: list[str], env: dict[str, str] | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = ARTIFACTS / f"server-{self.port}.log"
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "app.cli", "serve", "--port", str(self.port), "--threads", "1",
+               "--log-level", "warning", *args]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log.open("w"), stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})})
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {self.log.read_text()[-2000:]}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.3)
+        raise RuntimeError("server did not start")
+
+    def health(self) -> dict:
+        return httpx.get(f"{self.url}/health", timeout=5).json()
+
+    def wait_idle(self, timeout: float = 20.0) -> dict:
+        """Poll until every stage has all its slots free again."""
+        deadline = time.time() + timeout
+        while True:
+            h = self.health()
+            if h["free_slots"] == h["slots"] and h["active_requests"] == 0 or time.time() > deadline:
+                return h
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+@pytest.fixture(scope="session")
+def server():
+    srv = ServerProcess([])
+    yield srv
+    srv.stop()

@@ -1,0 +1,99 @@
+"""Unit tests of the engine's building blocks: slot cache, scheduler, sampler, codec chunking."""
+
+from __future__ import annotations
+
+import torch
+
+from pipeline.connector import CodecStream
+from pipeline.kv_cache import SlotKVCache
+from pipeline.request import RequestStatus, StageRequest
+from pipeline.sampling import Sampler, SamplingParams
+from pipeline.scheduler import Scheduler, StepOutput
+
+
+def _kv(slots=4, max_len=64):
+    return SlotKVCache(1, slots, 1, max_len, 2, torch.float32, "cpu")
+
+
+def test_cache_view_writes_in_place_and_masks():
+    kv = _kv()
+    a, b = kv.allocate(), kv.allocate()
+    view = kv.view([a, b], [0, 5], [3, 1])  # row 0 prefills 3, row 1 decodes at position 5
+    k = torch.arange(2 * 3 * 2, dtype=torch.float32).view(2, 1, 3, 2)
+    keys, _ = view.update(k, k.clone(), 0)
+    assert keys.shape == (2, 1, 6, 2)
+    assert torch.equal(kv.k[0, a, 0, :3], k[0, 0])
+    assert torch.equal(kv.k[0, b, 0, 5], k[1, 0, 0]) and not kv.k[0, b, 0, 6].any()  # padding not written
+    mask = view.mask[:, 0]
+    assert mask[0, 2, :3].all() and not mask[0, 0, 1:].any()  # causal inside the prefill
+    assert mask[1, 0, :6].all()  # the decode row sees its whole history
+    kv.free(a)
+    assert kv.num_free_slots == 3
+
+
+def _req(rid, n_prompt, max_tokens=3):
+    return StageRequest(rid, SamplingParams(temperature=0, max_tokens=max_tokens), num_prompt_tokens=n_prompt)
+
+
+def test_scheduler_chunked_prefill_alternates_with_decode():
+    kv = _kv()
+    s = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=8, eos_ids=[99], is_ready=lambda r: True)
+    short, long_ = _req("a", 4), _req("b", 20)
+    s.add(short)
+    batch = s.schedule()
+    assert batch.is_prefill and batch.num_new_tokens == [4]
+    s.update(batch, [StepOutput(token=1)])
+    s.add(long_)
+    kinds = []
+    for _ in range(6):
+        batch = s.schedule()
+        kinds.append(("P" if batch.is_prefill else "D", tuple(batch.num_new_tokens)))
+        token = None if batch.is_prefill else 1
+        s.update(batch, [StepOutput(token=token) for _ in batch.requests])
+    # the long prompt is chunked to the token budget and never stalls the decoder two steps in a row
+    assert kinds[:4] == [("D", (1,)), ("P", (8,)), ("D", (1,)), ("P", (8,))]
+    assert short.status is RequestStatus.FINISHED_LENGTH and short.slot is None
+    assert kinds[4] == ("P", (4,)) and long_.num_computed_tokens == 21  # prompt done, then one decode
+
+
+def test_scheduler_respects_slots_and_eos():
+    kv = _kv(slots=2)
+    s = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64, eos_ids=[7], is_ready=lambda r: True)
+    reqs = [_req(str(i), 2, max_tokens=10) for i in range(3)]
+    for r in reqs:
+        s.add(r)
+    batch = s.schedule()
+    assert len(batch.requests) == 2 and len(s.waiting) == 1  # only two slots
+    finished = s.update(batch, [StepOutput(token=7), StepOutput(token=3)])
+    assert finished == [reqs[0]] and reqs[0].status is RequestStatus.FINISHED_STOPPED
+    s.schedule()
+    assert reqs[2] in s.running and reqs[2].slot is not None and reqs[0].slot is None
+    assert not s.waiting  # the freed slot admitted the waiting request
+
+
+def test_sampler_greedy_penalty_suppress_min_tokens():
+    sampler = Sampler(5, eos_ids=[4], suppress_ids=[0])
+    logits = torch.tensor([[9.0, 1.0, 2.0, 3.0, 8.0]])
+    greedy = SamplingParams(temperature=0)
+    assert sampler(logits.clone(), [greedy], [[]], [None]) == [4]  # 0 suppressed
+    assert sampler(logits.clone(), [greedy.merged(min_tokens=2)], [[1]], [None]) == [3]  # no EOS yet
+    assert sampler(logits.clone(), [greedy.merged(repetition_penalty=3.0)], [[4]], [None]) == [3]
+    g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    p = SamplingParams(temperature=1.0, top_k=3, top_p=0.9)
+    draws1 = [sampler(logits.clone(), [p], [[]], [g1])[0] for _ in range(20)]
+    draws2 = [sampler(logits.clone(), [p], [[]], [g2])[0] for _ in range(20)]
+    assert draws1 == draws2 and set(draws1) <= {3, 4}  # seeded, and within top-k/top-p
+
+
+def test_codec_stream_schedule():
+    s = CodecStream(initial_frames=2, chunk_frames=5, left_context_frames=3)
+    s.frames = [[i] * 16 for i in range(13)]
+    sizes = []
+    while s.is_ready():
+        window, n = s.next_window()
+        sizes.append((n, window.num_context, window.is_first))
+        s.num_emitted += n
+    assert sizes == [(2, 0, True), (5, 2, False), (5, 3, False)]
+    s.input_done = True
+    window, n = s.next_window()
+    assert n == 1 and window.num_context == 3 and s.is_ready()
