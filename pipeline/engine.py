@@ -216,7 +216,6 @@ class OmniEngine:
         rid = req.request_id
         state = TalkerState(self.models.voices[voice], prompt.input_ids, prompt.audio_lengths)
         talker_req = self._stage_request(rid, params, state)
-        state.generator = talker_req.generator
         talker_req.status = RequestStatus.WAITING_FOR_INPUT
         self.talker.send(Message(Command.ADD, rid, talker_req))
         codec = CodecStream.from_config(self.cfg.connector, req.initial_codec_chunk_frames)

@@ -32,6 +32,26 @@ class Platform:
             return 0
         return getattr(torch, self.device_type).memory_allocated(device)
 
+    # ---- graphs and streams: only where supports_graphs (CUDA and ROCm share torch.cuda) ----
+
+    def new_graph(self):
+        return torch.cuda.CUDAGraph()
+
+    def graph_pool_handle(self):
+        return torch.cuda.graph_pool_handle()
+
+    def graph_context(self, graph, pool):
+        return torch.cuda.graph(graph, pool=pool)
+
+    def new_stream(self):
+        return torch.cuda.Stream()
+
+    def current_stream(self):
+        return torch.cuda.current_stream()
+
+    def stream_context(self, stream):
+        return torch.cuda.stream(stream)
+
     def mem_get_info(self, device: torch.device | None = None) -> tuple[int, int]:
         """(free, total) bytes of the device; (0, 0) on the CPU."""
         if self.device_type == "cpu":

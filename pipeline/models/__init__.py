@@ -55,7 +55,8 @@ def load_models(cfg: EngineConfig, platform: Platform) -> OmniModels:
     audio = hc.thinker_config.audio_config
     encoder = PromptEncoder(tokenizer, audio.n_window, audio.num_mel_bins)
     th_cfg = cfg.stage("thinker")
-    thinker = ThinkerModel(hf.thinker, hc, _kv_for(hc.thinker_config.text_config, th_cfg, platform, dtype))
+    thinker = ThinkerModel(hf.thinker, hc, _kv_for(hc.thinker_config.text_config, th_cfg, platform, dtype), platform,
+                           th_cfg.enforce_eager)
     talker = code2wav = None
     kv_bytes = {"thinker": thinker.kv.num_bytes}
     if getattr(hf, "has_talker", False):
@@ -63,7 +64,7 @@ def load_models(cfg: EngineConfig, platform: Platform) -> OmniModels:
         tkc = hc.talker_config
         predictor_kv = _kv_for(tkc.code_predictor_config, tk_cfg, platform, dtype, max_len=tkc.num_code_groups)
         talker = TalkerModel(hf.talker, hc, _kv_for(tkc.text_config, tk_cfg, platform, dtype), predictor_kv,
-                             thinker.special_rows())
+                             thinker.special_rows(), platform, tk_cfg.enforce_eager)
         code2wav = Code2WavModel(hf.code2wav, device)
         kv_bytes["talker"] = talker.kv.num_bytes + predictor_kv.num_bytes
     voices = {k.lower(): v for k, v in hc.talker_config.speaker_id.items()} if talker else {}
