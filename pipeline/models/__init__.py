@@ -32,8 +32,15 @@ class OmniModels:
     voices: dict[str, int]  # voice name -> speaker id
     tokenizer: object
     kv_bytes: dict[str, int]
+    hf: object  # the transformers model itself (the reference engine drives its generate())
     input_sample_rate: int = INPUT_SAMPLE_RATE
     output_sample_rate: int = OUTPUT_SAMPLE_RATE
+
+    def capture_graphs(self) -> None:
+        """Capture the decode steps of every stage whose profile allows graphs (no-op otherwise)."""
+        self.thinker.capture_graphs()
+        if self.talker is not None:
+            self.talker.capture_graphs()
 
     def decode_text(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
@@ -50,7 +57,8 @@ def _kv_for(stack_config, stage_cfg, platform: Platform, dtype: torch.dtype, max
 def load_models(cfg: EngineConfig, platform: Platform) -> OmniModels:
     dtype = getattr(torch, cfg.dtype)
     device = platform.device(0)
-    hf, tokenizer, _ = load_hf_model(cfg.model, cfg.load_format, dtype, device)
+    moe = cfg.moe_backend if cfg.moe_backend != "auto" else ("grouped_mm" if platform.supports_graphs else "eager")
+    hf, tokenizer, _ = load_hf_model(cfg.model, cfg.load_format, dtype, device, moe)
     hc = hf.config
     audio = hc.thinker_config.audio_config
     encoder = PromptEncoder(tokenizer, audio.n_window, audio.num_mel_bins)
@@ -70,4 +78,4 @@ def load_models(cfg: EngineConfig, platform: Platform) -> OmniModels:
     voices = {k.lower(): v for k, v in hc.talker_config.speaker_id.items()} if talker else {}
     for stage, n in kv_bytes.items():
         log.info("%s KV cache: %.1f MiB", stage, n / 2**20)
-    return OmniModels(encoder, thinker, talker, code2wav, voices, tokenizer, kv_bytes)
+    return OmniModels(encoder, thinker, talker, code2wav, voices, tokenizer, kv_bytes, hf)
