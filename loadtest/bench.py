@@ -68,7 +68,8 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> Sample
                     s.prompt_tokens = chunk["usage"]["prompt_tokens"]
                 for choice in chunk.get("choices", []):
                     audio = choice["delta"].get("audio") or {}
-                    if (audio.get("transcript") or choice["delta"].get("content")) and s.ttft_s is None:
+                    has_text = audio.get("transcript") is not None or choice["delta"].get("content") is not None
+                    if has_text and s.ttft_s is None and choice["delta"].get("role") is None:
                         s.ttft_s = now
                     if audio.get("data"):
                         dur = len(base64.b64decode(audio["data"])) / 2 / SAMPLE_RATE

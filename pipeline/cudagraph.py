@@ -67,9 +67,18 @@ class GraphCache:
         return [(b, n) for b in self.batch_sizes for n in (self.lengths or [None])]
 
     def capture(self, make_inputs: Callable[[Hashable], dict[str, torch.Tensor]]) -> None:
-        """Capture one graph per key, largest first (the first capture sizes the shared pool)."""
+        """Capture one graph per key, largest first (the first capture sizes the shared pool). A step
+        that cannot be captured runs eagerly, with a warning, rather than failing the start."""
         if not self.enabled:
             return
+        try:
+            self._capture_all(make_inputs)
+        except Exception:
+            log.exception("%s: graph capture failed; this step runs eagerly", self.name)
+            self._graphs.clear()
+            self.enabled = False
+
+    def _capture_all(self, make_inputs: Callable[[Hashable], dict[str, torch.Tensor]]) -> None:
         from tqdm import tqdm
 
         for key in tqdm(sorted(self.keys, reverse=True), desc=f"capturing {self.name} graphs", unit="graph"):

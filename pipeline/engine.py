@@ -120,7 +120,8 @@ class OmniEngine(EngineBase):
         self.thinker = Stage(
             "thinker", Scheduler(thinker.kv, th.max_num_seqs, th.max_num_batched_tokens, thinker.eos_ids,
                                  is_ready=lambda r: True),
-            ARRunner(thinker, Sampler(thinker.vocab_size, thinker.eos_ids)), on_step=self._thinker_step)
+            ARRunner(thinker, Sampler(thinker.vocab_size, thinker.eos_ids)), on_step=self._thinker_step,
+            stream=models.platform.stage_stream())
         self.stages = [self.thinker]
         if models.talker is not None:
             talker = models.talker
@@ -129,11 +130,11 @@ class OmniEngine(EngineBase):
                                     is_ready=self._talker_may_step),
                 ARRunner(talker, Sampler(talker.vocab_size, talker.eos_ids, talker.suppress_ids)),
                 on_step=self._talker_step, on_input=lambda r, rows: r.state.add(rows),
-                on_input_done=self._thinker_done)
+                on_input_done=self._thinker_done, stream=models.platform.stage_stream())
             self.code2wav = Stage(
                 "code2wav", ChunkScheduler(c2w.max_num_seqs), Code2WavRunner(models.code2wav),
                 on_step=self._audio_step, on_input=lambda r, frame: r.state.frames.append(frame),
-                on_input_done=self._talker_done)
+                on_input_done=self._talker_done, stream=models.platform.stage_stream())
             self.stages += [self.talker, self.code2wav]
 
     # ---- lifecycle ----------------------------------------------------------------------------------

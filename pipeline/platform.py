@@ -46,6 +46,10 @@ class Platform:
     def new_stream(self):
         return torch.cuda.Stream()
 
+    def stage_stream(self):
+        """A stream of its own for a stage thread, so stages overlap on the device; None on the CPU."""
+        return self.new_stream() if self.supports_graphs else None
+
     def current_stream(self):
         return torch.cuda.current_stream()
 

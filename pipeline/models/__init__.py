@@ -33,6 +33,7 @@ class OmniModels:
     tokenizer: object
     kv_bytes: dict[str, int]
     hf: object  # the transformers model itself (the reference engine drives its generate())
+    platform: Platform
     input_sample_rate: int = INPUT_SAMPLE_RATE
     output_sample_rate: int = OUTPUT_SAMPLE_RATE
 
@@ -78,4 +79,4 @@ def load_models(cfg: EngineConfig, platform: Platform) -> OmniModels:
     voices = {k.lower(): v for k, v in hc.talker_config.speaker_id.items()} if talker else {}
     for stage, n in kv_bytes.items():
         log.info("%s KV cache: %.1f MiB", stage, n / 2**20)
-    return OmniModels(encoder, thinker, talker, code2wav, voices, tokenizer, kv_bytes, hf)
+    return OmniModels(encoder, thinker, talker, code2wav, voices, tokenizer, kv_bytes, hf, platform)

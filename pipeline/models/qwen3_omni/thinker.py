@@ -11,8 +11,8 @@ import torch
 from pipeline.cudagraph import GraphCache, batch_buckets, length_buckets
 from pipeline.kv_cache import SlotKVCache
 from pipeline.models.decoder import last_rows, pad_rows, run_decoder
-from pipeline.platform import Platform
 from pipeline.models.qwen3_omni.prompt import EncodedPrompt
+from pipeline.platform import Platform
 from pipeline.scheduler import Batch, StepOutput
 
 
