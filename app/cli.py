@@ -25,6 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     s.add_argument("--stage-overrides", default=None, type=json.loads,
                    help='JSON per stage id, e.g. \'{"1": {"max_num_seqs": 8}}\'')
+    s.add_argument("--moe-backend", choices=["auto", "grouped_mm", "batched_mm", "eager"], default=None,
+                   help="transformers experts implementation (auto: grouped_mm where graphs run)")
     s.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs in any stage (ablation)")
     s.add_argument("--no-async-chunk", action="store_true",
                    help="hand off whole payloads: Talker after the Thinker, Code2Wav after the Talker (ablation)")
@@ -56,7 +58,7 @@ def load_engine(args: argparse.Namespace):
     platform = get_platform(args.platform) if args.platform else detect_platform()
     profile = args.deploy_config or DEPLOY_DIR / ("tiny.yaml" if args.model == "tiny" else "qwen3_omni_moe.yaml")
     overrides = {"model": args.model, "load_format": args.load_format, "dtype": args.dtype,
-                 "async_output": False if args.no_async_output else None}
+                 "async_output": False if args.no_async_output else None, "moe_backend": args.moe_backend}
     stage_overrides = dict(args.stage_overrides or {})
     if args.enforce_eager:
         for sid in ("0", "1", "2"):
