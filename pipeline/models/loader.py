@@ -78,9 +78,14 @@ def _dummy(model: str, dtype: torch.dtype, device: torch.device):
         tokenizer = _tokenizer(ensure_tiny_model())
         config = released.released_config(tokenizer)
     log.info("dummy weights: building %s with random weights on %s", model, device)
-    with torch.device(device):
-        hf = Qwen3OmniMoeForConditionalGeneration._from_config(config, dtype=dtype)
-    return hf, tokenizer, path
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # sub-models are built without the dtype argument: make it the default
+    try:
+        with torch.device(device):
+            hf = Qwen3OmniMoeForConditionalGeneration._from_config(config, dtype=dtype)
+    finally:
+        torch.set_default_dtype(default)
+    return hf.to(dtype), tokenizer, path
 
 
 def fix_config(config):
