@@ -60,6 +60,8 @@ def load_models(cfg: EngineConfig, platform: Platform) -> OmniModels:
     device = platform.device(0)
     moe = cfg.moe_backend if cfg.moe_backend != "auto" else ("grouped_mm" if platform.supports_graphs else "eager")
     hf, tokenizer, _ = load_hf_model(cfg.model, cfg.load_format, dtype, device, moe)
+    log.info("weights: %.2f GiB on %s (%s, experts: %s)", platform.memory_allocated(device) / 2**30, device,
+             cfg.dtype, moe)
     hc = hf.config
     audio = hc.thinker_config.audio_config
     encoder = PromptEncoder(tokenizer, audio.n_window, audio.num_mel_bins)
@@ -79,4 +81,5 @@ def load_models(cfg: EngineConfig, platform: Platform) -> OmniModels:
     voices = {k.lower(): v for k, v in hc.talker_config.speaker_id.items()} if talker else {}
     for stage, n in kv_bytes.items():
         log.info("%s KV cache: %.1f MiB", stage, n / 2**20)
+    log.info("device memory after load: %.2f GiB allocated", platform.memory_allocated(device) / 2**30)
     return OmniModels(encoder, thinker, talker, code2wav, voices, tokenizer, kv_bytes, hf, platform)
