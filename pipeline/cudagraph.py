@@ -72,7 +72,8 @@ class GraphCache:
         if not self.enabled:
             return
         try:
-            self._capture_all(make_inputs)
+            with torch.inference_mode():  # no autograd state may hang off the captured outputs
+                self._capture_all(make_inputs)
         except Exception:
             log.exception("%s: graph capture failed; this step runs eagerly", self.name)
             self._graphs.clear()
