@@ -59,6 +59,7 @@ def load_models(cfg: EngineConfig, platform: Platform) -> OmniModels:
     dtype = getattr(torch, cfg.dtype)
     device = platform.device(0)
     moe = cfg.moe_backend if cfg.moe_backend != "auto" else ("grouped_mm" if platform.supports_graphs else "eager")
+    graph_moe = "batched_mm" if moe == "grouped_mm" else None  # grouped_mm's group sizes cannot be captured
     hf, tokenizer, _ = load_hf_model(cfg.model, cfg.load_format, dtype, device, moe)
     log.info("weights: %.2f GiB on %s (%s, experts: %s)", platform.memory_allocated(device) / 2**30, device,
              cfg.dtype, moe)
@@ -67,7 +68,7 @@ def load_models(cfg: EngineConfig, platform: Platform) -> OmniModels:
     encoder = PromptEncoder(tokenizer, audio.n_window, audio.num_mel_bins)
     th_cfg = cfg.stage("thinker")
     thinker = ThinkerModel(hf.thinker, hc, _kv_for(hc.thinker_config.text_config, th_cfg, platform, dtype), platform,
-                           th_cfg.enforce_eager)
+                           th_cfg.enforce_eager, graph_moe)
     talker = code2wav = None
     kv_bytes = {"thinker": thinker.kv.num_bytes}
     if getattr(hf, "has_talker", False):
@@ -75,7 +76,7 @@ def load_models(cfg: EngineConfig, platform: Platform) -> OmniModels:
         tkc = hc.talker_config
         predictor_kv = _kv_for(tkc.code_predictor_config, tk_cfg, platform, dtype, max_len=tkc.num_code_groups)
         talker = TalkerModel(hf.talker, hc, _kv_for(tkc.text_config, tk_cfg, platform, dtype), predictor_kv,
-                             thinker.special_rows(), platform, tk_cfg.enforce_eager)
+                             thinker.special_rows(), platform, tk_cfg.enforce_eager, graph_moe)
         code2wav = Code2WavModel(hf.code2wav, device)
         kv_bytes["talker"] = talker.kv.num_bytes + predictor_kv.num_bytes
     voices = {k.lower(): v for k, v in hc.talker_config.speaker_id.items()} if talker else {}

@@ -17,7 +17,7 @@ import torch
 
 from pipeline.cudagraph import GraphCache, batch_buckets, length_buckets
 from pipeline.kv_cache import SlotKVCache
-from pipeline.models.decoder import last_rows, pad_rows, run_decoder
+from pipeline.models.decoder import experts_implementation, last_rows, pad_rows, run_decoder
 from pipeline.models.qwen3_omni.thinker import ThinkerRows
 from pipeline.platform import Platform
 from pipeline.sampling import sample_top_k_top_p
@@ -51,7 +51,7 @@ class TalkerState:
 
 class TalkerModel:
     def __init__(self, talker, config, kv: SlotKVCache, predictor_kv: SlotKVCache, special_rows: torch.Tensor,
-                 platform: Platform, enforce_eager: bool = True):
+                 platform: Platform, enforce_eager: bool = True, graph_moe: str | None = None):
         self.talker = talker
         self.stack = talker.model
         self.predictor = talker.code_predictor
@@ -63,6 +63,7 @@ class TalkerModel:
         self.eos_ids = [self.tc.codec_eos_token_id]
         self.suppress_ids = [i for i in range(self.vocab_size - 1024, self.vocab_size) if i != self.eos_ids[0]]
         self.num_groups = self.tc.num_code_groups
+        self.graph_moe = graph_moe  # experts implementation inside captured graphs
         hidden = self.tc.text_config.hidden_size
         # last-layer hidden state of each slot's last position: the code predictor's first input
         self.past_hidden = torch.zeros(kv.num_slots + 1, hidden, dtype=talker.dtype, device=self.device)
@@ -89,7 +90,8 @@ class TalkerModel:
                     "greedy": torch.ones(key[0], dtype=torch.bool, device=self.device)}
 
         self.predictor_graphs.capture(predictor_inputs)
-        self.decode_graphs.capture(decode_inputs)
+        with experts_implementation(self.stack, self.graph_moe):
+            self.decode_graphs.capture(decode_inputs)
 
     # ---- readiness: which Thinker rows a step needs -------------------------------------------------
 

@@ -10,7 +10,7 @@ import torch
 
 from pipeline.cudagraph import GraphCache, batch_buckets, length_buckets
 from pipeline.kv_cache import SlotKVCache
-from pipeline.models.decoder import last_rows, pad_rows, run_decoder
+from pipeline.models.decoder import experts_implementation, last_rows, pad_rows, run_decoder
 from pipeline.models.qwen3_omni.prompt import EncodedPrompt
 from pipeline.platform import Platform
 from pipeline.scheduler import Batch, StepOutput
@@ -36,8 +36,10 @@ class ThinkerRows:
 
 
 class ThinkerModel:
-    def __init__(self, thinker, config, kv: SlotKVCache, platform: Platform, enforce_eager: bool = True):
+    def __init__(self, thinker, config, kv: SlotKVCache, platform: Platform, enforce_eager: bool = True,
+                 graph_moe: str | None = None):
         self.thinker = thinker
+        self.graph_moe = graph_moe  # experts implementation inside captured graphs
         self.stack = thinker.model.language_model
         self.config = config
         self.kv = kv
@@ -56,7 +58,8 @@ class ThinkerModel:
             return {"token_ids": zeros, "slots": zeros + self.kv.scratch_slot, "positions": zeros.clone(),
                     "rope_pos": zeros.clone()}
 
-        self.graphs.capture(inputs)
+        with experts_implementation(self.stack, self.graph_moe):
+            self.graphs.capture(inputs)
 
     @torch.inference_mode()
     def prepare(self, prompt: EncodedPrompt, wants_rows: bool) -> ThinkerState:
