@@ -38,8 +38,8 @@ async def recv_type(ws, kind: str, timeout: float = 60.0) -> dict:
 
 
 async def test_beta_client_gets_beta_events(server):
-    client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", websocket_base_url=server.url.replace("http", "ws") + "/v1",
-                                api_key="unused", max_retries=0)
+    client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0,
+                                websocket_base_url=server.url.replace("http", "ws") + "/v1")
     async with client.beta.realtime.connect(model="tiny") as conn:  # sends OpenAI-Beta: realtime=v1
         created = await conn.recv()
         assert created.type == "session.created"
