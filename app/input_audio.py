@@ -63,16 +63,21 @@ class InputAudio:
         return self._turn_start is not None
 
     def append(self, samples: np.ndarray, sample_rate: int) -> list[TurnEvent]:
-        """Add audio; raises BufferFull (and keeps none of it) past the limit."""
+        """Add audio; past the limit a turn in progress is ended there, otherwise BufferFull is raised
+        (and none of the audio kept)."""
         resampler = self._resamplers.setdefault(sample_rate, StreamResampler(sample_rate, SAMPLE_RATE))
         x = resampler(samples)
+        events: list[TurnEvent] = []
         if self.num_samples + len(x) > self.max_samples:
-            raise BufferFull(f"the input audio buffer holds at most {self.max_samples / SAMPLE_RATE:.0f} s")
+            if self._turn_start is None or len(x) > self.max_samples:
+                raise BufferFull(f"the input audio buffer holds at most {self.max_samples / SAMPLE_RATE:.0f} s")
+            # a turn longer than the buffer ends here; the VAD goes on listening for the next one
+            events.append(TurnEnded(_ms(self._end), self._take(self._turn_start, self._end)))
+            self._turn_start, self.detector.is_speaking = None, False
         self._chunks.append(x)
         self._end += len(x)
         if self.detector is None:
-            return []
-        events: list[TurnEvent] = []
+            return events
         for ev in self.detector.feed(x):
             if isinstance(ev, SpeechStarted):
                 self._turn_start = max(ev.start_sample, self._start)

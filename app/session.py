@@ -67,6 +67,7 @@ class RealtimeSession:
         self.response: Response | None = None
         self._has_spoken = False  # the voice is fixed once audio was produced
         self._turn_item_id: str | None = None
+        self._lock = asyncio.Lock()  # client events and input audio apply one at a time, in arrival order
         self._handlers = {
             "session.update": self._session_update, "input_audio_buffer.append": self._append,
             "input_audio_buffer.commit": self._commit, "input_audio_buffer.clear": self._clear,
@@ -96,14 +97,16 @@ class RealtimeSession:
     async def handle_event(self, event: dict[str, Any]) -> None:
         try:
             validate_client_event(event)
-            await self._handlers[event["type"]](event)
+            async with self._lock:
+                await self._handlers[event["type"]](event)
         except ProtocolError as exc:
             client_id = event.get("event_id")
             await self.send_error(exc, client_id if isinstance(client_id, str) else None)
 
     async def append_audio(self, samples: np.ndarray, sample_rate: int) -> None:
         try:
-            await self._feed(samples, sample_rate)
+            async with self._lock:
+                await self._feed(samples, sample_rate)
         except ProtocolError as exc:
             await self.send_error(exc)
 

@@ -11,11 +11,13 @@ import pytest
 from scipy.signal import resample_poly
 
 from app.conversation import Content, Conversation, Item
+from app.input_audio import BufferFull, InputAudio, TurnEnded, TurnStarted
 from app.realtime_config import SessionConfig, apply_session_update, session_object
 from app.realtime_events import ProtocolError
 from app.session import RealtimeLimits, RealtimeSession
+from app.vad import VadConfig
 from app.wire_audio import G711_ALAW, G711_ULAW, StreamResampler, decode, encode
-from tests.realtime_helpers import espeak_utterance
+from tests.realtime_helpers import LEAD_S, espeak_utterance
 
 VOICES = ["chelsie", "ethan"]
 
@@ -80,6 +82,26 @@ def test_truncate_cuts_the_transcript_at_the_played_fraction():
         conv.truncate("a1", 0, 401)  # past what is left
     with pytest.raises(ProtocolError):
         conv.truncate("u1", 0, 0)  # not an assistant item
+
+
+def test_input_buffer_stays_bounded_with_vad(tmp_path):
+    """Idle audio is dropped down to the prefix padding; a turn longer than the buffer is cut there
+    (and the next one is still detected); without VAD a full buffer refuses audio."""
+    samples, speech_s = espeak_utterance(tmp_path)
+    assert speech_s > 2.0
+    vad = InputAudio(max_buffer_s=2.0, vad=VadConfig())
+    events = [ev for _ in range(2) for i in range(0, len(samples), 2400) for ev in vad.append(samples[i:i + 2400],
+                                                                                              24000)]
+    assert vad.num_samples <= 16000 * 0.3 + 2400
+    kinds = [type(e) for e in events]
+    assert kinds[:2] == [TurnStarted, TurnEnded] and TurnStarted in kinds[2:]  # cut at 2 s, then heard again
+    assert abs(events[0].audio_start_ms - (LEAD_S * 1000 - 300)) < 250
+    assert 28000 < len(events[1].audio) <= 32000  # the whole 2 s buffer went into the cut turn
+    manual = InputAudio(max_buffer_s=2.0, vad=None)
+    manual.append(samples[:36000], 24000)
+    with pytest.raises(BufferFull):
+        manual.append(samples[:24000], 24000)
+    assert len(manual.commit()) > 23000 and manual.num_samples == 0
 
 
 class PlaybackSink:
