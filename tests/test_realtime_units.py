@@ -12,6 +12,7 @@ from scipy.signal import resample_poly
 
 from app.conversation import Content, Conversation, Item
 from app.input_audio import BufferFull, InputAudio, TurnEnded, TurnStarted
+from app.outbox import Outbox
 from app.realtime_config import SessionConfig, apply_session_update, session_object
 from app.realtime_events import ProtocolError
 from app.session import RealtimeLimits, RealtimeSession
@@ -162,3 +163,21 @@ async def test_barge_in_through_an_audio_sink(engine, tmp_path):
     assert types.index("input_audio_buffer.speech_started") < types.index("response.done") < \
         types.index("output_audio_buffer.cleared")
     assert session.conversation.get(truncated["item_id"]).content[0].audio_ms == 240
+
+
+async def test_outbox_is_bounded_and_drops_a_cancelled_responses_audio():
+    box = Outbox(max_events=16, beta=True)
+    for i in range(15):
+        await box.put({"type": "response.output_audio.delta", "response_id": "r1", "delta": str(i)})
+    await box.put({"type": "response.output_text.delta", "response_id": "r1", "delta": "x"})
+    blocked = asyncio.create_task(box.put({"type": "response.done", "response": {"id": "r1"}}))
+    await asyncio.sleep(0.05)
+    assert not blocked.done()  # full: the producer waits
+    assert await box.drop_audio("r1") == 15
+    await asyncio.wait_for(blocked, 1)
+    await box.put({"type": "response.output_audio.delta", "response_id": "r1", "delta": "late"})
+    await box.close()
+    out = []
+    while (ev := await box.get()) is not None:
+        out.append(ev["type"])
+    assert out == ["response.text.delta", "response.done"]  # beta names; no audio after the drop
