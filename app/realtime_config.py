@@ -56,6 +56,9 @@ def apply_session_update(cfg: SessionConfig, update: dict[str, Any], voices: lis
     a_in = require(audio, "input", (dict,), "session.audio", {})
     a_out = require(audio, "output", (dict,), "session.audio", {})
     _refuse_unsupported(a_in, "session.audio.input")
+    if update.get("type") not in (None, "realtime"):
+        raise ProtocolError("only `realtime` sessions are served (no transcription sessions)", "invalid_value",
+                            "session.type")
     if update.get("model") not in (None, cfg.model):
         raise ProtocolError("the model of a session cannot change", "invalid_value", "session.model")
     changes: dict[str, Any] = {}

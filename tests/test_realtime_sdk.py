@@ -11,6 +11,8 @@ import numpy as np
 import openai
 import pytest
 
+from app.audio import float_to_pcm16, resample
+from app.wire_audio import G711_ALAW, G711_ULAW, decode, encode
 from tests.realtime_helpers import LEAD_S, b64_chunks, collect_until, espeak_utterance, response_done
 
 MANUAL_TEXT = {"type": "realtime", "output_modalities": ["text"], "audio": {"input": {"turn_detection": None}}}
@@ -117,6 +119,46 @@ async def test_manual_commit(client, utterance):
         await conn.response.create(response={"max_output_tokens": 8})
         done = response_done(await collect_until(conn, is_done)).response
         assert done.status in ("completed", "incomplete") and done.usage.input_tokens > 40
+    finally:
+        await conn.close()
+
+
+async def test_g711_in_and_out(client, utterance):
+    """mu-law speech in (8 kHz) is heard by the VAD; the answer comes back as A-law (8 kHz)."""
+    samples, speech_s = utterance
+    ulaw = encode(resample(samples, 24000, 8000), G711_ULAW)
+    conn, _ = await open_session(client, {"type": "realtime", "audio": {"input": {"format": {"type": "audio/pcmu"}},
+                                                                        "output": {"format": {"type": "audio/pcma"}}}})
+    try:
+        for i in range(0, len(ulaw), 1600):
+            await conn.input_audio_buffer.append(audio=base64.b64encode(ulaw[i:i + 1600]).decode())
+        events = await collect_until(conn, is_done)
+    finally:
+        await conn.close()
+    stopped = next(e for e in events if e.type == "input_audio_buffer.speech_stopped")
+    assert abs(stopped.audio_end_ms - (LEAD_S + speech_s) * 1000) < 400
+    alaw = b"".join(base64.b64decode(e.delta) for e in events if e.type == "response.output_audio.delta")
+    frames = response_done(events).response.usage.output_token_details.audio_tokens
+    assert abs(len(alaw) - frames * 640) <= 640  # one byte per 8 kHz sample, 80 ms per codec frame
+    assert np.abs(decode(alaw, G711_ALAW)).max() > 0.003
+
+
+async def test_audio_item_create(client, utterance):
+    samples, _ = utterance
+    conn, _ = await open_session(client, MANUAL_TEXT)
+    try:
+        audio = base64.b64encode(float_to_pcm16(samples)).decode()
+        await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                  "content": [{"type": "input_audio", "audio": audio}]})
+        added = (await collect_until(conn, lambda e: e.type == "conversation.item.added"))[-1]
+        assert added.item.content[0].type == "input_audio"
+        await conn.response.create(response={"max_output_tokens": 4})
+        done = response_done(await collect_until(conn, is_done)).response
+        assert done.usage.input_tokens > 40  # the 6.8 s item became audio tokens
+        await user_text(conn, "And then?")
+        await conn.response.create(response={"max_output_tokens": 4})
+        second = response_done(await collect_until(conn, is_done)).response
+        assert second.usage.input_tokens > done.usage.input_tokens  # the earlier user audio is still in the history
     finally:
         await conn.close()
 
