@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import logging
 from typing import Any, Protocol
 
 import numpy as np
@@ -25,6 +26,7 @@ from app.wire_audio import PCM16, StreamResampler, encode
 from pipeline.engine import OmniEngine, RequestError
 from pipeline.request import AudioChunk, Finished, OmniRequest, TextDelta
 
+log = logging.getLogger(__name__)
 OUTPUT_SAMPLE_RATE = 24000
 _STATUS = {"stop": ("completed", None), "length": ("incomplete", "max_output_tokens"),
            "abort": ("cancelled", "client_cancelled"), "error": ("failed", None)}
@@ -93,13 +95,23 @@ class Response:
         try:
             events = await self.engine.submit(self._request(messages))
         except RequestError as exc:
-            self.status, self.error = "failed", {"type": "invalid_request_error", "code": exc.code,
-                                                 "message": str(exc)}
-            await self.outbox.put(error_event(ProtocolError(str(exc), exc.code, exc.param)))
-            return await self._emit("response.done", response=self.object())
+            return await self._fail(ProtocolError(str(exc), exc.code, exc.param))
+        except Exception:
+            log.exception("response %s: the engine refused it", self.id)
+            return await self._fail(ProtocolError("the response could not start", "internal_error",
+                                                  error_type="server_error"))
         if self.cancel_reason:  # cancelled while the prompt was being encoded
             self.engine.abort(self.id)
         await self._open_item()
+        try:
+            await self._stream(events)
+        except Exception:  # a bug here must not leave the session with a response that never ends
+            log.exception("response %s: streaming failed", self.id)
+            self.status, self.error = "failed", {"type": "server_error", "code": "internal_error",
+                                                 "message": "streaming the response failed"}
+        await self._close_item()
+
+    async def _stream(self, events) -> None:
         try:
             async for ev in events:
                 if self.cancel_reason:
@@ -114,7 +126,11 @@ class Response:
             await events.aclose()
         if self.opts.wants_audio and not self.cancel_reason:
             await self._audio(self._resampler.flush(), b"")
-        await self._close_item()
+
+    async def _fail(self, exc: ProtocolError) -> None:
+        self.status, self.error = "failed", {"type": exc.error_type, "code": exc.code, "message": exc.message}
+        await self.outbox.put(error_event(exc))
+        await self._emit("response.done", response=self.object())
 
     def _request(self, messages: list[dict]) -> OmniRequest:
         sampling = {"max_tokens": self.opts.max_output_tokens, "temperature": self.opts.temperature}

@@ -102,6 +102,10 @@ class RealtimeSession:
         except ProtocolError as exc:
             client_id = event.get("event_id")
             await self.send_error(exc, client_id if isinstance(client_id, str) else None)
+        except Exception:  # a bug must cost one event, not the session
+            log.exception("realtime %s: %s failed", self.id, event.get("type"))
+            await self.send_error(ProtocolError("the server failed to apply the event", "internal_error",
+                                                error_type="server_error"))
 
     async def append_audio(self, samples: np.ndarray, sample_rate: int) -> None:
         try:

@@ -154,3 +154,20 @@ async def test_idle_timeout(limited):
         with pytest.raises(websockets.ConnectionClosed) as closed:
             await recv(ws, timeout=10)
         assert closed.value.rcvd.code == 1000
+
+
+async def test_a_response_the_engine_refuses_fails_and_the_session_goes_on(server):
+    async with websockets.connect(ws_url(server)) as ws:
+        await recv_type(ws, "session.created")
+        await ws.send(json.dumps({"type": "conversation.item.create", "item": {
+            "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi"}]}}))
+        await ws.send(json.dumps({"type": "response.create", "event_id": "evt_bad",
+                                  "response": {"talker_sampling": {"top_p": 7}}}))
+        err = await recv_type(ws, "error")
+        assert err["error"]["code"] == "invalid_request" and "top_p" in err["error"]["message"]
+        done = await recv_type(ws, "response.done")
+        assert done["response"]["status"] == "failed" and done["response"]["status_details"]["error"]["message"]
+        await ws.send(json.dumps({"type": "response.create", "response": {"max_output_tokens": 3,
+                                                                          "output_modalities": ["text"]}}))
+        done = await recv_type(ws, "response.done")
+        assert done["response"]["status"] in ("completed", "incomplete")
