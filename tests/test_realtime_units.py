@@ -18,6 +18,8 @@ from app.realtime_events import ProtocolError
 from app.session import RealtimeLimits, RealtimeSession
 from app.vad import VadConfig
 from app.wire_audio import G711_ALAW, G711_ULAW, StreamResampler, decode, encode
+from pipeline.engine import RequestError
+from pipeline.request import OmniRequest
 from tests.realtime_helpers import LEAD_S, espeak_utterance
 
 VOICES = ["chelsie", "ethan"]
@@ -181,3 +183,12 @@ async def test_outbox_is_bounded_and_drops_a_cancelled_responses_audio():
     while (ev := await box.get()) is not None:
         out.append(ev["type"])
     assert out == ["response.text.delta", "response.done"]  # beta names; no audio after the drop
+
+
+async def test_a_refused_request_leaves_no_stream_behind(engine):
+    """Regression: bad talker sampling used to be found after the request was registered."""
+    req = OmniRequest("bad-talker", [{"role": "user", "content": "hi"}], ("text", "audio"),
+                      talker_sampling={"top_p": 7})
+    with pytest.raises(RequestError):
+        await engine.submit(req)
+    assert engine.num_active_requests == 0
