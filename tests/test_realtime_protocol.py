@@ -18,7 +18,7 @@ from tests.realtime_helpers import collect_until
 def limited():
     """A server with small realtime limits, so that each can be hit quickly."""
     srv = ServerProcess(["--realtime-max-sessions", "2", "--realtime-max-event-bytes", "65536",
-                         "--realtime-max-input-buffer-s", "3", "--realtime-idle-timeout-s", "3"])
+                         "--realtime-max-input-buffer-s", "3", "--realtime-idle-timeout-s", "5"])
     yield srv
     srv.stop()
 
@@ -171,3 +171,27 @@ async def test_a_response_the_engine_refuses_fails_and_the_session_goes_on(serve
                                                                           "output_modalities": ["text"]}}))
         done = await recv_type(ws, "response.done")
         assert done["response"]["status"] in ("completed", "incomplete")
+
+
+async def test_item_order_and_delete_shape_the_history(server):
+    async def answer(ws) -> dict:
+        await ws.send(json.dumps({"type": "response.create", "response": {"output_modalities": ["text"],
+                                                                          "max_output_tokens": 2}}))
+        return (await recv_type(ws, "response.done"))["response"]
+
+    def text_item(item_id: str, text: str) -> dict:
+        return {"id": item_id, "type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
+
+    async with websockets.connect(ws_url(server)) as ws:
+        await recv_type(ws, "session.created")
+        await ws.send(json.dumps({"type": "conversation.item.create", "item": text_item("b", "second")}))
+        await ws.send(json.dumps({"type": "conversation.item.create", "previous_item_id": "root",
+                                  "item": text_item("a", "first " * 20)}))
+        added = await recv_type(ws, "conversation.item.added")
+        added = await recv_type(ws, "conversation.item.added")
+        assert added["item"]["id"] == "a" and added["previous_item_id"] is None
+        with_a = (await answer(ws))["usage"]["input_tokens"]
+        await ws.send(json.dumps({"type": "conversation.item.delete", "item_id": "a"}))
+        assert (await recv_type(ws, "conversation.item.deleted"))["item_id"] == "a"
+        without_a = (await answer(ws))["usage"]["input_tokens"]
+        assert with_a - without_a >= 20  # the 20 words of item "a" left the Thinker's prompt
