@@ -48,7 +48,10 @@ class InputAudio:
         self.set_vad(vad)
 
     def set_vad(self, cfg: VadConfig | None) -> None:
-        """Turn detection on (fresh state) or off (manual commit)."""
+        """Turn detection on (fresh state), off (manual commit), or new settings (state kept)."""
+        if cfg is not None and self.detector is not None:
+            self.detector.cfg = cfg
+            return
         self.detector = TurnDetector(cfg) if cfg is not None else None
         if self.detector is not None:
             self.detector.position = self._end

@@ -131,7 +131,7 @@ class RealtimeSession:
                                 "session.voice")
         if new.turn_detection != self.config.turn_detection:
             await asyncio.to_thread(self.input.set_vad, new.turn_detection)
-            self._turn_item_id = None
+            self._turn_item_id = self._turn_item_id if self.input.is_speaking else None
         self.config = new
         await self._emit("session.updated", session=session_object(new, self.id, self.beta))
 
