@@ -116,7 +116,7 @@ async def test_manual_commit(client, utterance):
                                             "conversation.item.done"]
         with pytest.raises(TimeoutError):  # no VAD: nothing happens until the client asks for a response
             await collect_until(conn, lambda e: True, timeout=1.5)
-        await conn.response.create(response={"max_output_tokens": 8})
+        await conn.response.create(response={"max_output_tokens": 8, "talker_sampling": {"max_tokens": 30}})
         done = response_done(await collect_until(conn, is_done)).response
         assert done.status in ("completed", "incomplete") and done.usage.input_tokens > 40
     finally:
