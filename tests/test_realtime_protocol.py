@@ -195,3 +195,30 @@ async def test_item_order_and_delete_shape_the_history(server):
         assert (await recv_type(ws, "conversation.item.deleted"))["item_id"] == "a"
         without_a = (await answer(ws))["usage"]["input_tokens"]
         assert with_a - without_a >= 20  # the 20 words of item "a" left the Thinker's prompt
+
+
+async def test_per_response_instructions_voice_and_out_of_band(server):
+    async def answer(ws, **response) -> tuple[dict, bytes]:
+        await ws.send(json.dumps({"type": "response.create", "response": {
+            "conversation": "none", "max_output_tokens": 4, "talker_sampling": {"max_tokens": 20}, **response}}))
+        pcm = bytearray()
+        while (ev := await recv(ws))["type"] != "response.done":
+            if ev["type"] == "response.output_audio.delta":
+                pcm += base64.b64decode(ev["delta"])
+        return ev["response"], bytes(pcm)
+
+    async with websockets.connect(ws_url(server)) as ws:
+        await recv_type(ws, "session.created")
+        await ws.send(json.dumps({"type": "conversation.item.create", "item": {
+            "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hello!"}]}}))
+        await recv_type(ws, "conversation.item.done")
+        base, base_pcm = await answer(ws)
+        again, again_pcm = await answer(ws)  # out-of-band: the conversation did not grow
+        assert base["conversation_id"] is None and again["usage"]["input_tokens"] == base["usage"]["input_tokens"]
+        assert again_pcm == base_pcm
+        voiced, voiced_pcm = await answer(ws, audio={"output": {"voice": "chelsie"}})
+        assert voiced["audio"]["output"]["voice"] == "chelsie" and voiced_pcm != base_pcm
+        told, _ = await answer(ws, instructions="Answer like a pirate, in one short sentence, always.")
+        assert told["usage"]["input_tokens"] > base["usage"]["input_tokens"]
+        texted, text_pcm = await answer(ws, output_modalities=["text"])
+        assert text_pcm == b"" and texted["output"][0]["content"][0]["type"] == "output_text"
