@@ -40,6 +40,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--threads", type=int, default=int(os.environ.get("OMNIRT_THREADS", "0")) or None,
                    help="torch intra-op threads")
     s.add_argument("--log-level", default="info")
+    r = s.add_argument_group("realtime (/v1/realtime) limits")
+    r.add_argument("--realtime-max-sessions", type=int, default=32)
+    r.add_argument("--realtime-max-event-bytes", type=int, default=20 * 2**20)
+    r.add_argument("--realtime-max-input-buffer-s", type=float, default=120.0)
+    r.add_argument("--realtime-idle-timeout-s", type=float, default=300.0)
     sub.add_parser("bench", help="benchmark a running server (see `omnirt bench --help`)", add_help=False)
     return p
 
@@ -86,6 +91,7 @@ def serve(args: argparse.Namespace) -> None:
     import uvicorn
 
     from app.server import ServerSettings, create_app
+    from app.session import RealtimeLimits
     from pipeline.config import ProfileError
     from pipeline.models import ModelNotFoundError
 
@@ -94,11 +100,16 @@ def serve(args: argparse.Namespace) -> None:
     except (ProfileError, ModelNotFoundError) as exc:
         sys.exit(f"omnirt: {exc}")
     name = args.served_model_name or args.model
-    app = create_app(engine, ServerSettings(model_names=(name,), system_prompt=engine.cfg.system_prompt))
+    limits = RealtimeLimits(args.realtime_max_sessions, args.realtime_max_event_bytes,
+                            args.realtime_max_input_buffer_s, args.realtime_idle_timeout_s)
+    app = create_app(engine, ServerSettings(model_names=(name,), system_prompt=engine.cfg.system_prompt,
+                                            realtime=limits))
     print(f"omnirt ready: http://{args.host}:{args.port}/  (model {name!r}, voices {', '.join(engine.voices)})",
           flush=True)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        # frames a bit over the realtime event limit still arrive, so that they get an `error` event
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                    ws_max_size=limits.max_event_bytes + 2**20)
     finally:
         engine.stop()
 

@@ -11,8 +11,9 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from fastapi.staticfiles import StaticFiles
 
-from app import chat
+from app import chat, realtime
 from app.errors import APIError, error_response, install_error_handlers
+from app.session import RealtimeLimits
 from pipeline.engine import OmniEngine
 
 log = logging.getLogger(__name__)
@@ -25,6 +26,7 @@ class ServerSettings:
     system_prompt: str | None = None
     max_body_bytes: int = 32 * 2**20
     max_audio_s: float = 300.0
+    realtime: RealtimeLimits = field(default_factory=RealtimeLimits)
 
 
 @dataclass(slots=True)
@@ -88,6 +90,7 @@ def create_app(engine: OmniEngine, settings: ServerSettings) -> FastAPI:
         return JSONResponse({"voices": engine.voices, "default": engine.cfg.default_voice})
 
     app.include_router(chat.router)
+    realtime.install(app, settings.realtime)
     if WEB_DIR.is_dir():
         app.mount("/", StaticFiles(directory=WEB_DIR, html=True), name="web")
     return app

@@ -57,7 +57,8 @@ async def main_async(args) -> dict:
                  for g, e in zip(graphed, eager)]
     t = engine.models.thinker.graphs
     return {"requests": len(prompts), "identical_text": same_text, "first_token_diff": first_diff,
-            "audio_max_abs_diff": audio_err, "audio_len_equal": [len(g[1]) == len(e[1]) for g, e in zip(graphed, eager)],
+            "audio_max_abs_diff": audio_err,
+            "audio_len_equal": [len(g[1]) == len(e[1]) for g, e in zip(graphed, eager)],
             "seconds_graphed": t_graph, "seconds_eager": t_eager, "thinker_graphs": len(t),
             "thinker_replays": t.num_replays}
 

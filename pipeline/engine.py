@@ -173,6 +173,7 @@ class OmniEngine(EngineBase):
         prompt = await asyncio.to_thread(self.models.encoder.encode, req.messages)
         n_prompt = len(prompt.input_ids)
         th_params = self._params("thinker", req.thinker_sampling, n_prompt)
+        tk_params = self._params("talker", req.talker_sampling, n_prompt + 9) if req.wants_audio else None
         stream = _Stream(req, asyncio.get_running_loop(), asyncio.Queue(), n_prompt,
                          async_output=self.cfg.async_output)
         if req.request_id in self._streams:
@@ -180,7 +181,6 @@ class OmniEngine(EngineBase):
         self._streams[req.request_id] = stream
         state = self.models.thinker.prepare(prompt, wants_rows=req.wants_audio)
         if req.wants_audio:
-            tk_params = self._params("talker", req.talker_sampling, n_prompt + 9)
             self._start_speech(req, voice, prompt, tk_params)
         self.thinker.send(Message(Command.ADD, req.request_id, self._stage_request(
             req.request_id, th_params, state, n_prompt)))

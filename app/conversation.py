@@ -1,0 +1,169 @@
+"""A session's conversation: ordered items, their wire shapes, truncation, and the history the
+Thinker gets on each response (earlier user audio and assistant text included).
+
+User audio is kept at the Thinker's 16 kHz (float32). Assistant audio is not kept: the Thinker
+is fed the assistant's transcript, which is also what a truncation cuts.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from app.audio import AudioFormatError, resample
+from app.realtime_events import ProtocolError, new_id, require
+from app.vad import SAMPLE_RATE
+from app.wire_audio import AudioFormat, decode
+
+_ROLES = {"user": ("input_text", "input_audio"), "system": ("input_text",),
+          "assistant": ("output_text", "output_audio", "text", "audio")}
+_BETA_TYPES = {"output_text": "text", "output_audio": "audio"}
+_GA_TYPES = {"text": "output_text", "audio": "output_audio"}
+
+
+@dataclass(slots=True)
+class Content:
+    type: str  # input_text | input_audio | output_text | output_audio
+    text: str | None = None
+    transcript: str | None = None
+    audio: np.ndarray | None = None  # user audio at 16 kHz
+    audio_ms: int = 0  # assistant audio delivered so far
+
+    @property
+    def spoken_text(self) -> str:
+        return self.text if self.text is not None else self.transcript or ""
+
+
+@dataclass(slots=True)
+class Item:
+    id: str
+    role: str
+    content: list[Content] = field(default_factory=list)
+    status: str = "completed"
+
+
+class Conversation:
+    def __init__(self):
+        self.items: list[Item] = []
+
+    def add(self, item: Item, previous_item_id: str | None = None) -> str | None:
+        """Insert after `previous_item_id` ("root": first; None: last); returns the id it follows."""
+        if any(i.id == item.id for i in self.items):
+            raise ProtocolError(f"an item with id {item.id!r} already exists", "duplicate_item_id", "item.id")
+        if previous_item_id is None:
+            index = len(self.items)
+        elif previous_item_id == "root":
+            index = 0
+        else:
+            index = self.items.index(self.get(previous_item_id, "previous_item_id")) + 1
+        self.items.insert(index, item)
+        return self.items[index - 1].id if index else None
+
+    def get(self, item_id: str, param: str = "item_id") -> Item:
+        for item in self.items:
+            if item.id == item_id:
+                return item
+        raise ProtocolError(f"no item with id {item_id!r}", "item_not_found", param)
+
+    def delete(self, item_id: str) -> None:
+        self.items.remove(self.get(item_id))
+
+    def truncate(self, item_id: str, content_index: int, audio_end_ms: int) -> None:
+        """Cut an assistant audio item at what the client played. The transcript is cut at the same
+        fraction of its length (the engine does not report word timings), so no unheard text stays
+        in the history."""
+        item = self.get(item_id)
+        if item.role != "assistant":
+            raise ProtocolError("only assistant items can be truncated", "invalid_value", "item_id")
+        if not 0 <= content_index < len(item.content) or item.content[content_index].type != "output_audio":
+            raise ProtocolError("content_index does not point at an audio part", "invalid_value", "content_index")
+        part = item.content[content_index]
+        if not 0 <= audio_end_ms <= part.audio_ms:
+            raise ProtocolError(f"audio_end_ms {audio_end_ms} is outside the item's audio (0..{part.audio_ms} ms)",
+                                "invalid_value", "audio_end_ms")
+        if audio_end_ms < part.audio_ms:
+            text = part.transcript or ""
+            part.transcript = text[:round(len(text) * audio_end_ms / part.audio_ms)] if part.audio_ms else ""
+            part.audio_ms = audio_end_ms
+
+    def history(self, instructions: str) -> list[dict[str, Any]]:
+        """Engine messages: the instructions as the system turn, then every item in order."""
+        messages: list[dict[str, Any]] = [{"role": "system", "content": instructions}] if instructions else []
+        for item in self.items:
+            if item.role == "assistant":
+                text = "".join(c.spoken_text for c in item.content)
+                if text:
+                    messages.append({"role": "assistant", "content": text})
+                continue
+            parts = [{"type": "audio", "audio": c.audio} if c.type == "input_audio" else
+                     {"type": "text", "text": c.text or ""} for c in item.content
+                     if c.type != "input_audio" or (c.audio is not None and c.audio.size)]
+            if parts:
+                messages.append({"role": item.role, "content": parts})
+        return messages
+
+
+def item_object(item: Item, beta: bool) -> dict[str, Any]:
+    """The wire shape of an item (audio bytes are never echoed back)."""
+    content = []
+    for c in item.content:
+        kind = _BETA_TYPES.get(c.type, c.type) if beta else c.type
+        if c.type in ("input_text", "output_text"):
+            content.append({"type": kind, "text": c.text})
+        else:
+            content.append({"type": kind, "transcript": c.transcript})
+    return {"id": item.id, "object": "realtime.item", "type": "message", "role": item.role, "status": item.status,
+            "content": content}
+
+
+def parse_item(obj: dict[str, Any], input_format: AudioFormat) -> Item:
+    """`conversation.item.create`'s `item` -> an Item (audio decoded and resampled to 16 kHz)."""
+    kind = require(obj, "type", (str,), "item", "message")
+    if kind != "message":
+        raise ProtocolError(f"item type {kind!r} is not supported (function calling is not)", "unsupported_parameter",
+                            "item.type")
+    role = require(obj, "role", (str,), "item")
+    if role not in _ROLES:
+        raise ProtocolError("item.role must be user, assistant or system", "invalid_value", "item.role")
+    item_id = require(obj, "id", (str,), "item") or new_id("item")
+    if len(item_id) > 64:
+        raise ProtocolError("item.id is at most 64 characters", "invalid_value", "item.id")
+    parts = require(obj, "content", (list,), "item")
+    if not parts:
+        raise ProtocolError("item.content must be a non-empty list", "invalid_value", "item.content")
+    return Item(item_id, role, [_content(p, role, f"item.content.{i}", input_format) for i, p in enumerate(parts)])
+
+
+def _content(part: Any, role: str, where: str, fmt: AudioFormat) -> Content:
+    if not isinstance(part, dict):
+        raise ProtocolError(f"`{where}` must be an object", "invalid_type", where)
+    kind = require(part, "type", (str,), where)
+    if kind not in _ROLES[role]:
+        raise ProtocolError(f"a {role} item cannot hold {kind!r} content", "invalid_value", f"{where}.type")
+    kind = _GA_TYPES.get(kind, kind)
+    if kind in ("input_text", "output_text"):
+        return Content(kind, text=require(part, "text", (str,), where, ""))
+    if kind == "output_audio":
+        return Content(kind, transcript=require(part, "transcript", (str,), where, ""))
+    data = require(part, "audio", (str,), where)
+    if data is None:
+        raise ProtocolError(f"`{where}.audio` is required", "missing_required_parameter", f"{where}.audio")
+    samples = decode_audio_b64(data, fmt, f"{where}.audio")
+    return Content(kind, transcript=require(part, "transcript", (str,), where),
+                   audio=resample(samples, fmt.sample_rate, SAMPLE_RATE))
+
+
+def decode_audio_b64(data: str, fmt: AudioFormat, param: str) -> np.ndarray:
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise ProtocolError("audio is not valid base64", "invalid_base64", param) from exc
+    try:
+        return decode(raw, fmt)
+    except AudioFormatError as exc:
+        raise ProtocolError(f"audio does not match the session's format {fmt.name}: {exc}", "invalid_audio_format",
+                            param) from exc

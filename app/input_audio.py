@@ -1,0 +1,115 @@
+"""A session's input side: audio at any rate -> the Thinker's 16 kHz stream -> a bounded buffer,
+with server VAD turning it into user turns (or the client committing it by hand).
+
+Positions are absolute samples of the session's 16 kHz stream, so `audio_start_ms` / `audio_end_ms`
+count from the first audio of the session, as in OpenAI's events.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from app.vad import SAMPLE_RATE, SpeechStarted, TurnDetector, VadConfig
+from app.wire_audio import StreamResampler
+
+
+class BufferFull(Exception):
+    pass
+
+
+@dataclass(slots=True, frozen=True)
+class TurnStarted:
+    audio_start_ms: int
+
+
+@dataclass(slots=True, frozen=True)
+class TurnEnded:
+    audio_end_ms: int
+    audio: np.ndarray  # the turn at 16 kHz, from the start (with prefix padding) to where the end was detected
+
+
+TurnEvent = TurnStarted | TurnEnded
+
+
+def _ms(sample: int) -> int:
+    return sample * 1000 // SAMPLE_RATE
+
+
+class InputAudio:
+    def __init__(self, max_buffer_s: float, vad: VadConfig | None):
+        self.max_samples = int(max_buffer_s * SAMPLE_RATE)
+        self._resamplers: dict[int, StreamResampler] = {}
+        self._chunks: list[np.ndarray] = []
+        self._start = self._end = 0  # absolute positions of the buffered samples
+        self._turn_start: int | None = None
+        self.detector: TurnDetector | None = None
+        self.set_vad(vad)
+
+    def set_vad(self, cfg: VadConfig | None) -> None:
+        """Turn detection on (fresh state), off (manual commit), or new settings (state kept)."""
+        if cfg is not None and self.detector is not None:
+            self.detector.cfg = cfg
+            return
+        self.detector = TurnDetector(cfg) if cfg is not None else None
+        if self.detector is not None:
+            self.detector.position = self._end
+        self._turn_start = None
+
+    @property
+    def num_samples(self) -> int:
+        return self._end - self._start
+
+    @property
+    def is_speaking(self) -> bool:
+        return self._turn_start is not None
+
+    def append(self, samples: np.ndarray, sample_rate: int) -> list[TurnEvent]:
+        """Add audio; past the limit a turn in progress is ended there, otherwise BufferFull is raised
+        (and none of the audio kept)."""
+        resampler = self._resamplers.setdefault(sample_rate, StreamResampler(sample_rate, SAMPLE_RATE))
+        x = resampler(samples)
+        events: list[TurnEvent] = []
+        if self.num_samples + len(x) > self.max_samples:
+            if self._turn_start is None or len(x) > self.max_samples:
+                raise BufferFull(f"the input audio buffer holds at most {self.max_samples / SAMPLE_RATE:.0f} s")
+            # a turn longer than the buffer ends here; the VAD goes on listening for the next one
+            events.append(TurnEnded(_ms(self._end), self._take(self._turn_start, self._end)))
+            self._turn_start, self.detector.is_speaking = None, False
+        self._chunks.append(x)
+        self._end += len(x)
+        if self.detector is None:
+            return events
+        for ev in self.detector.feed(x):
+            if isinstance(ev, SpeechStarted):
+                self._turn_start = max(ev.start_sample, self._start)
+                events.append(TurnStarted(_ms(self._turn_start)))
+            elif self._turn_start is not None:
+                events.append(TurnEnded(_ms(ev.end_sample), self._take(self._turn_start, ev.commit_sample)))
+                self._turn_start = None
+        if not self.is_speaking:  # keep only what a next turn's prefix padding may need
+            self._drop_before(self._end - self.detector.cfg.prefix_padding_samples)
+        return events
+
+    def commit(self) -> np.ndarray:
+        """Everything buffered, for a manual commit; the buffer is empty afterwards."""
+        audio = self._take(self._start, self._end)
+        self._turn_start = None
+        if self.detector is not None:
+            self.detector.is_speaking = False
+        return audio
+
+    def clear(self) -> None:
+        self.commit()
+
+    def _take(self, start: int, end: int) -> np.ndarray:
+        whole = np.concatenate(self._chunks) if self._chunks else np.zeros(0, np.float32)
+        audio = whole[start - self._start:end - self._start]
+        self._chunks = [whole[end - self._start:]]
+        self._start = end
+        return audio
+
+    def _drop_before(self, position: int) -> None:
+        if position > self._start:
+            self._take(self._start, min(position, self._end))

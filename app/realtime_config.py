@@ -1,0 +1,229 @@
+"""The Realtime session and response settings: `session.update` / `response.create` bodies of either
+generation (GA nested `audio.input/output`, beta flat fields) -> one frozen config, and back to the
+`session` object each dialect expects.
+
+What omnirt cannot do (tools, input transcription, noise reduction, semantic VAD, out-of-band
+`input`) is refused with an error rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from app.realtime_events import ProtocolError, require
+from app.vad import VadConfig
+from app.wire_audio import FORMATS, FORMATS_BY_MIME, PCM16, AudioFormat
+
+MAX_OUTPUT_TOKENS = 4096
+_IGNORED = {"type", "object", "id", "expires_at", "tracing", "tool_choice", "truncation", "include", "prompt",
+            "client_secret", "speed"}
+_VAD_KEYS = {"type", "threshold", "prefix_padding_ms", "silence_duration_ms", "create_response",
+             "interrupt_response", "idle_timeout_ms"}
+
+
+@dataclass(slots=True, frozen=True)
+class SessionConfig:
+    model: str
+    voice: str
+    instructions: str = ""
+    wants_audio: bool = True
+    input_format: AudioFormat = PCM16
+    output_format: AudioFormat = PCM16
+    turn_detection: VadConfig | None = VadConfig()
+    temperature: float | None = None  # None: the deploy profile's default
+    max_output_tokens: int | None = None  # None: "inf" (the profile's limit)
+
+
+@dataclass(slots=True, frozen=True)
+class ResponseOptions:
+    instructions: str
+    wants_audio: bool
+    voice: str
+    output_format: AudioFormat
+    temperature: float | None
+    max_output_tokens: int | None
+    in_conversation: bool = True
+    metadata: dict | None = None
+    talker_sampling: dict | None = None  # omnirt extension (as in /v1/chat/completions)
+
+
+def apply_session_update(cfg: SessionConfig, update: dict[str, Any], voices: list[str]) -> SessionConfig:
+    """`session.update`'s `session` over the current config; only the fields present change."""
+    _refuse_unsupported(update, "session")
+    audio = require(update, "audio", (dict,), "session", {})
+    a_in = require(audio, "input", (dict,), "session.audio", {})
+    a_out = require(audio, "output", (dict,), "session.audio", {})
+    _refuse_unsupported(a_in, "session.audio.input")
+    if update.get("type") not in (None, "realtime"):
+        raise ProtocolError("only `realtime` sessions are served (no transcription sessions)", "invalid_value",
+                            "session.type")
+    if update.get("model") not in (None, cfg.model):
+        raise ProtocolError("the model of a session cannot change", "invalid_value", "session.model")
+    changes: dict[str, Any] = {}
+    if "instructions" in update:
+        changes["instructions"] = require(update, "instructions", (str,), "session", "")
+    for key in ("output_modalities", "modalities"):
+        if update.get(key) is not None:
+            changes["wants_audio"] = _modalities(update[key], f"session.{key}")
+    voice = _voice(update, a_out, "session", voices)
+    if voice is not None:
+        changes["voice"] = voice
+    for key, fmt_key, ga in (("input_format", "input_audio_format", a_in), ("output_format", "output_audio_format",
+                                                                             a_out)):
+        fmt = _format(update.get(fmt_key), ga.get("format"), f"session.{fmt_key}")
+        if fmt is not None:
+            changes[key] = fmt
+    for src, where in ((update, "session"), (a_in, "session.audio.input")):
+        if "turn_detection" in src:
+            changes["turn_detection"] = parse_turn_detection(src["turn_detection"], f"{where}.turn_detection")
+    if update.get("temperature") is not None:
+        changes["temperature"] = _temperature(update, "session")
+    for key in ("max_output_tokens", "max_response_output_tokens"):
+        if key in update:
+            changes["max_output_tokens"] = _max_tokens(update[key], f"session.{key}")
+    return dataclasses.replace(cfg, **changes)
+
+
+def response_options(cfg: SessionConfig, body: dict[str, Any] | None, voices: list[str]) -> ResponseOptions:
+    """`response.create`'s `response` over the session defaults."""
+    body = body or {}
+    _refuse_unsupported(body, "response", extra={"conversation", "metadata", "talker_sampling", "input"})
+    if body.get("input"):
+        raise ProtocolError("response.input (out-of-band input items) is not supported", "unsupported_parameter",
+                            "response.input")
+    audio = require(body, "audio", (dict,), "response", {})
+    a_out = require(audio, "output", (dict,), "response.audio", {})
+    wants_audio = cfg.wants_audio
+    for key in ("output_modalities", "modalities"):
+        if body.get(key) is not None:
+            wants_audio = _modalities(body[key], f"response.{key}")
+    conversation = require(body, "conversation", (str,), "response", "auto")
+    if conversation not in ("auto", "none"):
+        raise ProtocolError("response.conversation must be 'auto' or 'none'", "invalid_value", "response.conversation")
+    max_tokens = cfg.max_output_tokens
+    for key in ("max_output_tokens", "max_response_output_tokens"):
+        if key in body:
+            max_tokens = _max_tokens(body[key], f"response.{key}")
+    return ResponseOptions(
+        instructions=require(body, "instructions", (str,), "response", cfg.instructions),
+        wants_audio=wants_audio, voice=_voice(body, a_out, "response", voices) or cfg.voice,
+        output_format=_format(body.get("output_audio_format"), a_out.get("format"),
+                              "response.output_audio_format") or cfg.output_format,
+        temperature=_temperature(body, "response") if body.get("temperature") is not None else cfg.temperature,
+        max_output_tokens=max_tokens, in_conversation=conversation == "auto",
+        metadata=require(body, "metadata", (dict,), "response"),
+        talker_sampling=require(body, "talker_sampling", (dict,), "response"))
+
+
+def parse_turn_detection(value: Any, where: str) -> VadConfig | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ProtocolError(f"`{where}` must be an object or null", "invalid_type", where)
+    kind = value.get("type", "server_vad")
+    if kind != "server_vad":
+        raise ProtocolError(f"turn detection {kind!r} is not supported; use 'server_vad' or null",
+                            "unsupported_parameter", f"{where}.type")
+    unknown = set(value) - _VAD_KEYS
+    if unknown:
+        raise ProtocolError(f"unknown turn_detection field {sorted(unknown)[0]!r}", "unknown_parameter", where)
+    kw = {k: require(value, k, t, where) for k, t in (("threshold", (float, int)), ("prefix_padding_ms", (int,)),
+                                                      ("silence_duration_ms", (int,)), ("create_response", (bool,)),
+                                                      ("interrupt_response", (bool,)), ("idle_timeout_ms", (int,)))}
+    try:
+        return VadConfig(**{k: v for k, v in kw.items() if v is not None})
+    except ValueError as exc:
+        raise ProtocolError(f"{where}: {exc}", "invalid_value", where) from exc
+
+
+def session_object(cfg: SessionConfig, session_id: str, beta: bool) -> dict[str, Any]:
+    td = None if cfg.turn_detection is None else {"type": "server_vad",
+                                                  **dataclasses.asdict(cfg.turn_detection)}
+    max_tokens = cfg.max_output_tokens or "inf"
+    if beta:
+        return {"id": session_id, "object": "realtime.session", "model": cfg.model,
+                "modalities": ["text", "audio"] if cfg.wants_audio else ["text"], "instructions": cfg.instructions,
+                "voice": cfg.voice, "input_audio_format": cfg.input_format.name,
+                "output_audio_format": cfg.output_format.name, "input_audio_transcription": None,
+                "turn_detection": td, "tools": [], "tool_choice": "auto", "temperature": cfg.temperature,
+                "max_response_output_tokens": max_tokens}
+    return {"type": "realtime", "object": "realtime.session", "id": session_id, "model": cfg.model,
+            "output_modalities": ["audio"] if cfg.wants_audio else ["text"], "instructions": cfg.instructions,
+            "audio": {"input": {"format": format_object(cfg.input_format), "transcription": None,
+                                "noise_reduction": None, "turn_detection": td},
+                      "output": {"format": format_object(cfg.output_format), "voice": cfg.voice, "speed": 1.0}},
+            "tools": [], "tool_choice": "auto", "max_output_tokens": max_tokens, "tracing": None,
+            "truncation": "disabled", "prompt": None, "include": None}
+
+
+def format_object(fmt: AudioFormat) -> dict[str, Any]:
+    return {"type": fmt.mime, "rate": fmt.sample_rate} if fmt is PCM16 else {"type": fmt.mime}
+
+
+# ---- field parsers -------------------------------------------------------------------------------------
+
+
+def _refuse_unsupported(obj: dict, where: str, extra: frozenset | set = frozenset()) -> None:
+    for key in ("tools",):
+        if obj.get(key):
+            raise ProtocolError(f"{where}.{key}: function calling is not supported", "unsupported_parameter",
+                                f"{where}.{key}")
+    for key in ("input_audio_transcription", "transcription", "input_audio_noise_reduction", "noise_reduction"):
+        if obj.get(key) is not None:
+            raise ProtocolError(f"{where}.{key} is not supported; set it to null", "unsupported_parameter",
+                                f"{where}.{key}")
+    if where in ("session", "response"):
+        known = {"audio", "instructions", "output_modalities", "modalities", "voice", "input_audio_format",
+                 "output_audio_format", "turn_detection", "temperature", "max_output_tokens",
+                 "max_response_output_tokens", "model", "tools", "input_audio_transcription",
+                 "input_audio_noise_reduction"} | _IGNORED | set(extra)
+        unknown = sorted(set(obj) - known)
+        if unknown:
+            raise ProtocolError(f"unknown parameter {where}.{unknown[0]}", "unknown_parameter", f"{where}.{unknown[0]}")
+
+
+def _modalities(value: Any, where: str) -> bool:
+    if not isinstance(value, list) or not value or any(m not in ("text", "audio") for m in value):
+        raise ProtocolError(f"`{where}` must be [\"audio\"], [\"text\"] or [\"text\", \"audio\"]", "invalid_value",
+                            where)
+    return "audio" in value
+
+
+def _voice(flat: dict, audio_out: dict, where: str, voices: list[str]) -> str | None:
+    voice = require(flat, "voice", (str,), where) or require(audio_out, "voice", (str,), f"{where}.audio.output")
+    if voice is not None and voice.lower() not in voices:
+        raise ProtocolError(f"unknown voice {voice!r}; available: {', '.join(voices)}", "invalid_voice",
+                            f"{where}.voice")
+    return None if voice is None else voice.lower()
+
+
+def _format(beta: Any, ga: Any, where: str) -> AudioFormat | None:
+    if beta is not None:
+        if beta not in FORMATS:
+            raise ProtocolError(f"`{where}` must be one of {', '.join(FORMATS)}", "invalid_value", where)
+        return FORMATS[beta]
+    if ga is None:
+        return None
+    if not isinstance(ga, dict) or ga.get("type") not in FORMATS_BY_MIME:
+        raise ProtocolError(f"audio format must be {{type: {' | '.join(FORMATS_BY_MIME)}}}", "invalid_value", where)
+    fmt = FORMATS_BY_MIME[ga["type"]]
+    if ga.get("rate") not in (None, fmt.sample_rate):
+        raise ProtocolError(f"{fmt.mime} is {fmt.sample_rate} Hz only", "invalid_value", where)
+    return fmt
+
+
+def _temperature(obj: dict, where: str) -> float:
+    t = float(require(obj, "temperature", (float, int), where))
+    if not 0.0 <= t <= 2.0:
+        raise ProtocolError("temperature must be between 0 and 2", "invalid_value", f"{where}.temperature")
+    return t
+
+
+def _max_tokens(value: Any, where: str) -> int | None:
+    if value is None or value == "inf":
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_OUTPUT_TOKENS:
+        raise ProtocolError(f"`{where}` must be an integer 1..{MAX_OUTPUT_TOKENS} or \"inf\"", "invalid_value", where)
+    return value

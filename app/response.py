@@ -1,0 +1,230 @@
+"""One Realtime response: an engine request streamed out as server events, and how it ends.
+
+Lifecycle: `response.created` -> output item / content part added -> text or transcript deltas and
+audio deltas -> the `.done` events -> `response.done` with status `completed`, `incomplete`
+(`max_output_tokens`), `failed`, or `cancelled` (`turn_detected` / `client_cancelled`).
+Cancelling aborts the request in every engine stage at once (`engine.abort`), drops its queued
+audio from the outbox (or the audio sink), and ends the event stream with `response.done`; no audio
+delta of the response is sent after that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+from typing import Any, Protocol
+
+import numpy as np
+
+from app.audio import pcm16_to_float
+from app.conversation import Content, Item, item_object
+from app.outbox import Outbox
+from app.realtime_config import ResponseOptions, format_object
+from app.realtime_events import ProtocolError, error_event, new_id
+from app.wire_audio import PCM16, StreamResampler, encode
+from pipeline.engine import OmniEngine, RequestError
+from pipeline.request import AudioChunk, Finished, OmniRequest, TextDelta
+
+log = logging.getLogger(__name__)
+OUTPUT_SAMPLE_RATE = 24000
+_STATUS = {"stop": ("completed", None), "length": ("incomplete", "max_output_tokens"),
+           "abort": ("cancelled", "client_cancelled"), "error": ("failed", None)}
+
+
+class AudioSink(Protocol):
+    """Where a transport that plays audio itself (WebRTC) takes the output instead of audio deltas."""
+
+    async def write(self, response_id: str, item_id: str, pcm16: bytes) -> None:
+        """Queue 24 kHz mono PCM16 for playback (may wait: the queue is bounded)."""
+
+    def clear(self) -> None:
+        """Drop everything queued (barge-in)."""
+
+    def played_ms(self, item_id: str) -> int:
+        """How much of the item's audio has actually been played."""
+
+
+class Response:
+    def __init__(self, engine: OmniEngine, outbox: Outbox, response_id: str, item: Item, opts: ResponseOptions,
+                 beta: bool, previous_item_id: str | None = None, audio_sink: AudioSink | None = None):
+        self.engine, self.outbox, self.id, self.item, self.opts = engine, outbox, response_id, item, opts
+        self.beta, self.previous_item_id, self.audio_sink = beta, previous_item_id, audio_sink
+        self.status, self.reason, self.error = "in_progress", None, None
+        self.cancel_reason: str | None = None
+        self.usage: dict[str, Any] | None = None
+        self.task: asyncio.Task | None = None
+        self._is_open = False  # the output item was announced
+        self._num_samples_out = 0
+        fmt = opts.output_format
+        self._resampler = StreamResampler(OUTPUT_SAMPLE_RATE, fmt.sample_rate)
+        item.content = [Content("output_audio", transcript="") if opts.wants_audio else Content("output_text", text="")]
+
+    @property
+    def is_done(self) -> bool:
+        return self.status != "in_progress"
+
+    def start(self, messages: list[dict]) -> None:
+        self.task = asyncio.create_task(self._run(messages), name=f"response-{self.id}")
+
+    async def cancel(self, reason: str) -> None:
+        """End the response now in every stage; returns once `response.done` is queued."""
+        if self.is_done or self.cancel_reason:
+            return await self.wait()
+        self.cancel_reason = reason
+        self.engine.abort(self.id)
+        await self.outbox.drop_audio(self.id)
+        if self.audio_sink is not None:
+            self.audio_sink.clear()
+        await self.wait()
+
+    async def wait(self) -> None:
+        if self.task is not None:
+            await asyncio.shield(self.task)
+
+    def abort(self) -> None:
+        """The session is gone: free the engine's slots, emit nothing more."""
+        self.engine.abort(self.id)
+        if self.task is not None:
+            self.task.cancel()
+
+    # ---- the response task ---------------------------------------------------------------------------
+
+    async def _run(self, messages: list[dict]) -> None:
+        await self._emit("response.created", response=self.object())
+        try:
+            events = await self.engine.submit(self._request(messages))
+        except RequestError as exc:
+            return await self._fail(ProtocolError(str(exc), exc.code, exc.param))
+        except Exception:
+            log.exception("response %s: the engine refused it", self.id)
+            return await self._fail(ProtocolError("the response could not start", "internal_error",
+                                                  error_type="server_error"))
+        if self.cancel_reason:  # cancelled while the prompt was being encoded
+            self.engine.abort(self.id)
+        await self._open_item()
+        try:
+            await self._stream(events)
+        except Exception:  # a bug here must not leave the session with a response that never ends
+            log.exception("response %s: streaming failed", self.id)
+            self.status, self.error = "failed", {"type": "server_error", "code": "internal_error",
+                                                 "message": "streaming the response failed"}
+        await self._close_item()
+
+    async def _stream(self, events) -> None:
+        try:
+            async for ev in events:
+                if self.cancel_reason:
+                    break
+                if isinstance(ev, TextDelta):
+                    await self._text(ev.text)
+                elif isinstance(ev, AudioChunk):
+                    await self._audio(self._resampler(pcm16_to_float(ev.pcm16)), ev.pcm16)
+                elif isinstance(ev, Finished):
+                    self._finished(ev)
+        finally:
+            await events.aclose()
+        if self.opts.wants_audio and not self.cancel_reason:
+            await self._audio(self._resampler.flush(), b"")
+
+    async def _fail(self, exc: ProtocolError) -> None:
+        self.status, self.error = "failed", {"type": exc.error_type, "code": exc.code, "message": exc.message}
+        await self.outbox.put(error_event(exc))
+        await self._emit("response.done", response=self.object())
+
+    def _request(self, messages: list[dict]) -> OmniRequest:
+        sampling = {"max_tokens": self.opts.max_output_tokens, "temperature": self.opts.temperature}
+        return OmniRequest(self.id, messages, ("text", "audio") if self.opts.wants_audio else ("text",),
+                           voice=self.opts.voice, thinker_sampling={k: v for k, v in sampling.items() if v is not None},
+                           talker_sampling=self.opts.talker_sampling or {})
+
+    def _finished(self, fin: Finished) -> None:
+        self.status, self.reason = _STATUS[fin.finish_reason]
+        if fin.finish_reason == "error":
+            self.error = {"type": "server_error", "code": "generation_failed", "message": fin.error or "failed"}
+        u = fin.usage
+        out = u.completion_tokens + u.audio_frames
+        self.usage = {"total_tokens": u.prompt_tokens + out, "input_tokens": u.prompt_tokens, "output_tokens": out,
+                      "input_token_details": {"cached_tokens": 0},
+                      "output_token_details": {"text_tokens": u.completion_tokens, "audio_tokens": u.audio_frames}}
+
+    async def _text(self, text: str) -> None:
+        part = self.item.content[0]
+        if self.opts.wants_audio:
+            part.transcript += text
+            await self._emit("response.output_audio_transcript.delta", **self._where(), delta=text)
+        else:
+            part.text += text
+            await self._emit("response.output_text.delta", **self._where(), delta=text)
+
+    async def _audio(self, samples: np.ndarray, pcm16_24k: bytes) -> None:
+        """Deltas in the output format, or the 24 kHz PCM to the audio sink; `audio_ms` counts what left."""
+        part = self.item.content[0]
+        if self.audio_sink is not None:
+            if pcm16_24k:
+                part.audio_ms += len(pcm16_24k) // 2 * 1000 // OUTPUT_SAMPLE_RATE
+                await self.audio_sink.write(self.id, self.item.id, pcm16_24k)
+            return
+        if not samples.size:
+            return
+        data = pcm16_24k if self.opts.output_format is PCM16 else encode(samples, self.opts.output_format)
+        self._num_samples_out += samples.size
+        part.audio_ms = self._num_samples_out * 1000 // self.opts.output_format.sample_rate
+        await self._emit("response.output_audio.delta", **self._where(), delta=base64.b64encode(data).decode())
+
+    async def _open_item(self) -> None:
+        self.item.status, self._is_open = "in_progress", True
+        wire = item_object(self.item, self.beta)
+        await self._emit("response.output_item.added", response_id=self.id, output_index=0, item=wire)
+        if self.opts.in_conversation:
+            await self._emit("conversation.item.added", previous_item_id=self.previous_item_id, item=wire)
+        await self._emit("response.content_part.added", **self._where(), part=self._part())
+
+    async def _close_item(self) -> None:
+        if self.cancel_reason:
+            self.status, self.reason = "cancelled", self.cancel_reason
+        self.item.status = "completed" if self.status == "completed" else "incomplete"
+        part = self.item.content[0]
+        if self.opts.wants_audio:
+            await self._emit("response.output_audio.done", **self._where())
+            await self._emit("response.output_audio_transcript.done", **self._where(), transcript=part.transcript)
+        else:
+            await self._emit("response.output_text.done", **self._where(), text=part.text)
+        await self._emit("response.content_part.done", **self._where(), part=self._part())
+        wire = item_object(self.item, self.beta)
+        await self._emit("response.output_item.done", response_id=self.id, output_index=0, item=wire)
+        if self.opts.in_conversation:
+            await self._emit("conversation.item.done", previous_item_id=self.previous_item_id, item=wire)
+        await self._emit("response.done", response=self.object())
+
+    # ---- shapes ----------------------------------------------------------------------------------------
+
+    def _where(self) -> dict[str, Any]:
+        return {"response_id": self.id, "item_id": self.item.id, "output_index": 0, "content_index": 0}
+
+    def _part(self) -> dict[str, Any]:
+        part = self.item.content[0]
+        return ({"type": "audio", "transcript": part.transcript} if self.opts.wants_audio
+                else {"type": "text", "text": part.text})
+
+    def object(self) -> dict[str, Any]:
+        details = None
+        if self.status in ("cancelled", "incomplete"):
+            details = {"type": self.status, "reason": self.reason}
+        elif self.status == "failed":
+            details = {"type": "failed", "error": self.error}
+        output = [item_object(self.item, self.beta)] if self._is_open else []
+        max_tokens = self.opts.max_output_tokens or "inf"
+        common = {"object": "realtime.response", "id": self.id, "status": self.status, "status_details": details,
+                  "output": output, "usage": self.usage, "metadata": self.opts.metadata,
+                  "conversation_id": "conv_default" if self.opts.in_conversation else None}
+        if self.beta:
+            return {**common, "modalities": ["text", "audio"] if self.opts.wants_audio else ["text"],
+                    "voice": self.opts.voice, "output_audio_format": self.opts.output_format.name,
+                    "temperature": self.opts.temperature, "max_output_tokens": max_tokens}
+        return {**common, "output_modalities": ["audio"] if self.opts.wants_audio else ["text"],
+                "audio": {"output": {"format": format_object(self.opts.output_format), "voice": self.opts.voice}},
+                "max_output_tokens": max_tokens}
+
+    async def _emit(self, kind: str, **fields: Any) -> None:
+        await self.outbox.put({"type": kind, "event_id": new_id("event"), **fields})

@@ -1,0 +1,224 @@
+"""The Realtime wire protocol with a raw WebSocket client: beta names, malformed events, limits."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+
+import openai
+import pytest
+import websockets
+
+from tests.conftest import ServerProcess
+from tests.realtime_helpers import collect_until
+
+
+@pytest.fixture(scope="module")
+def limited():
+    """A server with small realtime limits, so that each can be hit quickly."""
+    srv = ServerProcess(["--realtime-max-sessions", "2", "--realtime-max-event-bytes", "65536",
+                         "--realtime-max-input-buffer-s", "3", "--realtime-idle-timeout-s", "5"])
+    yield srv
+    srv.stop()
+
+
+def ws_url(srv, model: str = "tiny") -> str:
+    return f"ws://127.0.0.1:{srv.port}/v1/realtime?model={model}"
+
+
+async def recv(ws, timeout: float = 60.0) -> dict:
+    return json.loads(await asyncio.wait_for(ws.recv(), timeout))
+
+
+async def recv_type(ws, kind: str, timeout: float = 60.0) -> dict:
+    while (ev := await recv(ws, timeout))["type"] != kind:
+        pass
+    return ev
+
+
+async def test_beta_client_gets_beta_events(server):
+    client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0,
+                                websocket_base_url=server.url.replace("http", "ws") + "/v1")
+    async with client.beta.realtime.connect(model="tiny") as conn:  # sends OpenAI-Beta: realtime=v1
+        created = await conn.recv()
+        assert created.type == "session.created"
+        assert created.session.input_audio_format == "pcm16" and created.session.modalities == ["text", "audio"]
+        assert created.session.turn_detection.prefix_padding_ms == 300
+        await conn.session.update(session={"turn_detection": None, "output_audio_format": "g711_ulaw"})
+        updated = await conn.recv()
+        assert updated.type == "session.updated" and updated.session.output_audio_format == "g711_ulaw"
+        await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                  "content": [{"type": "input_text", "text": "Hi there!"}]})
+        await conn.response.create(response={"modalities": ["text", "audio"], "max_response_output_tokens": 6})
+        events = await collect_until(conn, lambda e: e.type == "response.done")
+    types = {e.type for e in events}
+    assert {"conversation.item.created", "response.audio.delta", "response.audio_transcript.delta",
+            "response.audio.done", "response.audio_transcript.done", "response.done"} <= types
+    assert not any(t.startswith(("response.output_audio", "response.output_text")) or
+                   t in ("conversation.item.added", "conversation.item.done") for t in types)
+    done = events[-1].response
+    assert done.modalities == ["text", "audio"] and done.output[0].content[0].type == "audio"
+    ulaw = b"".join(base64.b64decode(e.delta) for e in events if e.type == "response.audio.delta")
+    assert len(ulaw) > 800  # 8 kHz G.711: one byte per sample
+
+
+MALFORMED = [
+    ("bad json", '{"type": "session.update", ', "invalid_json", None),
+    ("not an object", "[1, 2]", "invalid_event", None),
+    ("unknown type", {"type": "session.explode"}, "invalid_event_type", "type"),
+    ("wrong field type", {"type": "input_audio_buffer.append", "audio": 123}, "invalid_type", "audio"),
+    ("wrong nested type", {"type": "session.update", "session": {"instructions": 5}}, "invalid_type",
+     "session.instructions"),
+    ("missing field", {"type": "conversation.item.truncate", "item_id": "x", "content_index": 0}, None,
+     "audio_end_ms"),
+    ("invalid base64", {"type": "input_audio_buffer.append", "audio": "@@@not base64@@@"}, "invalid_base64", "audio"),
+    ("audio of the wrong format", {"type": "input_audio_buffer.append",
+                                   "audio": base64.b64encode(b"\x01\x02\x03").decode()}, "invalid_audio_format",
+     "audio"),
+    ("unknown item", {"type": "conversation.item.delete", "item_id": "item_nope"}, "item_not_found", "item_id"),
+    ("unsupported voice", {"type": "session.update", "session": {"voice": "nobody"}}, "invalid_voice", None),
+    ("cancel without response", {"type": "response.cancel"}, "response_cancel_not_active", None),
+    ("oversized event", {"type": "input_audio_buffer.append", "audio": "A" * 70000}, "event_too_large", None),
+]
+
+
+async def test_malformed_events_get_errors_and_the_session_goes_on(limited):
+    async with websockets.connect(ws_url(limited), max_size=None) as ws:
+        assert (await recv(ws))["type"] == "session.created"
+        for i, (name, event, code, param) in enumerate(MALFORMED):
+            if isinstance(event, dict):
+                event = json.dumps({**event, "event_id": f"evt_{i}"})
+            await ws.send(event)
+            err = await recv(ws)
+            assert err["type"] == "error", name
+            detail = err["error"]
+            assert detail["message"] and detail["type"] == "invalid_request_error", name
+            assert code is None or detail["code"] == code, (name, detail)
+            assert param is None or detail["param"] == param, (name, detail)
+            if code not in ("invalid_json", "invalid_event", "event_too_large"):
+                assert detail["event_id"] == f"evt_{i}", name
+        await ws.send(json.dumps({"type": "session.update", "session": {"instructions": "Be brief."}}))
+        updated = await recv(ws)
+        assert updated["type"] == "session.updated" and updated["session"]["instructions"] == "Be brief."
+
+
+async def test_input_buffer_limit(limited):
+    async with websockets.connect(ws_url(limited), max_size=None) as ws:
+        await recv_type(ws, "session.created")
+        await ws.send(json.dumps({"type": "session.update", "session": {"audio": {"input": {"turn_detection": None}}}}))
+        await recv_type(ws, "session.updated")
+        second = base64.b64encode(b"\x00\x01" * 24000).decode()  # 1 s of pcm16 (48 KB, under the event limit)
+        for _ in range(3):
+            await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": second}))
+        await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": second}))
+        err = await recv_type(ws, "error")
+        assert err["error"]["code"] == "input_audio_buffer_full"
+        await ws.send(json.dumps({"type": "input_audio_buffer.clear"}))
+        assert (await recv(ws))["type"] == "input_audio_buffer.cleared"
+
+
+async def test_session_limit_and_unknown_model_close_at_connect(limited):
+    async with websockets.connect(ws_url(limited, "gpt-9")) as ws:
+        err = await recv(ws)
+        assert err["type"] == "error" and err["error"]["code"] == "model_not_found"
+        with pytest.raises(websockets.ConnectionClosed) as closed:
+            await recv(ws)
+        assert closed.value.rcvd.code == 1008
+    async with websockets.connect(ws_url(limited)) as a, websockets.connect(ws_url(limited)) as b:
+        await recv_type(a, "session.created")
+        await recv_type(b, "session.created")
+        async with websockets.connect(ws_url(limited)) as c:
+            err = await recv(c)
+            assert err["type"] == "error" and err["error"]["code"] == "session_limit_reached"
+            with pytest.raises(websockets.ConnectionClosed) as closed:
+                await recv(c)
+            assert closed.value.rcvd.code == 1013
+    for _ in range(50):  # the two sessions' slots come back once they close
+        try:
+            async with websockets.connect(ws_url(limited)) as d:
+                if (await recv(d))["type"] == "session.created":
+                    break
+        except websockets.ConnectionClosed:
+            pass
+        await asyncio.sleep(0.1)
+    else:
+        raise AssertionError("no session admitted after the others closed")
+
+
+async def test_idle_timeout(limited):
+    async with websockets.connect(ws_url(limited)) as ws:
+        await recv_type(ws, "session.created")
+        err = await recv(ws, timeout=15)
+        assert err["type"] == "error" and err["error"]["code"] == "session_idle_timeout"
+        with pytest.raises(websockets.ConnectionClosed) as closed:
+            await recv(ws, timeout=10)
+        assert closed.value.rcvd.code == 1000
+
+
+async def test_a_response_the_engine_refuses_fails_and_the_session_goes_on(server):
+    async with websockets.connect(ws_url(server)) as ws:
+        await recv_type(ws, "session.created")
+        await ws.send(json.dumps({"type": "conversation.item.create", "item": {
+            "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi"}]}}))
+        await ws.send(json.dumps({"type": "response.create", "event_id": "evt_bad",
+                                  "response": {"talker_sampling": {"top_p": 7}}}))
+        err = await recv_type(ws, "error")
+        assert err["error"]["code"] == "invalid_request" and "top_p" in err["error"]["message"]
+        done = await recv_type(ws, "response.done")
+        assert done["response"]["status"] == "failed" and done["response"]["status_details"]["error"]["message"]
+        await ws.send(json.dumps({"type": "response.create", "response": {"max_output_tokens": 3,
+                                                                          "output_modalities": ["text"]}}))
+        done = await recv_type(ws, "response.done")
+        assert done["response"]["status"] in ("completed", "incomplete")
+
+
+async def test_item_order_and_delete_shape_the_history(server):
+    async def answer(ws) -> dict:
+        await ws.send(json.dumps({"type": "response.create", "response": {"output_modalities": ["text"],
+                                                                          "max_output_tokens": 2}}))
+        return (await recv_type(ws, "response.done"))["response"]
+
+    def text_item(item_id: str, text: str) -> dict:
+        return {"id": item_id, "type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
+
+    async with websockets.connect(ws_url(server)) as ws:
+        await recv_type(ws, "session.created")
+        await ws.send(json.dumps({"type": "conversation.item.create", "item": text_item("b", "second")}))
+        await ws.send(json.dumps({"type": "conversation.item.create", "previous_item_id": "root",
+                                  "item": text_item("a", "first " * 20)}))
+        added = await recv_type(ws, "conversation.item.added")
+        added = await recv_type(ws, "conversation.item.added")
+        assert added["item"]["id"] == "a" and added["previous_item_id"] is None
+        with_a = (await answer(ws))["usage"]["input_tokens"]
+        await ws.send(json.dumps({"type": "conversation.item.delete", "item_id": "a"}))
+        assert (await recv_type(ws, "conversation.item.deleted"))["item_id"] == "a"
+        without_a = (await answer(ws))["usage"]["input_tokens"]
+        assert with_a - without_a >= 20  # the 20 words of item "a" left the Thinker's prompt
+
+
+async def test_per_response_instructions_voice_and_out_of_band(server):
+    async def answer(ws, **response) -> tuple[dict, bytes]:
+        await ws.send(json.dumps({"type": "response.create", "response": {
+            "conversation": "none", "max_output_tokens": 4, "talker_sampling": {"max_tokens": 20}, **response}}))
+        pcm = bytearray()
+        while (ev := await recv(ws))["type"] != "response.done":
+            if ev["type"] == "response.output_audio.delta":
+                pcm += base64.b64decode(ev["delta"])
+        return ev["response"], bytes(pcm)
+
+    async with websockets.connect(ws_url(server)) as ws:
+        await recv_type(ws, "session.created")
+        await ws.send(json.dumps({"type": "conversation.item.create", "item": {
+            "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hello!"}]}}))
+        await recv_type(ws, "conversation.item.done")
+        base, base_pcm = await answer(ws)
+        again, again_pcm = await answer(ws)  # out-of-band: the conversation did not grow
+        assert base["conversation_id"] is None and again["usage"]["input_tokens"] == base["usage"]["input_tokens"]
+        assert again_pcm == base_pcm
+        voiced, voiced_pcm = await answer(ws, audio={"output": {"voice": "chelsie"}})
+        assert voiced["audio"]["output"]["voice"] == "chelsie" and voiced_pcm != base_pcm
+        told, _ = await answer(ws, instructions="Answer like a pirate, in one short sentence, always.")
+        assert told["usage"]["input_tokens"] > base["usage"]["input_tokens"]
+        texted, text_pcm = await answer(ws, output_modalities=["text"])
+        assert text_pcm == b"" and texted["output"][0]["content"][0]["type"] == "output_text"

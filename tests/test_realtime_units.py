@@ -1,0 +1,194 @@
+"""Realtime building blocks: G.711, the streaming resampler, config parsing, truncation, and the
+session layer driven in-process through its transport interface (an audio sink, as WebRTC uses it)."""
+
+from __future__ import annotations
+
+import asyncio
+import warnings
+
+import numpy as np
+import pytest
+from scipy.signal import resample_poly
+
+from app.conversation import Content, Conversation, Item
+from app.input_audio import BufferFull, InputAudio, TurnEnded, TurnStarted
+from app.outbox import Outbox
+from app.realtime_config import SessionConfig, apply_session_update, session_object
+from app.realtime_events import ProtocolError
+from app.session import RealtimeLimits, RealtimeSession
+from app.vad import VadConfig
+from app.wire_audio import G711_ALAW, G711_ULAW, StreamResampler, decode, encode
+from pipeline.engine import RequestError
+from pipeline.request import OmniRequest
+from tests.realtime_helpers import LEAD_S, espeak_utterance
+
+VOICES = ["chelsie", "ethan"]
+
+
+@pytest.mark.parametrize("fmt", [G711_ULAW, G711_ALAW], ids=["ulaw", "alaw"])
+def test_g711_matches_audioop_for_every_sample(fmt):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        audioop = pytest.importorskip("audioop")
+    pcm = np.arange(-32768, 32768, dtype="<i2")
+    enc, dec = (audioop.lin2ulaw, audioop.ulaw2lin) if fmt is G711_ULAW else (audioop.lin2alaw, audioop.alaw2lin)
+    assert encode(pcm.astype(np.float32) / 32767.0, fmt) == enc(pcm.tobytes(), 2)
+    ref = np.frombuffer(dec(bytes(range(256)), 2), "<i2").astype(np.float32) / 32768.0
+    assert np.array_equal(decode(bytes(range(256)), fmt), ref)
+
+
+@pytest.mark.parametrize("rates", [(24000, 16000), (8000, 16000), (48000, 16000), (24000, 8000)])
+def test_stream_resampler_equals_whole_stream(rates):
+    rng = np.random.default_rng(0)
+    x = (0.1 * rng.standard_normal(30000)).astype(np.float32)
+    r, out, i = StreamResampler(*rates), [], 0
+    while i < len(x):
+        n = int(rng.integers(1, 2500))
+        out.append(r(x[i:i + n]))
+        i += n
+    y = np.concatenate(out + [r.flush()])
+    ref = resample_poly(x, r.up, r.down)
+    assert len(y) == len(ref) and np.abs(y - ref).max() < 1e-5
+
+
+def test_session_update_accepts_both_generations():
+    cfg = SessionConfig(model="tiny", voice="ethan")
+    ga = apply_session_update(cfg, {"type": "realtime", "output_modalities": ["text"], "audio": {
+        "input": {"format": {"type": "audio/pcmu"}, "turn_detection": {"type": "server_vad", "threshold": 0.7}},
+        "output": {"format": {"type": "audio/pcma"}, "voice": "Chelsie"}}}, VOICES)
+    assert (ga.wants_audio, ga.input_format, ga.output_format, ga.voice) == (False, G711_ULAW, G711_ALAW, "chelsie")
+    assert ga.turn_detection.threshold == 0.7 and ga.turn_detection.silence_duration_ms == 500
+    beta = apply_session_update(cfg, {"modalities": ["text", "audio"], "input_audio_format": "g711_alaw",
+                                      "turn_detection": None, "max_response_output_tokens": 20}, VOICES)
+    assert beta.wants_audio and beta.input_format is G711_ALAW and beta.turn_detection is None
+    assert session_object(beta, "s", beta=True)["max_response_output_tokens"] == 20
+    assert session_object(ga, "s", beta=False)["audio"]["input"]["format"] == {"type": "audio/pcmu"}
+    for bad, param in [({"tools": [{"type": "function"}]}, "session.tools"),
+                       ({"audio": {"input": {"turn_detection": {"type": "semantic_vad"}}}},
+                        "session.audio.input.turn_detection.type"),
+                       ({"turn_detection": {"threshold": 3}}, "session.turn_detection"),
+                       ({"output_audio_format": "mp3"}, "session.output_audio_format"),
+                       ({"bogus": 1}, "session.bogus")]:
+        with pytest.raises(ProtocolError) as err:
+            apply_session_update(cfg, bad, VOICES)
+        assert err.value.param == param
+
+
+def test_truncate_cuts_the_transcript_at_the_played_fraction():
+    conv = Conversation()
+    conv.add(Item("u1", "user", [Content("input_text", text="hi")]))
+    conv.add(Item("a1", "assistant", [Content("output_audio", transcript="0123456789", audio_ms=1000)]))
+    conv.truncate("a1", 0, 400)
+    assert conv.get("a1").content[0].transcript == "0123" and conv.get("a1").content[0].audio_ms == 400
+    assert conv.history("sys")[-1] == {"role": "assistant", "content": "0123"}
+    with pytest.raises(ProtocolError):
+        conv.truncate("a1", 0, 401)  # past what is left
+    with pytest.raises(ProtocolError):
+        conv.truncate("u1", 0, 0)  # not an assistant item
+
+
+def test_input_buffer_stays_bounded_with_vad(tmp_path):
+    """Idle audio is dropped down to the prefix padding; a turn longer than the buffer is cut there
+    (and the next one is still detected); without VAD a full buffer refuses audio."""
+    samples, speech_s = espeak_utterance(tmp_path)
+    assert speech_s > 2.0
+    vad = InputAudio(max_buffer_s=2.0, vad=VadConfig())
+    events = [ev for _ in range(2) for i in range(0, len(samples), 2400) for ev in vad.append(samples[i:i + 2400],
+                                                                                              24000)]
+    assert vad.num_samples <= 16000 * 0.3 + 2400
+    kinds = [type(e) for e in events]
+    assert kinds[:2] == [TurnStarted, TurnEnded] and TurnStarted in kinds[2:]  # cut at 2 s, then heard again
+    assert abs(events[0].audio_start_ms - (LEAD_S * 1000 - 300)) < 250
+    assert 28000 < len(events[1].audio) <= 32000  # the whole 2 s buffer went into the cut turn
+    manual = InputAudio(max_buffer_s=2.0, vad=None)
+    manual.append(samples[:36000], 24000)
+    with pytest.raises(BufferFull):
+        manual.append(samples[:24000], 24000)
+    assert len(manual.commit()) > 23000 and manual.num_samples == 0
+
+
+class PlaybackSink:
+    """The other side of the session's audio-sink interface, as a WebRTC track uses it."""
+
+    def __init__(self, played_ms: int):
+        self.pcm, self.item_ids, self.num_clears, self._played_ms = bytearray(), set(), 0, played_ms
+
+    async def write(self, response_id: str, item_id: str, pcm16: bytes) -> None:
+        self.pcm += pcm16
+        self.item_ids.add(item_id)
+
+    def clear(self) -> None:
+        self.num_clears += 1
+
+    def played_ms(self, item_id: str) -> int:
+        return self._played_ms
+
+
+async def test_barge_in_through_an_audio_sink(engine, tmp_path):
+    """Raw 22.05 kHz float input (no wire format), audio to a sink, barge-in: the response stops in
+    every stage within a step, the sink is cleared, the item is truncated at the played position."""
+    samples, _ = espeak_utterance(tmp_path)
+    sink = PlaybackSink(played_ms=240)
+    session = RealtimeSession(engine, "tiny", RealtimeLimits(), audio_sink=sink)
+    await session.start()
+    events: list[dict] = []
+
+    async def drain():
+        while (ev := await session.outbox.get()) is not None:
+            events.append(ev)
+
+    reader = asyncio.create_task(drain())
+    await session.handle_event({"type": "session.update", "session": {"audio": {"input": {"turn_detection": {
+        "type": "server_vad", "create_response": False}}}}})
+    await session.handle_event({"type": "conversation.item.create", "item": {
+        "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Talk for a long time."}]}})
+    await session.handle_event({"type": "response.create", "response": {
+        "max_output_tokens": 30, "talker_sampling": {"min_tokens": 2000, "max_tokens": 2000}}})
+    for _ in range(600):
+        if len(sink.pcm) > 24000:
+            break
+        await asyncio.sleep(0.05)
+    await session.append_audio(samples[::2].copy(), 12000)  # any rate: 12 kHz here
+    await session.response.wait()
+    steps = engine.talker.num_steps, engine.code2wav.num_steps
+    await asyncio.sleep(0.5)
+    assert engine.talker.num_steps - steps[0] <= 1 and engine.code2wav.num_steps - steps[1] <= 1
+    assert engine.num_free_slots() == engine.num_slots()
+    await session.close()
+    await reader
+    types = [e["type"] for e in events]
+    done = next(e for e in events if e["type"] == "response.done")
+    assert done["response"]["status_details"] == {"type": "cancelled", "reason": "turn_detected"}
+    assert "response.output_audio.delta" not in types and sink.num_clears >= 1
+    truncated = next(e for e in events if e["type"] == "conversation.item.truncated")
+    assert truncated["audio_end_ms"] == 240 and truncated["item_id"] in sink.item_ids
+    assert types.index("input_audio_buffer.speech_started") < types.index("response.done") < \
+        types.index("output_audio_buffer.cleared")
+    assert session.conversation.get(truncated["item_id"]).content[0].audio_ms == 240
+
+
+async def test_outbox_is_bounded_and_drops_a_cancelled_responses_audio():
+    box = Outbox(max_events=16, beta=True)
+    for i in range(15):
+        await box.put({"type": "response.output_audio.delta", "response_id": "r1", "delta": str(i)})
+    await box.put({"type": "response.output_text.delta", "response_id": "r1", "delta": "x"})
+    blocked = asyncio.create_task(box.put({"type": "response.done", "response": {"id": "r1"}}))
+    await asyncio.sleep(0.05)
+    assert not blocked.done()  # full: the producer waits
+    assert await box.drop_audio("r1") == 15
+    await asyncio.wait_for(blocked, 1)
+    await box.put({"type": "response.output_audio.delta", "response_id": "r1", "delta": "late"})
+    await box.close()
+    out = []
+    while (ev := await box.get()) is not None:
+        out.append(ev["type"])
+    assert out == ["response.text.delta", "response.done"]  # beta names; no audio after the drop
+
+
+async def test_a_refused_request_leaves_no_stream_behind(engine):
+    """Regression: bad talker sampling used to be found after the request was registered."""
+    req = OmniRequest("bad-talker", [{"role": "user", "content": "hi"}], ("text", "audio"),
+                      talker_sampling={"top_p": 7})
+    with pytest.raises(RequestError):
+        await engine.submit(req)
+    assert engine.num_active_requests == 0
