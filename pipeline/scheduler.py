@@ -156,7 +156,7 @@ class ChunkScheduler:
         for req, n in zip(batch.requests, batch.num_new_tokens, strict=True):
             if req.status.is_finished:
                 continue
-            req.state.num_emitted += n
+            req.state.advance(n)
             req.status = RequestStatus.WAITING_FOR_INPUT
             if req.state.is_drained():
                 self.finish(req, RequestStatus.FINISHED_STOPPED)

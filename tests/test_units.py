@@ -86,14 +86,25 @@ def test_sampler_greedy_penalty_suppress_min_tokens():
 
 
 def test_codec_stream_schedule():
-    s = CodecStream(initial_frames=2, chunk_frames=5, left_context_frames=3)
+    s = CodecStream(initial_frames=2, chunk_frames=5, left_context_frames=3, ramp=False)
     s.frames = [[i] * 16 for i in range(13)]
     sizes = []
     while s.is_ready():
         window, n = s.next_window()
         sizes.append((n, window.num_context, window.is_first))
-        s.num_emitted += n
+        s.advance(n)
     assert sizes == [(2, 0, True), (5, 2, False), (5, 3, False)]
     s.input_done = True
     window, n = s.next_window()
     assert n == 1 and window.num_context == 3 and s.is_ready()
+
+
+def test_codec_stream_ramp_doubles_up_to_the_chunk_size():
+    s = CodecStream(initial_frames=2, chunk_frames=12, left_context_frames=3)
+    s.frames = [[0] * 16] * 40
+    sizes = []
+    while s.is_ready():
+        n = s.next_window()[1]
+        sizes.append(n)
+        s.advance(n)
+    assert sizes == [2, 4, 8, 12, 12]
