@@ -22,7 +22,7 @@ from app.audio import encode_wav
 from app.chat_protocol import ChatRequest, to_engine_messages
 from app.errors import APIError
 from pipeline.engine import RequestError
-from pipeline.request import AudioChunk, Finished, OmniRequest, TextDelta
+from pipeline.request import AudioChunk, Finished, OmniRequest, TextDelta, collect_reply
 
 router = APIRouter()
 AUDIO_TTL_S = 3600
@@ -75,21 +75,15 @@ async def _until_done_or_gone(work, request: Request) -> JSONResponse:
 
 
 async def _collect(body: ChatRequest, req: OmniRequest, events: AsyncIterator) -> JSONResponse:
-    text, pcm, fin = [], bytearray(), None
-    async for ev in events:
-        if isinstance(ev, TextDelta):
-            text.append(ev.text)
-        elif isinstance(ev, AudioChunk):
-            pcm += ev.pcm16
-        elif isinstance(ev, Finished):
-            fin = ev
+    reply = await collect_reply(events)
+    fin = reply.finished
     _raise_if_failed(fin)
-    message: dict = {"role": "assistant", "content": "".join(text), "refusal": None}
+    message: dict = {"role": "assistant", "content": reply.text, "refusal": None}
     if req.wants_audio:
-        data = encode_wav(bytes(pcm), 24000) if body.audio.format == "wav" else bytes(pcm)
+        data = encode_wav(reply.pcm16, 24000) if body.audio.format == "wav" else reply.pcm16
         message["content"] = None
         message["audio"] = {"id": f"audio_{uuid.uuid4().hex}", "data": base64.b64encode(data).decode(),
-                            "expires_at": int(time.time()) + AUDIO_TTL_S, "transcript": "".join(text)}
+                            "expires_at": int(time.time()) + AUDIO_TTL_S, "transcript": reply.text}
     return JSONResponse({
         "id": req.request_id, "object": "chat.completion", "created": int(time.time()), "model": body.model,
         "choices": [{"index": 0, "message": message, "finish_reason": fin.finish_reason, "logprobs": None}],

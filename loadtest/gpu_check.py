@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from pipeline.request import AudioChunk, OmniRequest, TextDelta
+from pipeline.request import OmniRequest, collect_reply
 
 
 async def run_all(engine, prompts: list[str], tag: str, thinker_tokens: int, frames: int):
@@ -22,13 +22,8 @@ async def run_all(engine, prompts: list[str], tag: str, thinker_tokens: int, fra
                           thinker_sampling={"temperature": 0.0, "max_tokens": thinker_tokens,
                                             "min_tokens": thinker_tokens},
                           talker_sampling={"temperature": 0.0, "max_tokens": frames + 1, "min_tokens": frames + 1})
-        ids, pcm = [], bytearray()
-        async for ev in await engine.submit(req):
-            if isinstance(ev, TextDelta):
-                ids.extend(ev.token_ids)
-            elif isinstance(ev, AudioChunk):
-                pcm += ev.pcm16
-        return ids, np.frombuffer(bytes(pcm), "<i2").astype(np.float32) / 32768
+        reply = await collect_reply(await engine.submit(req))
+        return reply.token_ids, np.frombuffer(reply.pcm16, "<i2").astype(np.float32) / 32768
 
     t0 = time.perf_counter()
     out = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))

@@ -128,3 +128,26 @@ class Finished:
 
 
 Event = TextDelta | AudioChunk | Finished
+
+
+@dataclass(slots=True)
+class Reply:
+    """A whole reply gathered from an event stream (non-streaming clients, tests, benchmarks)."""
+
+    text: str
+    token_ids: list[int]
+    pcm16: bytes
+    finished: Finished | None
+
+
+async def collect_reply(events) -> Reply:
+    text, ids, pcm, fin = [], [], bytearray(), None
+    async for ev in events:
+        if isinstance(ev, TextDelta):
+            text.append(ev.text)
+            ids.extend(ev.token_ids)
+        elif isinstance(ev, AudioChunk):
+            pcm += ev.pcm16
+        elif isinstance(ev, Finished):
+            fin = ev
+    return Reply("".join(text), ids, bytes(pcm), fin)

@@ -4,22 +4,15 @@ from __future__ import annotations
 
 import asyncio
 
-from pipeline.request import AudioChunk, Finished, OmniRequest, TextDelta
+from pipeline.request import AudioChunk, OmniRequest, collect_reply
 
 
 async def run(engine, rid: str, text: str, audio: bool):
     req = OmniRequest(rid, [{"role": "user", "content": text}], ("text", "audio") if audio else ("text",),
                       thinker_sampling={"max_tokens": 10 + len(text) % 7},
                       talker_sampling={"max_tokens": 20 + len(text) % 11})
-    out, pcm, fin = [], bytearray(), None
-    async for ev in await engine.submit(req):
-        if isinstance(ev, TextDelta):
-            out.append(ev.text)
-        elif isinstance(ev, AudioChunk):
-            pcm += ev.pcm16
-        elif isinstance(ev, Finished):
-            fin = ev
-    return "".join(out), bytes(pcm), fin.finish_reason
+    reply = await collect_reply(await engine.submit(req))
+    return reply.text, reply.pcm16, reply.finished.finish_reason
 
 
 PROMPTS = [("Tell me a story about a dragon.", True), ("What is the weather?", False),

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.request import AudioChunk, Finished, OmniRequest, TextDelta
+from pipeline.request import OmniRequest, collect_reply
 
 THINKER_TOKENS, TALKER_TOKENS = 12, 40
 
@@ -72,17 +72,11 @@ async def engine_generate(engine, rid, messages):
                           thinker_sampling={"temperature": 0.0, "max_tokens": THINKER_TOKENS},
                           talker_sampling={"temperature": 0.0, "max_tokens": TALKER_TOKENS,
                                            "repetition_penalty": 1.05})
-        tokens, pcm, fin = [], bytearray(), None
-        async for ev in await engine.submit(req):
-            if isinstance(ev, TextDelta):
-                tokens.extend(ev.token_ids)
-            elif isinstance(ev, AudioChunk):
-                pcm += ev.pcm16
-            elif isinstance(ev, Finished):
-                fin = ev
+        reply = await collect_reply(await engine.submit(req))
     finally:
         engine.models.code2wav.decode = original
-    return tokens, frames, np.frombuffer(bytes(pcm), "<i2").astype(np.float32) / 32768.0, fin
+    pcm = np.frombuffer(reply.pcm16, "<i2").astype(np.float32) / 32768.0
+    return reply.token_ids, frames, pcm, reply.finished
 
 
 @pytest.mark.parametrize("kind", ["text", "audio"])
