@@ -57,7 +57,7 @@ class ConnectorConfig:
     initial_codec_chunk_frames: int = 4
     codec_chunk_frames: int = 25
     codec_left_context_frames: int = 25
-    codec_chunk_ramp: bool = True
+    codec_chunk_ramp: bool = False  # see CodecStream.ramp
     async_chunk: bool = True
 
     def __post_init__(self):

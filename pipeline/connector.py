@@ -39,7 +39,7 @@ class CodecStream:
     initial_frames: int
     chunk_frames: int
     left_context_frames: int
-    ramp: bool = True  # chunk k holds initial * 2**k frames (capped at chunk_frames): the buffer never runs dry
+    ramp: bool = False  # chunk k holds initial * 2**k frames (capped at chunk_frames): the buffer never runs dry
     frames: list[list[int]] = field(default_factory=list)
     num_emitted: int = 0
     num_chunks: int = 0

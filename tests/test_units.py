@@ -100,7 +100,7 @@ def test_codec_stream_schedule():
 
 
 def test_codec_stream_ramp_doubles_up_to_the_chunk_size():
-    s = CodecStream(initial_frames=2, chunk_frames=12, left_context_frames=3)
+    s = CodecStream(initial_frames=2, chunk_frames=12, left_context_frames=3, ramp=True)
     s.frames = [[0] * 16] * 40
     sizes = []
     while s.is_ready():
