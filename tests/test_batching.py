@@ -53,3 +53,17 @@ async def test_abort_frees_every_stage(engine):
         await asyncio.sleep(0.05)
     assert engine.num_free_slots() == engine.num_slots()
     assert all(not s.requests for s in engine.stages)
+
+
+async def test_one_token_reply_has_no_speech_and_frees_slots(engine):
+    """The reference cannot speak a one-token reply (its prefix needs the first text token after the
+    assistant tag); the engine ends the speech stages cleanly instead."""
+    req = OmniRequest("one-token", [{"role": "user", "content": "Hi"}], ("text", "audio"),
+                      thinker_sampling={"max_tokens": 1})
+    reply = await collect_reply(await engine.submit(req))
+    assert reply.finished.finish_reason == "length" and reply.pcm16 == b""
+    for _ in range(50):
+        if engine.num_free_slots() == engine.num_slots():
+            break
+        await asyncio.sleep(0.05)
+    assert engine.num_free_slots() == engine.num_slots() and not any(s.requests for s in engine.stages)

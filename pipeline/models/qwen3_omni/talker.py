@@ -96,7 +96,9 @@ class TalkerModel:
     # ---- readiness: which Thinker rows a step needs -------------------------------------------------
 
     def can_prefill(self, st: TalkerState) -> bool:
-        return st.num_prompt_rows == len(st.prompt_ids) and (len(st.text_rows) >= 2 or st.thinker_done)
+        """The prompt needs the Thinker's prompt rows and its first token (a reply that turns out to
+        be that one token has no speech: `has_speech` then ends the request)."""
+        return st.num_prompt_rows == len(st.prompt_ids) and len(st.text_rows) >= 1
 
     def can_decode(self, st: TalkerState, step: int) -> bool:
         """Decode step `step` consumes trailing text row `step`, i.e. gen[step+1], known to be non-final
