@@ -98,6 +98,13 @@ class GraphCache:
             self._graphs[key] = _Captured(graph, inputs, outputs)
         self.platform.synchronize()
 
+    def length_bucket(self, length: int) -> int | None:
+        """The captured length that holds `length` (None when graphs are off or it is too long): a
+        caller whose inputs carry the length dimension pads them to it."""
+        if not self.enabled or not self.lengths:
+            return None
+        return bucket_for(length, self.lengths)
+
     def run(self, n: int, length: int | None, inputs: dict[str, torch.Tensor],
             pads: dict[str, int]) -> tuple[torch.Tensor, ...]:
         """Run the step for `n` rows needing `length`: replay the smallest bucket that holds them, with

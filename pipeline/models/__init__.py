@@ -10,7 +10,7 @@ import torch
 from pipeline.config import EngineConfig
 from pipeline.kv_cache import SlotKVCache
 from pipeline.models.loader import ModelNotFoundError, load_hf_model
-from pipeline.models.qwen3_omni.code2wav import Code2WavModel, CodecWindow
+from pipeline.models.qwen3_omni.code2wav import Code2WavModel, CodecWindow, frame_buckets
 from pipeline.models.qwen3_omni.prompt import INPUT_SAMPLE_RATE, EncodedPrompt, PromptEncoder
 from pipeline.models.qwen3_omni.talker import TalkerModel, TalkerState
 from pipeline.models.qwen3_omni.thinker import ThinkerModel, ThinkerRows, ThinkerState
@@ -42,6 +42,7 @@ class OmniModels:
         self.thinker.capture_graphs()
         if self.talker is not None:
             self.talker.capture_graphs()
+            self.code2wav.capture_graphs()
 
     def decode_text(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
@@ -77,7 +78,10 @@ def load_models(cfg: EngineConfig, platform: Platform) -> OmniModels:
         predictor_kv = _kv_for(tkc.code_predictor_config, tk_cfg, platform, dtype, max_len=tkc.num_code_groups)
         talker = TalkerModel(hf.talker, hc, _kv_for(tkc.text_config, tk_cfg, platform, dtype), predictor_kv,
                              thinker.special_rows(), platform, tk_cfg.enforce_eager, graph_moe)
-        code2wav = Code2WavModel(hf.code2wav, device)
+        cc, c2w_cfg = cfg.connector, cfg.stage("code2wav")
+        code2wav = Code2WavModel(hf.code2wav, device, platform, c2w_cfg.enforce_eager, c2w_cfg.max_num_seqs,
+                                 frame_buckets(cc.initial_codec_chunk_frames, cc.codec_chunk_frames,
+                                               cc.codec_left_context_frames))
         kv_bytes["talker"] = talker.kv.num_bytes + predictor_kv.num_bytes
     voices = {k.lower(): v for k, v in hc.talker_config.speaker_id.items()} if talker else {}
     for stage, n in kv_bytes.items():

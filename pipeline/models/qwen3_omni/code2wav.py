@@ -13,6 +13,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeSnakeBeta
+
+from pipeline.cudagraph import GraphCache, batch_buckets
+from pipeline.platform import Platform
 
 
 @dataclass(slots=True, frozen=True)
@@ -22,24 +26,68 @@ class CodecWindow:
     is_first: bool  # the request's first chunk: nothing withheld before it
 
 
+class PrecomputedSnakeBeta(torch.nn.Module):
+    """SnakeBeta with exp(alpha) and 1 / (exp(beta) + eps) computed once, not on every call (the same
+    values, so the same output); frozen weights only."""
+
+    def __init__(self, snake: Qwen3OmniMoeSnakeBeta):
+        super().__init__()
+        with torch.no_grad():
+            self.register_buffer("alpha", snake.alpha.exp()[None, :, None])
+            self.register_buffer("inv_beta", 1.0 / (snake.beta.exp()[None, :, None] + snake.no_div_by_zero))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.inv_beta * torch.pow(torch.sin(x * self.alpha), 2)
+
+
+def precompute_snake(module: torch.nn.Module) -> None:
+    for name, child in module.named_children():
+        if isinstance(child, Qwen3OmniMoeSnakeBeta):
+            setattr(module, name, PrecomputedSnakeBeta(child))
+        else:
+            precompute_snake(child)
+
+
+def frame_buckets(initial: int, chunk: int, left_context: int) -> list[int]:
+    """Window lengths a stream decodes: powers of two up to the largest window, plus the exact first,
+    steady and full-context sizes, so that most windows need no padding."""
+    largest = chunk + left_context
+    sizes = {initial, chunk, largest} | {1 << i for i in range(largest.bit_length()) if 1 << i < largest}
+    return sorted(sizes)
+
+
 class Code2WavModel:
-    def __init__(self, code2wav, device: torch.device):
+    def __init__(self, code2wav, device: torch.device, platform: Platform | None = None, enforce_eager: bool = True,
+                 max_batch: int = 1, frame_sizes: list[int] | None = None):
         self.code2wav = code2wav
         self.device = device
+        self.num_quantizers = code2wav.config.num_quantizers
         self.samples_per_frame = int(code2wav.total_upsample)
+        precompute_snake(code2wav)
         with torch.inference_mode():
-            one = torch.zeros(1, code2wav.config.num_quantizers, 1, dtype=torch.long, device=device)
+            one = torch.zeros(1, self.num_quantizers, 1, dtype=torch.long, device=device)
             self.tail = self.samples_per_frame - code2wav(one).shape[-1]
+        self.graphs = GraphCache("code2wav", self._decode_step, platform or Platform("cpu", "cpu", "gloo", False),
+                                 not enforce_eager, batch_buckets(max_batch), frame_sizes or [])
+
+    def capture_graphs(self) -> None:
+        self.graphs.capture(lambda key: {"codes": torch.zeros(key[0], self.num_quantizers, key[1], dtype=torch.long,
+                                                              device=self.device)})
+
+    def _decode_step(self, key, codes: torch.Tensor) -> tuple[torch.Tensor]:
+        return (self.code2wav(codes)[:, 0],)
 
     @torch.inference_mode()
     def decode(self, windows: list[CodecWindow]) -> list[np.ndarray]:
-        """Decode windows in one padded batch (right padding is harmless: the model is causal);
-        returns each window's new float32 samples."""
+        """Decode windows in one batch, right-padded with code 0 (harmless: the model is causal) to the
+        graph bucket; returns each window's new float32 samples."""
         lengths = [len(w.codes) for w in windows]
-        codes = torch.zeros(len(windows), max(lengths), self.code2wav.config.num_quantizers, dtype=torch.long)
+        width = self.graphs.length_bucket(max(lengths)) or max(lengths)
+        codes = torch.zeros(len(windows), width, self.num_quantizers, dtype=torch.long)
         for i, w in enumerate(windows):
             codes[i, : lengths[i]] = torch.tensor(w.codes)
-        wav = self.code2wav(codes.transpose(1, 2).to(self.device))[:, 0].float().cpu().numpy()
+        (wav,) = self.graphs.run(len(windows), width, {"codes": codes.transpose(1, 2).to(self.device)}, {})
+        wav = wav.float().cpu().numpy()
         out = []
         for i, w in enumerate(windows):
             end = lengths[i] * self.samples_per_frame - self.tail
@@ -47,7 +95,6 @@ class Code2WavModel:
             out.append(wav[i, start:end])
         return out
 
-    @torch.inference_mode()
     def decode_full(self, codes: list[list[int]]) -> np.ndarray:
         """One-shot decode of a whole utterance (the reference for streaming)."""
         return self.decode([CodecWindow(codes, 0, True)])[0]
