@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from pipeline.config import EngineConfig, ProfileError
 from pipeline.connector import Command, Message
 from pipeline.request import RequestStatus, StageRequest
@@ -28,7 +30,7 @@ from pipeline.worker import ProcessReplica, ReplicaLoad, StepReport, WorkerSpec
 log = logging.getLogger(__name__)
 BACKOFF_S = (0.5, 10.0)  # first restart delay, cap (doubling per consecutive failure)
 HEALTHY_RESET_S = 30.0  # up this long: the next failure starts the backoff again from the first delay
-READY_TIMEOUT_S = 300.0
+READY_TIMEOUT_S = 180.0
 
 
 class ReplicaState(enum.Enum):
@@ -79,7 +81,8 @@ class ReplicaPool:
             while not slot.ready.wait(0.1):
                 if slot.last_error is not None or time.monotonic() > deadline:
                     self.stop()
-                    raise RuntimeError(f"{self.name} replica {slot.index} did not start: {slot.last_error or 'timeout'}")
+                    why = slot.last_error or f"not up after {READY_TIMEOUT_S:.0f} s (Ray: are its resources free?)"
+                    raise RuntimeError(f"{self.name} replica {slot.index} did not start: {why}")
 
     def stop(self) -> None:
         self._stopping = True
@@ -243,10 +246,11 @@ def make_stage(name: str, cfg: EngineConfig, models: Any, on_step: StepSink) -> 
     from pipeline.stage_graph import build_stage
 
     sc = cfg.stage(name)
-    if not sc.needs_workers and cfg.distributed == "none":
+    if not sc.needs_workers:
         return build_stage(name, cfg, models, on_step)
     _check_devices(cfg, name)
-    specs = [WorkerSpec(name, i, sc.replica_device(i), cfg) for i in range(sc.num_replicas)]
+    threads = torch.get_num_threads()  # workers use the engine's intra-op thread count (--threads)
+    specs = [WorkerSpec(name, i, sc.replica_device(i), cfg, threads) for i in range(sc.num_replicas)]
     replica_cls = ProcessReplica
     if cfg.distributed == "ray":
         from pipeline.ray_replica import RayReplica

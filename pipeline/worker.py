@@ -39,6 +39,7 @@ class WorkerSpec:
     device_index: int
     cfg: EngineConfig
     num_threads: int = 1
+    pin_device: bool = True  # False where the runtime (Ray) assigns the device
 
 
 @dataclass(slots=True)
@@ -70,7 +71,8 @@ class StageHost:
         from pipeline.stage_graph import build_stage
 
         platform = get_platform(spec.cfg.platform)
-        platform.pin_device(spec.device_index)
+        if spec.pin_device:
+            platform.pin_device(spec.device_index)
         torch.set_num_threads(spec.num_threads)
         self.device = platform.device(0)  # the pinned device is the only one this process sees
         self.emit = emit
