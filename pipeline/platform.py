@@ -34,7 +34,8 @@ class Platform:
         return torch.device("cpu") if self.device_type == "cpu" else torch.device(self.device_type, index)
 
     def device_name(self, index: int = 0) -> str:
-        return str(self.device(index))
+        """"cuda:1", "npu:0", "cpu" (a string: torch knows "npu" only once torch_npu is imported)."""
+        return "cpu" if self.device_type == "cpu" else f"{self.device_type}:{index}"
 
     def device_count(self) -> int | None:
         """Devices this process can see; None on the CPU, where device indices only name replicas."""
