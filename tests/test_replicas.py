@@ -148,3 +148,21 @@ def test_routing_policies(routing, expected):
     t0 = time.monotonic()
     pool.stop()
     assert time.monotonic() - t0 < 1
+
+
+async def test_thinker_in_a_worker_process_matches_in_process(baseline):
+    """Any stage can leave the engine's process: here the Thinker (prompt embeddings in, rows out)."""
+    from replica_helpers import ROOT
+
+    from pipeline.config import load_profile
+
+    eng = start_engine(load_profile(ROOT / "deploy" / "tiny.yaml", "cpu", {}, {"0": {"devices": "1"}}))
+    try:
+        assert eng.replica_status()["thinker"][0]["kind"] == "process"
+        got = await asyncio.wait_for(asyncio.gather(*(run(eng, f"th-{i}", t) for i, t in enumerate(PROMPTS[:3]))), 120)
+        for base, res in zip(baseline, got):
+            assert res.text == base.text and res.finish.finish_reason == base.finish.finish_reason
+            assert len(res.pcm) == len(base.pcm) and max_pcm_diff(res.pcm, base.pcm) <= 2
+        assert eng.thinker._slots[0].handle.inbox.stats.num_shm_bytes > 0  # the prompt embeddings
+    finally:
+        eng.stop()
