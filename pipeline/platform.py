@@ -80,14 +80,29 @@ class Platform:
         self._require_graphs()
         return getattr(self._module(), self.graph_class)()
 
-    def graph(self, graph: Any, pool: Any = None, stream: Any = None) -> Any:
-        """The capture context: `with platform.graph(g, pool): step()`; replay with `g.replay()`."""
+    def graph_context(self, graph: Any, pool: Any = None, stream: Any = None) -> Any:
+        """The capture context: `with platform.graph_context(g, pool): step()`; replay with `g.replay()`."""
         self._require_graphs()
         return self._module().graph(graph, pool=pool, stream=stream)
 
     def graph_pool_handle(self) -> Any:
         self._require_graphs()
         return self._module().graph_pool_handle()
+
+    # ---- streams ------------------------------------------------------------------------------------
+
+    def new_stream(self) -> Any:
+        return self._module().Stream()
+
+    def stage_stream(self) -> Any:
+        """A stream of its own for a stage thread, so stages overlap on the device; None on the CPU."""
+        return self.new_stream() if self.supports_graphs else None
+
+    def current_stream(self) -> Any:
+        return self._module().current_stream()
+
+    def stream_context(self, stream: Any) -> Any:
+        return self._module().stream(stream)
 
     def _require_graphs(self) -> None:
         if not self.supports_graphs or self.graph_class is None:

@@ -147,8 +147,6 @@ class ProcessReplica:
         ctx = mp.get_context("spawn")
         self.inbox = Channel(ctx.Queue(), ShmRing(self.ring_bytes))
         self.outbox = Channel(ctx.Queue(), ShmRing(self.ring_bytes))
-        from pipeline.worker import worker_main  # the spawned child imports it by this name
-
         self.process = ctx.Process(target=worker_main, args=(self.spec, self.inbox.spec(), self.outbox.spec()),
                                    name=f"omnirt-{self.spec.stage}-{self.spec.replica}", daemon=True)
         self.process.start()

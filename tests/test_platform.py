@@ -48,6 +48,17 @@ class FakeDeviceModule:
         self.calls.append("graph")
         return contextlib.nullcontext()
 
+    def Stream(self):  # noqa: N802 (torch's name)
+        self.calls.append("Stream")
+        return "stream"
+
+    def stream(self, stream):
+        import contextlib
+
+        assert stream == "stream"
+        self.calls.append("stream")
+        return contextlib.nullcontext()
+
     def __getattr__(self, name):  # CUDAGraph / NPUGraph / XPUGraph
         if name.endswith("Graph"):
             self.calls.append("graph_class")
@@ -86,12 +97,15 @@ def test_accelerator_platforms_dispatch_to_their_device_module(name, device_type
     monkeypatch.delenv(env)
     if graph:
         g = p.new_graph()
-        with p.graph(g, pool=p.graph_pool_handle()):
+        with p.graph_context(g, pool=p.graph_pool_handle()):
             pass
-        assert fake.calls == ["synchronize", "graph_class", "graph_pool_handle", "graph"]
+        with p.stream_context(p.stage_stream()):
+            pass
+        assert fake.calls == ["synchronize", "graph_class", "graph_pool_handle", "graph", "Stream", "stream"]
     else:
         with pytest.raises(RuntimeError, match=f"graph capture is not available on {name}"):
             p.new_graph()
+        assert p.stage_stream() is None  # no per-stage streams where graphs are off
     assert p.ipc_transport == ("cuda_ipc" if device_type == "cuda" else "shm")
 
 
