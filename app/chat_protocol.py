@@ -54,6 +54,7 @@ class ChatRequest(_Open):
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     seed: int | None = None
+    min_tokens: int | None = Field(default=None, ge=0)  # vLLM's extension: no end of text before this many
     n: int = Field(default=1, ge=1, le=1)
     # omnirt extensions (vLLM-Omni names): per-stage talker sampling, first audio chunk size
     talker_sampling: dict[str, Any] | None = None
@@ -61,7 +62,7 @@ class ChatRequest(_Open):
 
     def thinker_overrides(self) -> dict[str, Any]:
         out = {"temperature": self.temperature, "top_p": self.top_p, "seed": self.seed,
-               "max_tokens": self.max_completion_tokens or self.max_tokens}
+               "max_tokens": self.max_completion_tokens or self.max_tokens, "min_tokens": self.min_tokens}
         return {k: v for k, v in out.items() if v is not None}
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -24,6 +25,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     s.add_argument("--stage-overrides", default=None, type=json.loads,
                    help='JSON per stage id, e.g. \'{"1": {"max_num_seqs": 8}}\'')
+    s.add_argument("--moe-backend", choices=["auto", "grouped_mm", "batched_mm", "eager"], default=None,
+                   help="transformers experts implementation (auto: grouped_mm where graphs run)")
+    s.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs in any stage (ablation)")
+    s.add_argument("--no-async-chunk", action="store_true",
+                   help="hand off whole payloads: Talker after the Thinker, Code2Wav after the Talker (ablation)")
+    s.add_argument("--no-async-output", action="store_true",
+                   help="stage threads wait for the consumer of each output (ablation)")
+    s.add_argument("--engine", choices=["omnirt", "reference"], default="omnirt",
+                   help="reference: transformers' own generate(), one request at a time (the baseline)")
     s.add_argument("--platform", default=None, help="override platform detection (cuda/rocm/npu/xpu/cpu)")
     s.add_argument("--distributed", choices=["none", "ray"], default=None,
                    help="where stage replicas run: local worker processes (none) or Ray actors (needs omnirt[ray])")
@@ -32,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--threads", type=int, default=int(os.environ.get("OMNIRT_THREADS", "0")) or None,
                    help="torch intra-op threads")
     s.add_argument("--log-level", default="info")
+    sub.add_parser("bench", help="benchmark a running server (see `omnirt bench --help`)", add_help=False)
     return p
 
 
@@ -50,8 +61,15 @@ def load_engine(args: argparse.Namespace):
     platform = get_platform(args.platform) if args.platform else detect_platform()
     profile = args.deploy_config or DEPLOY_DIR / ("tiny.yaml" if args.model == "tiny" else "qwen3_omni_moe.yaml")
     overrides = {"model": args.model, "load_format": args.load_format, "dtype": args.dtype,
+                 "async_output": False if args.no_async_output else None, "moe_backend": args.moe_backend,
                  "distributed": args.distributed}
-    cfg = load_profile(profile, platform.name, overrides, args.stage_overrides)
+    stage_overrides = dict(args.stage_overrides or {})
+    if args.enforce_eager:
+        for sid in ("0", "1", "2"):
+            stage_overrides[sid] = {**stage_overrides.get(sid, {}), "enforce_eager": True}
+    cfg = load_profile(profile, platform.name, overrides, stage_overrides)
+    if args.no_async_chunk:
+        cfg = dataclasses.replace(cfg, connector=dataclasses.replace(cfg.connector, async_chunk=False))
     if cfg.distributed == "ray":
         require_ray()  # fail before loading weights when the extra is missing
     log.info("platform %s, profile %s, model %s (%s, %s)", platform.name, profile, cfg.model, cfg.load_format,
@@ -59,7 +77,13 @@ def load_engine(args: argparse.Namespace):
     for s in cfg.stages:
         log.info("stage %d %-8s max_num_seqs=%d max_model_len=%d eager=%s devices=%s", s.stage_id, s.name,
                  s.max_num_seqs, s.max_model_len, s.enforce_eager, s.devices)
-    engine = OmniEngine(cfg, load_models(cfg, platform))
+    models = load_models(cfg, platform)
+    if args.engine == "reference":
+        from pipeline.reference import ReferenceEngine
+
+        engine = ReferenceEngine(cfg, models)
+    else:
+        engine = OmniEngine(cfg, models)
     engine.start()
     return engine
 
@@ -87,6 +111,11 @@ def serve(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:
+        from loadtest.bench import main as bench
+
+        return bench(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

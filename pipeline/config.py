@@ -95,9 +95,11 @@ class ConnectorConfig:
 class EngineConfig:
     model: str = "tiny"
     load_format: str = "auto"  # "auto" (weights from the checkpoint) | "dummy" (random, real architecture)
+    moe_backend: str = "auto"  # "auto" (grouped_mm where graphs run, else eager) | "grouped_mm" | "eager"
     dtype: str = "float32"
     platform: str = "cpu"
     distributed: str = "none"  # where out-of-process stage replicas run: "none" (local processes) | "ray" (actors)
+    async_output: bool = True  # stage threads never wait for the consumer of their outputs
     default_voice: str = "ethan"
     system_prompt: str = "You are a helpful voice assistant."
     connector: ConnectorConfig = field(default_factory=ConnectorConfig)
@@ -106,6 +108,8 @@ class EngineConfig:
     def __post_init__(self):
         _check(self.load_format in ("auto", "dummy"), "load_format", "must be 'auto' or 'dummy'")
         _check(self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}")
+        _check(self.moe_backend in ("auto", "grouped_mm", "batched_mm", "eager"), "moe_backend",
+               "must be auto, grouped_mm, batched_mm or eager")
         _check(self.platform in PLATFORMS, "platform", f"must be one of {', '.join(PLATFORMS)}")
         _check(self.distributed in DISTRIBUTED, "distributed", f"must be one of {', '.join(DISTRIBUTED)}")
         if not self.stages:

@@ -41,6 +41,7 @@ class CodecStream:
     frames: list[list[int]] = field(default_factory=list)
     num_emitted: int = 0
     input_done: bool = False
+    wait_for_input: bool = False  # without async chunk: decode only once the Talker has finished
 
     @classmethod
     def from_config(cls, cfg: ConnectorConfig, initial_frames: int | None = None) -> CodecStream:
@@ -49,10 +50,13 @@ class CodecStream:
 
     def _due(self) -> int:
         """Frames the next chunk needs before it may go (fewer once the input is done)."""
-        size = self.initial_frames if self.num_emitted == 0 else self.chunk_frames
-        return size
+        if self.wait_for_input:
+            return len(self.frames) - self.num_emitted
+        return self.initial_frames if self.num_emitted == 0 else self.chunk_frames
 
     def is_ready(self) -> bool:
+        if self.wait_for_input and not self.input_done:
+            return False
         pending = len(self.frames) - self.num_emitted
         return pending >= self._due() or (self.input_done and pending > 0)
 

@@ -59,14 +59,52 @@ class _Stream:
     num_audio_frames: int = 0
     closed: bool = False
     token_ids: list[int] = field(default_factory=list)
+    async_output: bool = True
 
     def push(self, item: tuple) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        if self.async_output:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        else:  # ablation: the stage thread waits until the event loop has taken the output
+            asyncio.run_coroutine_threadsafe(self.queue.put(item), self.loop).result()
 
 
-class OmniEngine:
+class EngineBase:
+    """What every engine behind the API shares: config, models, and request validation."""
+
     def __init__(self, cfg: EngineConfig, models: OmniModels):
         self.cfg, self.models = cfg, models
+
+    @property
+    def voices(self) -> list[str]:
+        return sorted(self.models.voices)
+
+    def _check_voice(self, req: OmniRequest) -> str | None:
+        if not req.wants_audio:
+            return None
+        if self.models.talker is None:
+            raise RequestError("this model has no audio output", "modalities")
+        voice = (req.voice or self.cfg.default_voice).lower()
+        if voice not in self.models.voices:
+            raise RequestError(f"unknown voice {req.voice!r}; available: {', '.join(self.voices)}", "voice",
+                               "invalid_voice")
+        return voice
+
+    def _params(self, stage: str, overrides: dict, num_prompt: int) -> SamplingParams:
+        cfg = self.cfg.stage(stage)
+        room = cfg.max_model_len - num_prompt
+        if room < 1:
+            raise RequestError(f"the prompt is {num_prompt} tokens; the {stage} context holds "
+                               f"{cfg.max_model_len}", "messages", "context_length_exceeded")
+        try:
+            params = SamplingParams(**cfg.default_sampling_params).merged(**overrides)
+        except (AssertionError, TypeError) as exc:
+            raise RequestError(f"bad sampling parameters: {exc}", "sampling") from exc
+        return params.merged(max_tokens=min(params.max_tokens, room))
+
+
+class OmniEngine(EngineBase):
+    def __init__(self, cfg: EngineConfig, models: OmniModels):
+        super().__init__(cfg, models)
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
         self.thinker = make_stage("thinker", cfg, models, self._thinker_step)
@@ -79,16 +117,13 @@ class OmniEngine:
     # ---- lifecycle ----------------------------------------------------------------------------------
 
     def start(self) -> None:
+        self.models.capture_graphs()
         for stage in self.stages:
             stage.start()
 
     def stop(self) -> None:
         for stage in self.stages:
             stage.stop()
-
-    @property
-    def voices(self) -> list[str]:
-        return sorted(self.models.voices)
 
     def num_free_slots(self) -> dict[str, int]:
         out = {"thinker": self.thinker.num_free_slots}
@@ -119,7 +154,8 @@ class OmniEngine:
         prompt = await asyncio.to_thread(self.models.encoder.encode, req.messages)
         n_prompt = len(prompt.input_ids)
         th_params = self._params("thinker", req.thinker_sampling, n_prompt)
-        stream = _Stream(req, asyncio.get_running_loop(), asyncio.Queue(), n_prompt)
+        stream = _Stream(req, asyncio.get_running_loop(), asyncio.Queue(), n_prompt,
+                         async_output=self.cfg.async_output)
         if req.request_id in self._streams:
             raise RequestError(f"request id {req.request_id!r} is already running", "request_id")
         self._streams[req.request_id] = stream
@@ -166,29 +202,6 @@ class OmniEngine:
 
     # ---- admission helpers ----------------------------------------------------------------------------
 
-    def _check_voice(self, req: OmniRequest) -> str | None:
-        if not req.wants_audio:
-            return None
-        if self.models.talker is None:
-            raise RequestError("this model has no audio output", "modalities")
-        voice = (req.voice or self.cfg.default_voice).lower()
-        if voice not in self.models.voices:
-            raise RequestError(f"unknown voice {req.voice!r}; available: {', '.join(self.voices)}", "voice",
-                               "invalid_voice")
-        return voice
-
-    def _params(self, stage: str, overrides: dict, num_prompt: int) -> SamplingParams:
-        cfg = self.cfg.stage(stage)
-        room = cfg.max_model_len - num_prompt
-        if room < 1:
-            raise RequestError(f"the prompt is {num_prompt} tokens; the {stage} context holds "
-                               f"{cfg.max_model_len}", "messages", "context_length_exceeded")
-        try:
-            params = SamplingParams(**cfg.default_sampling_params).merged(**overrides)
-        except (AssertionError, TypeError) as exc:
-            raise RequestError(f"bad sampling parameters: {exc}", "sampling") from exc
-        return params.merged(max_tokens=min(params.max_tokens, room))
-
     @staticmethod
     def _stage_request(rid: str, params: SamplingParams, state, num_prompt: int = 0) -> StageRequest:
         gen = None if params.seed is None else torch.Generator().manual_seed(params.seed)
@@ -198,10 +211,10 @@ class OmniEngine:
         rid = req.request_id
         state = TalkerState(self.models.voices[voice], prompt.input_ids, prompt.audio_lengths)
         talker_req = self._stage_request(rid, params, state)
-        state.generator = talker_req.generator
         talker_req.status = RequestStatus.WAITING_FOR_INPUT
         self.talker.send(Message(Command.ADD, rid, talker_req))
         codec = CodecStream.from_config(self.cfg.connector, req.initial_codec_chunk_frames)
+        codec.wait_for_input = not self.cfg.connector.async_chunk
         self.code2wav.send(Message(Command.ADD, rid, StageRequest(rid, params, state=codec)))
 
     # ---- stage callbacks (run on stage threads) ----------------------------------------------------

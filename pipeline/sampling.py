@@ -1,7 +1,9 @@
-"""Per-request sampling, in the order transformers' logits processors apply it.
+"""Per-request sampling, batched on the device, in the order transformers' logits processors apply it.
 
 Repetition penalty, min-tokens and suppression first, then temperature, top-k and top-p; greedy
-(temperature 0 or top_k 1) is a plain argmax so that it matches the reference `generate()`.
+(temperature 0 or top_k 1) is a plain argmax so that it matches the reference `generate()`. The
+whole batch is one set of tensor ops and one device->host copy; only seeded rows draw with their
+own generator, so a seed reproduces whatever batch the request lands in.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import torch
 @dataclass(slots=True, frozen=True)
 class SamplingParams:
     temperature: float = 1.0
-    top_k: int = 0  # 0 = off
+    top_k: int = 0  # 0 (or -1) = off
     top_p: float = 1.0
     repetition_penalty: float = 1.0
     max_tokens: int = 256
@@ -23,7 +25,7 @@ class SamplingParams:
 
     def __post_init__(self):
         assert self.temperature >= 0, "temperature must be >= 0"
-        assert self.top_k >= 0 or self.top_k == -1, "top_k must be >= 0 (or -1 for off)"
+        assert self.top_k >= -1, "top_k must be >= 0 (or -1 for off)"
         assert 0 < self.top_p <= 1, "top_p must be in (0, 1]"
         assert self.repetition_penalty > 0, "repetition_penalty must be > 0"
         assert self.max_tokens >= 1, "max_tokens must be >= 1"
@@ -42,41 +44,89 @@ class Sampler:
     """Samples one token per row; `suppress_ids` are never produced, `eos_ids` not before min_tokens."""
 
     def __init__(self, vocab_size: int, eos_ids: list[int], suppress_ids: list[int] | None = None):
+        self.vocab_size = vocab_size
         self.eos_ids = eos_ids
-        self.suppress = torch.zeros(vocab_size, dtype=torch.bool)
-        if suppress_ids:
-            self.suppress[suppress_ids] = True
-        self.has_suppress = bool(suppress_ids)
+        self.suppress_ids = suppress_ids or []
+        self._suppress: dict[torch.device, torch.Tensor] = {}
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams], histories: list[list[int]],
                  generators: list[torch.Generator | None]) -> list[int]:
-        logits = logits.float()
-        if self.has_suppress:
-            logits = logits.masked_fill(self.suppress.to(logits.device), float("-inf"))
-        tokens = []
-        for row, p, hist, gen in zip(logits, params, histories, generators, strict=True):
-            tokens.append(self._sample_row(row, p, hist, gen))
-        return tokens
+        logits = self.process(logits.float(), params, histories)
+        tokens = logits.argmax(-1)
+        sampled = [i for i, p in enumerate(params) if not p.is_greedy]
+        if sampled:
+            rows = torch.tensor(sampled, device=logits.device)
+            warped = warp(logits[rows], [params[i] for i in sampled])
+            tokens[rows] = draw(warped, [generators[i] for i in sampled])
+        return tokens.tolist()
 
-    def _sample_row(self, row: torch.Tensor, p: SamplingParams, hist: list[int],
-                    gen: torch.Generator | None) -> int:
-        if p.repetition_penalty != 1.0 and hist:
-            idx = torch.tensor(sorted(set(hist)), device=row.device)
-            score = row[idx]
-            row[idx] = torch.where(score < 0, score * p.repetition_penalty, score / p.repetition_penalty)
-        if len(hist) < p.min_tokens:
-            row[self.eos_ids] = float("-inf")
-        if p.is_greedy:
-            return int(row.argmax())
-        row = row / p.temperature
-        if p.top_k > 0:
-            kth = torch.topk(row, min(p.top_k, row.numel())).values[-1]
-            row = row.masked_fill(row < kth, float("-inf"))
-        if p.top_p < 1.0:
-            sorted_logits, order = torch.sort(row, descending=False)
-            cum = sorted_logits.softmax(-1).cumsum(-1)
-            remove = cum <= 1 - p.top_p
-            remove[-1] = False
-            row = row.masked_fill(remove.scatter(0, order, remove), float("-inf"))
-        probs = row.softmax(-1)
-        return int(torch.multinomial(probs.cpu(), 1, generator=gen))
+    def process(self, logits: torch.Tensor, params: list[SamplingParams], histories: list[list[int]]):
+        """Penalty, min-tokens and suppression: the processors that also apply to greedy decoding."""
+        device = logits.device
+        penalties = [p.repetition_penalty for p in params]
+        if any(r != 1.0 for r in penalties) and any(histories):
+            width = max(len(h) for h in histories) or 1
+            hist = torch.full((len(histories), width), -1, dtype=torch.long)
+            for i, h in enumerate(histories):
+                hist[i, : len(h)] = torch.tensor(h, dtype=torch.long)
+            hist = hist.to(device)
+            seen = torch.zeros_like(logits, dtype=torch.bool)
+            seen.scatter_(1, hist.clamp_min(0), hist >= 0)
+            pen = torch.tensor(penalties, device=device)[:, None]
+            logits = torch.where(seen, torch.where(logits < 0, logits * pen, logits / pen), logits)
+        early = [len(h) < p.min_tokens for p, h in zip(params, histories)]
+        if any(early) and self.eos_ids:
+            rows = torch.tensor([i for i, e in enumerate(early) if e], device=device)
+            logits[rows[:, None], torch.tensor(self.eos_ids, device=device)[None, :]] = float("-inf")
+        if self.suppress_ids:
+            logits = logits.masked_fill(self._suppress_mask(device), float("-inf"))
+        return logits
+
+    def _suppress_mask(self, device: torch.device) -> torch.Tensor:
+        if device not in self._suppress:
+            mask = torch.zeros(self.vocab_size, dtype=torch.bool)
+            mask[self.suppress_ids] = True
+            self._suppress[device] = mask.to(device)
+        return self._suppress[device]
+
+
+def warp(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, then top-k, then top-p (transformers' order), per row."""
+    device = logits.device
+    logits = logits / torch.tensor([p.temperature for p in params], device=device)[:, None]
+    ks = [p.top_k if p.top_k > 0 else logits.shape[-1] for p in params]
+    if min(ks) < logits.shape[-1]:
+        top = torch.topk(logits, max(ks), dim=-1).values
+        kth = top.gather(1, torch.tensor(ks, device=device)[:, None] - 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    top_p = torch.tensor([p.top_p for p in params], device=device)[:, None]
+    if (top_p < 1).any():
+        sorted_logits, order = torch.sort(logits, descending=False)
+        remove = sorted_logits.softmax(-1).cumsum(-1) <= 1 - top_p
+        remove[:, -1] = False
+        logits = logits.masked_fill(remove.scatter(1, order, remove), float("-inf"))
+    return logits
+
+
+def draw(logits: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """Sample each row: an exponential race over the probabilities (no host sync); seeded rows use
+    their own CPU generator so the draw does not depend on the batch."""
+    probs = logits.softmax(-1)
+    noise = torch.empty_like(probs).exponential_()
+    for i, gen in enumerate(generators):
+        if gen is not None:
+            noise[i] = torch.empty(probs.shape[-1]).exponential_(generator=gen).to(probs.device)
+    return (probs / noise).argmax(-1)
+
+
+def sample_top_k_top_p(logits: torch.Tensor, greedy: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Graph-safe sampling with fixed settings (no host data): argmax where `greedy`, else temperature 1,
+    top-k, top-p and an exponential race on the device's default generator."""
+    kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+    warped = logits.masked_fill(logits < kth, float("-inf"))
+    sorted_logits, order = torch.sort(warped, descending=False)
+    remove = sorted_logits.softmax(-1).cumsum(-1) <= 1 - top_p
+    remove[:, -1] = False
+    warped = warped.masked_fill(remove.scatter(1, order, remove), float("-inf"))
+    sampled = (warped.softmax(-1) / torch.empty_like(warped).exponential_()).argmax(-1)
+    return torch.where(greedy, logits.argmax(-1), sampled)

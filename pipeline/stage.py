@@ -8,6 +8,7 @@ does IO: results go to `on_step`, which hands them to the next stage or to the e
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -59,8 +60,9 @@ class ARRunner:
 class Stage:
     def __init__(self, name: str, scheduler: Any, runner: Any, on_step: StepSink,
                  on_input: Callable[[StageRequest, Any], None] | None = None,
-                 on_input_done: Callable[[Stage, StageRequest], None] | None = None):
+                 on_input_done: Callable[[Stage, StageRequest], None] | None = None, stream: Any = None):
         self.name = name
+        self.stream = stream  # the device stream this stage's kernels go to (None: the CPU)
         self.scheduler = scheduler
         self.runner = runner
         self.on_step = on_step
@@ -95,6 +97,10 @@ class Stage:
 
     def _loop(self) -> None:
         torch.set_grad_enabled(False)
+        with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+            self._run_loop()
+
+    def _run_loop(self) -> None:
         while True:
             if not self._drain(block=False):
                 return
@@ -108,6 +114,8 @@ class Stage:
     def _step(self, batch: Batch) -> None:
         try:
             outputs = self.runner.run(batch)
+            if self.stream is not None:
+                self.stream.synchronize()  # payloads are complete before another stage reads them
         except Exception as exc:  # one bad batch fails its requests, never the stage
             log.exception("%s: step failed", self.name)
             self._fail(batch.requests, f"{type(exc).__name__} in {self.name} stage")

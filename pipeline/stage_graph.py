@@ -27,28 +27,29 @@ class Code2WavRunner:
 
 def build_stage(name: str, cfg: EngineConfig, models: OmniModels, on_step: StepSink) -> Stage:
     """One stage of the graph, reporting its steps to `on_step`."""
-    sc = cfg.stage(name)
+    sc, stream = cfg.stage(name), models.platform.stage_stream()
     if name == "thinker":
         th = models.thinker
         return Stage(name, Scheduler(th.kv, sc.max_num_seqs, sc.max_num_batched_tokens, th.eos_ids,
                                      is_ready=lambda r: True),
-                     ARRunner(th, Sampler(th.vocab_size, th.eos_ids)), on_step=on_step)
+                     ARRunner(th, Sampler(th.vocab_size, th.eos_ids)), on_step=on_step, stream=stream)
     if name == "talker":
-        tk = models.talker
+        tk, async_chunk = models.talker, cfg.connector.async_chunk
         return Stage(name, Scheduler(tk.kv, sc.max_num_seqs, sc.max_num_batched_tokens, tk.eos_ids,
-                                     is_ready=lambda r: _talker_may_step(tk, r)),
+                                     is_ready=lambda r: _talker_may_step(tk, async_chunk, r)),
                      ARRunner(tk, Sampler(tk.vocab_size, tk.eos_ids, tk.suppress_ids)), on_step=on_step,
                      on_input=lambda r, rows: r.state.add(rows),
-                     on_input_done=lambda stage, r: _thinker_done(tk, stage, r))
+                     on_input_done=lambda stage, r: _thinker_done(tk, stage, r), stream=stream)
     return Stage(name, ChunkScheduler(sc.max_num_seqs), Code2WavRunner(models.code2wav), on_step=on_step,
-                 on_input=lambda r, frame: r.state.frames.append(frame), on_input_done=_talker_done)
+                 on_input=lambda r, frame: r.state.frames.append(frame), on_input_done=_talker_done, stream=stream)
 
 
-def _talker_may_step(talker, req: StageRequest) -> bool:
-    """Has the Thinker sent what the Talker's next step of this request consumes?"""
+def _talker_may_step(talker, async_chunk: bool, req: StageRequest) -> bool:
+    """Has the Thinker sent what the Talker's next step of this request consumes? (Without async chunk,
+    the Talker starts only once the Thinker is done.)"""
     st = req.state
     if req.num_prompt_tokens == 0:
-        if not talker.can_prefill(st):
+        if not talker.can_prefill(st) or not (async_chunk or st.thinker_done):
             return False
         req.num_prompt_tokens = talker.build_prompt(st)
         return True

@@ -32,8 +32,16 @@ class OmniModels:
     voices: dict[str, int]  # voice name -> speaker id
     tokenizer: object
     kv_bytes: dict[str, int]
+    hf: object  # the transformers model itself (the reference engine drives its generate())
+    platform: Platform
     input_sample_rate: int = INPUT_SAMPLE_RATE
     output_sample_rate: int = OUTPUT_SAMPLE_RATE
+
+    def capture_graphs(self) -> None:
+        """Capture the decode steps of every stage whose profile allows graphs (no-op otherwise)."""
+        self.thinker.capture_graphs()
+        if self.talker is not None:
+            self.talker.capture_graphs()
 
     def decode_text(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
@@ -50,12 +58,17 @@ def _kv_for(stack_config, stage_cfg, platform: Platform, dtype: torch.dtype, max
 def load_models(cfg: EngineConfig, platform: Platform) -> OmniModels:
     dtype = getattr(torch, cfg.dtype)
     device = platform.device(0)
-    hf, tokenizer, _ = load_hf_model(cfg.model, cfg.load_format, dtype, device)
+    moe = cfg.moe_backend if cfg.moe_backend != "auto" else ("grouped_mm" if platform.supports_graphs else "eager")
+    graph_moe = "batched_mm" if moe == "grouped_mm" else None  # grouped_mm's group sizes cannot be captured
+    hf, tokenizer, _ = load_hf_model(cfg.model, cfg.load_format, dtype, device, moe)
+    log.info("weights: %.2f GiB on %s (%s, experts: %s)", platform.memory_allocated(device) / 2**30, device,
+             cfg.dtype, moe)
     hc = hf.config
     audio = hc.thinker_config.audio_config
     encoder = PromptEncoder(tokenizer, audio.n_window, audio.num_mel_bins)
     th_cfg = cfg.stage("thinker")
-    thinker = ThinkerModel(hf.thinker, hc, _kv_for(hc.thinker_config.text_config, th_cfg, platform, dtype))
+    thinker = ThinkerModel(hf.thinker, hc, _kv_for(hc.thinker_config.text_config, th_cfg, platform, dtype), platform,
+                           th_cfg.enforce_eager, graph_moe)
     talker = code2wav = None
     kv_bytes = {"thinker": thinker.kv.num_bytes}
     if getattr(hf, "has_talker", False):
@@ -63,10 +76,11 @@ def load_models(cfg: EngineConfig, platform: Platform) -> OmniModels:
         tkc = hc.talker_config
         predictor_kv = _kv_for(tkc.code_predictor_config, tk_cfg, platform, dtype, max_len=tkc.num_code_groups)
         talker = TalkerModel(hf.talker, hc, _kv_for(tkc.text_config, tk_cfg, platform, dtype), predictor_kv,
-                             thinker.special_rows())
+                             thinker.special_rows(), platform, tk_cfg.enforce_eager, graph_moe)
         code2wav = Code2WavModel(hf.code2wav, device)
         kv_bytes["talker"] = talker.kv.num_bytes + predictor_kv.num_bytes
     voices = {k.lower(): v for k, v in hc.talker_config.speaker_id.items()} if talker else {}
     for stage, n in kv_bytes.items():
         log.info("%s KV cache: %.1f MiB", stage, n / 2**20)
-    return OmniModels(encoder, thinker, talker, code2wav, voices, tokenizer, kv_bytes)
+    log.info("device memory after load: %.2f GiB allocated", platform.memory_allocated(device) / 2**30)
+    return OmniModels(encoder, thinker, talker, code2wav, voices, tokenizer, kv_bytes, hf, platform)

@@ -6,6 +6,8 @@ position bookkeeping are ours. Batches are padded [B, T] with per-row starts and
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from pipeline.kv_cache import CacheView
@@ -29,6 +31,21 @@ def run_decoder(stack: torch.nn.Module, embeds: torch.Tensor, position_ids: torc
     if tap_layer == num_layers:
         tapped = normed
     return normed, tapped
+
+
+@contextlib.contextmanager
+def experts_implementation(stack: torch.nn.Module, name: str | None):
+    """Run a MoE stack with another transformers experts implementation for a while: grouped_mm for
+    prefill (reads each active expert once), batched_mm inside captured decode graphs (grouped_mm's
+    group sizes are host data, which a graph would freeze at capture time)."""
+    config = stack.config
+    saved = config._experts_implementation
+    if name is not None:
+        config._experts_implementation = name
+    try:
+        yield
+    finally:
+        config._experts_implementation = saved
 
 
 def last_rows(hidden: torch.Tensor, lengths: list[int]) -> torch.Tensor:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from pipeline.models.qwen3_omni import released
 from pipeline.models.tiny import ensure_tiny_model
 
 log = logging.getLogger(__name__)
@@ -34,25 +35,57 @@ def resolve_model_path(model: str) -> Path:
             f"({os.environ.get('HF_HOME', '~/.cache/huggingface')}); omnirt never downloads weights") from exc
 
 
-def load_hf_model(model: str, load_format: str, dtype: torch.dtype, device: torch.device):
-    """Returns (Qwen3OmniMoeForConditionalGeneration in eval mode, tokenizer, path)."""
-    from transformers import AutoTokenizer, Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneration
+def load_hf_model(model: str, load_format: str, dtype: torch.dtype, device: torch.device,
+                  moe_backend: str = "eager"):
+    """Returns (Qwen3OmniMoeForConditionalGeneration in eval mode, tokenizer, path or None)."""
+    from transformers import Qwen3OmniMoeForConditionalGeneration
 
-    path = resolve_model_path(model)
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     if load_format == "dummy":
-        config = fix_config(Qwen3OmniMoeConfig.from_pretrained(path, local_files_only=True))
-        log.info("dummy weights: building the real architecture with random weights on %s", device)
-        with torch.device(device):
-            hf = Qwen3OmniMoeForConditionalGeneration._from_config(config, dtype=dtype)
+        hf, tokenizer, path = _dummy(model, dtype, device)
     else:
+        path = resolve_model_path(model)
+        tokenizer = _tokenizer(path)
         log.info("loading weights from %s", path)
         hf = Qwen3OmniMoeForConditionalGeneration.from_pretrained(path, dtype=dtype, local_files_only=True)
         hf = hf.to(device)
         fix_config(hf.config)
     hf.eval()
+    if moe_backend != "eager":
+        hf.set_experts_implementation(moe_backend)
     _fix_talker_audio_config(hf)
     return hf, tokenizer, path
+
+
+def _tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def _dummy(model: str, dtype: torch.dtype, device: torch.device):
+    """The real architecture with random weights: from a checkpoint's config when one is at hand, else
+    (for the released model's names) from the built-in architecture with the tiny tokenizer's ids."""
+    from transformers import Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneration
+
+    try:
+        path = resolve_model_path(model)
+        tokenizer = _tokenizer(path)
+        config = fix_config(Qwen3OmniMoeConfig.from_pretrained(path, local_files_only=True))
+    except ModelNotFoundError:
+        if model not in released.ALIASES:
+            raise
+        path = None
+        tokenizer = _tokenizer(ensure_tiny_model())
+        config = released.released_config(tokenizer)
+    log.info("dummy weights: building %s with random weights on %s", model, device)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # sub-models are built without the dtype argument: make it the default
+    try:
+        with torch.device(device):
+            hf = Qwen3OmniMoeForConditionalGeneration._from_config(config, dtype=dtype)
+    finally:
+        torch.set_default_dtype(default)
+    return hf.to(dtype), tokenizer, path
 
 
 def fix_config(config):

@@ -11,13 +11,16 @@ text track is gen1..gen[N-2], then tts_eos, then tts_pad: the Thinker's last tok
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
+from pipeline.cudagraph import GraphCache, batch_buckets, length_buckets
 from pipeline.kv_cache import SlotKVCache
-from pipeline.models.decoder import last_rows, pad_rows, run_decoder
+from pipeline.models.decoder import experts_implementation, last_rows, pad_rows, run_decoder
 from pipeline.models.qwen3_omni.thinker import ThinkerRows
-from pipeline.sampling import Sampler, SamplingParams
+from pipeline.platform import Platform
+from pipeline.sampling import sample_top_k_top_p
 from pipeline.scheduler import Batch, StepOutput
 
 NUM_ASSISTANT_PREFIX = 9  # im_start, assistant, \n, 4 x tts_pad, tts_bos, first text token
@@ -36,8 +39,6 @@ class TalkerState:
     prompt: torch.Tensor | None = None  # [T, H] talker prompt, built once the prefix is known
     position_ids: torch.Tensor | None = None  # [3, T]
     rope_delta: int = 0
-    past_hidden: torch.Tensor | None = None  # [H] last-layer hidden of the last position
-    generator: torch.Generator | None = None
 
     def add(self, rows: ThinkerRows) -> None:
         if rows.prompt_embeds is not None:
@@ -49,7 +50,8 @@ class TalkerState:
 
 
 class TalkerModel:
-    def __init__(self, talker, config, kv: SlotKVCache, predictor_kv: SlotKVCache, special_rows: torch.Tensor):
+    def __init__(self, talker, config, kv: SlotKVCache, predictor_kv: SlotKVCache, special_rows: torch.Tensor,
+                 platform: Platform, enforce_eager: bool = True, graph_moe: str | None = None):
         self.talker = talker
         self.stack = talker.model
         self.predictor = talker.code_predictor
@@ -61,10 +63,35 @@ class TalkerModel:
         self.eos_ids = [self.tc.codec_eos_token_id]
         self.suppress_ids = [i for i in range(self.vocab_size - 1024, self.vocab_size) if i != self.eos_ids[0]]
         self.num_groups = self.tc.num_code_groups
-        self.predictor_sampler = Sampler(self.tc.code_predictor_config.vocab_size, eos_ids=[])
+        self.graph_moe = graph_moe  # experts implementation inside captured graphs
+        hidden = self.tc.text_config.hidden_size
+        # last-layer hidden state of each slot's last position: the code predictor's first input
+        self.past_hidden = torch.zeros(kv.num_slots + 1, hidden, dtype=talker.dtype, device=self.device)
         with torch.inference_mode():
             bos, eos, pad = talker.text_projection(special_rows.unsqueeze(0)).chunk(3, dim=1)
         self.tts_bos, self.tts_eos, self.tts_pad = bos[0, 0], eos[0, 0], pad[0, 0]
+        eager = enforce_eager
+        self.decode_graphs = GraphCache("talker decode", self._decode_step, platform, not eager,
+                                        batch_buckets(kv.num_slots), length_buckets(kv.max_len))
+        self.predictor_graphs = GraphCache("code predictor", self._predict_step, platform, not eager,
+                                           batch_buckets(kv.num_slots))
+
+    def capture_graphs(self) -> None:
+        h = self.past_hidden.shape[1]
+
+        def decode_inputs(key):
+            zeros = torch.zeros(key[0], dtype=torch.long, device=self.device)
+            return {"embeds": torch.zeros(key[0], 1, h, dtype=self.talker.dtype, device=self.device),
+                    "slots": zeros + self.kv.scratch_slot, "positions": zeros.clone(), "rope_pos": zeros.clone()}
+
+        def predictor_inputs(key):
+            return {"past": torch.zeros(key[0], h, dtype=self.talker.dtype, device=self.device),
+                    "code0": torch.zeros(key[0], dtype=torch.long, device=self.device),
+                    "greedy": torch.ones(key[0], dtype=torch.bool, device=self.device)}
+
+        self.predictor_graphs.capture(predictor_inputs)
+        with experts_implementation(self.stack, self.graph_moe):
+            self.decode_graphs.capture(decode_inputs)
 
     # ---- readiness: which Thinker rows a step needs -------------------------------------------------
 
@@ -123,63 +150,77 @@ class TalkerModel:
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> list[StepOutput]:
-        reqs, n_new = batch.requests, batch.num_new_tokens
-        starts = [r.num_computed_tokens for r in reqs]
-        frames: list[list[int] | None] = [None] * len(reqs)
+        starts = [r.num_computed_tokens for r in batch.requests]
         if batch.is_prefill:
-            embeds = pad_rows([r.state.prompt[s:s + n] for r, s, n in zip(reqs, starts, n_new)])
-            pos = pad_rows([r.state.position_ids[:, s:s + n].T for r, s, n in zip(reqs, starts, n_new)])
-            pos = pos.permute(2, 0, 1)
-        else:
-            codes, code_sum = self._complete_frames(reqs)
-            text = torch.stack([self._trailing_row(r.state, len(r.output_ids) - 1) for r in reqs])
-            embeds = (code_sum + text).unsqueeze(1)
-            frames = codes.tolist()
-            pos = torch.tensor([s + r.state.rope_delta for r, s in zip(reqs, starts)], device=self.device)
-            pos = pos.view(1, -1, 1).expand(3, -1, 1)
-        view = self.kv.view([r.slot for r in reqs], starts, n_new)
-        normed, _ = run_decoder(self.stack, embeds, pos, view)
+            return self._prefill(batch.requests, starts, batch.num_new_tokens)
+        return self._decode(batch.requests, starts)
+
+    def _prefill(self, reqs, starts: list[int], n_new: list[int]) -> list[StepOutput]:
+        embeds = pad_rows([r.state.prompt[s:s + n] for r, s, n in zip(reqs, starts, n_new)])
+        pos = pad_rows([r.state.position_ids[:, s:s + n].T for r, s, n in zip(reqs, starts, n_new)]).permute(2, 0, 1)
+        normed, _ = run_decoder(self.stack, embeds, pos, self.kv.view([r.slot for r in reqs], starts, n_new))
         last = last_rows(normed, n_new)
         logits = self.talker.codec_head(last)
         outs = []
         for i, (r, s, n) in enumerate(zip(reqs, starts, n_new)):
-            done_prompt = s + n >= r.num_prompt_tokens
-            if done_prompt:
-                r.state.past_hidden = last[i]
-            outs.append(StepOutput(logits=logits[i] if done_prompt else None, payload=frames[i]))
+            done = s + n >= r.num_prompt_tokens
+            if done:
+                self.past_hidden[r.slot] = last[i]
+            outs.append(StepOutput(logits=logits[i] if done else None))
         return outs
 
-    def _trailing_row(self, st: TalkerState, step: int) -> torch.Tensor:
-        n = len(st.text_rows)
-        if step + 1 < n - 1 or (not st.thinker_done and step + 1 < n):
-            return self.talker.text_projection(st.text_rows[step + 1][None])[0]
-        return self.tts_eos if step + 1 == n - 1 else self.tts_pad
+    def _decode(self, reqs, starts: list[int]) -> list[StepOutput]:
+        """Complete each request's pending frame (code predictor), then one talker step on it."""
+        n = len(reqs)
+        t = partial(torch.tensor, device=self.device)
+        slots = t([r.slot for r in reqs])
+        codes, code_sum = self.predictor_graphs.run(
+            n, None, {"past": self.past_hidden[slots], "code0": t([r.output_ids[-1] for r in reqs]),
+                      "greedy": t([r.sampling.is_greedy for r in reqs])}, {"greedy": 1})
+        embeds = (code_sum + self._trailing_rows(reqs)).unsqueeze(1)
+        rope = t([s + r.state.rope_delta for r, s in zip(reqs, starts)])
+        hidden, logits = self.decode_graphs.run(
+            n, max(starts) + 1, {"embeds": embeds, "slots": slots, "positions": t(starts), "rope_pos": rope},
+            {"slots": self.kv.scratch_slot})
+        self.past_hidden[slots] = hidden
+        return [StepOutput(logits=row, payload=frame) for row, frame in zip(logits, codes.tolist())]
 
-    def _complete_frames(self, reqs) -> tuple[torch.Tensor, torch.Tensor]:
-        """Code predictor, batched: residual codes 1..15 of each request's pending frame.
-        Returns (codes [B, 16], sum of the 16 code embeddings [B, H])."""
-        b = len(reqs)
-        code0 = torch.tensor([r.output_ids[-1] for r in reqs], device=self.device)
+    def _decode_step(self, key, embeds, slots, positions, rope_pos) -> tuple[torch.Tensor, torch.Tensor]:
+        """One talker token per row (key = (batch, kv_len)): returns (last hidden, codec logits)."""
+        view = self.kv.dense_view(slots, positions, 1, key[1])
+        normed, _ = run_decoder(self.stack, embeds, rope_pos.view(1, -1, 1).expand(3, -1, 1), view)
+        return normed[:, 0], self.talker.codec_head(normed[:, 0])
+
+    def _trailing_rows(self, reqs) -> torch.Tensor:
+        """Each request's text row for this step: gen[step+1] projected, then tts_eos, then tts_pad."""
+        rows, text = [], []
+        for r in reqs:
+            st, step = r.state, len(r.output_ids) - 1
+            n = len(st.text_rows)
+            if step + 1 < n - 1 or (not st.thinker_done and step + 1 < n):
+                text.append(len(rows))
+                rows.append(st.text_rows[step + 1])
+            else:
+                rows.append(self.tts_eos if step + 1 == n - 1 else self.tts_pad)
+        if text:
+            projected = self.talker.text_projection(torch.stack([rows[i] for i in text]))
+            for j, i in enumerate(text):
+                rows[i] = projected[j]
+        return torch.stack(rows)
+
+    def _predict_step(self, key, past, code0, greedy) -> tuple[torch.Tensor, torch.Tensor]:
+        """The code predictor's 15 small AR steps for each row's pending frame, all on the device.
+        Returns (codes [B, 16], sum of the 16 code embeddings [B, H]), as the reference builds them."""
+        b = key[0]
         stack, heads = self.predictor.model, self.predictor.lm_head
+        slots = torch.arange(b, device=self.device)
         embeds = [self.stack.codec_embedding(code0)]
-        x = torch.stack([torch.stack([r.state.past_hidden for r in reqs]), embeds[0]], dim=1)
-        params = [self._predictor_params(r.sampling) for r in reqs]
-        gens = [r.state.generator for r in reqs]
-        codes = [code0]
+        x, codes = torch.stack([past, embeds[0]], dim=1), [code0]
         for g in range(self.num_groups - 1):
             start, n = (0, 2) if g == 0 else (g + 1, 1)
-            view = self.predictor_kv.view(list(range(b)), [start] * b, [n] * b)
-            pos = torch.arange(start, start + n, device=self.device).expand(b, -1)
-            normed, _ = run_decoder(stack, x, pos, view)
-            tokens = self.predictor_sampler(heads[g](normed[:, -1]), params, [[]] * b, gens)
-            codes.append(torch.tensor(tokens, device=self.device))
+            view = self.predictor_kv.dense_view(slots, torch.full((b,), start, device=self.device), n, start + n)
+            normed, _ = run_decoder(stack, x, torch.arange(start, start + n, device=self.device).expand(b, -1), view)
+            codes.append(sample_top_k_top_p(heads[g](normed[:, -1]).float(), greedy, top_k=50, top_p=0.8))
             embeds.append(stack.codec_embedding[g](codes[-1]))
             x = embeds[-1].unsqueeze(1)
         return torch.stack(codes, dim=1), torch.stack(embeds, dim=1).sum(1)
-
-    @staticmethod
-    def _predictor_params(talker: SamplingParams) -> SamplingParams:
-        """As the reference: greedy with a greedy talker, else top_k 50 / top_p 0.8."""
-        if talker.is_greedy:
-            return SamplingParams(temperature=0.0)
-        return SamplingParams(temperature=1.0, top_k=50, top_p=0.8)

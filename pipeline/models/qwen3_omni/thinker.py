@@ -4,12 +4,15 @@ per-token rows the Talker consumes (token embedding and the `accept_hidden_layer
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
+from pipeline.cudagraph import GraphCache, batch_buckets, length_buckets
 from pipeline.kv_cache import SlotKVCache
-from pipeline.models.decoder import last_rows, pad_rows, run_decoder
+from pipeline.models.decoder import experts_implementation, last_rows, pad_rows, run_decoder
 from pipeline.models.qwen3_omni.prompt import EncodedPrompt
+from pipeline.platform import Platform
 from pipeline.scheduler import Batch, StepOutput
 
 
@@ -33,8 +36,10 @@ class ThinkerRows:
 
 
 class ThinkerModel:
-    def __init__(self, thinker, config, kv: SlotKVCache):
+    def __init__(self, thinker, config, kv: SlotKVCache, platform: Platform, enforce_eager: bool = True,
+                 graph_moe: str | None = None):
         self.thinker = thinker
+        self.graph_moe = graph_moe  # experts implementation inside captured graphs
         self.stack = thinker.model.language_model
         self.config = config
         self.kv = kv
@@ -43,6 +48,18 @@ class ThinkerModel:
         self.device = kv.k.device
         self.vocab_size = config.thinker_config.text_config.vocab_size
         self.eos_ids = [config.im_end_token_id]
+        self.graphs = GraphCache("thinker decode", self._decode_step, platform, not enforce_eager,
+                                 batch_buckets(kv.num_slots), length_buckets(kv.max_len))
+
+    def capture_graphs(self) -> None:
+        def inputs(key):
+            b = key[0]
+            zeros = torch.zeros(b, dtype=torch.long, device=self.device)
+            return {"token_ids": zeros, "slots": zeros + self.kv.scratch_slot, "positions": zeros.clone(),
+                    "rope_pos": zeros.clone()}
+
+        with experts_implementation(self.stack, self.graph_moe):
+            self.graphs.capture(inputs)
 
     @torch.inference_mode()
     def prepare(self, prompt: EncodedPrompt, wants_rows: bool) -> ThinkerState:
@@ -67,21 +84,34 @@ class ThinkerModel:
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> list[StepOutput]:
-        reqs, n_new = batch.requests, batch.num_new_tokens
-        starts = [r.num_computed_tokens for r in reqs]
+        starts = [r.num_computed_tokens for r in batch.requests]
         if batch.is_prefill:
-            embeds = pad_rows([r.state.embeds[s:s + n] for r, s, n in zip(reqs, starts, n_new)])
-            pos = pad_rows([r.state.position_ids[:, s:s + n].T for r, s, n in zip(reqs, starts, n_new)])
-            pos = pos.permute(2, 0, 1)
-        else:
-            embeds = self.token_embeds([r.output_ids[-1] for r in reqs]).unsqueeze(1)
-            pos = torch.tensor([s + r.state.rope_delta for r, s in zip(reqs, starts)], device=self.device)
-            pos = pos.view(1, -1, 1).expand(3, -1, 1)
+            return self._prefill(batch.requests, starts, batch.num_new_tokens)
+        return self._decode(batch.requests, starts)
+
+    def _prefill(self, reqs, starts: list[int], n_new: list[int]) -> list[StepOutput]:
+        """Prompt chunks, padded into one batch (eager: the shapes vary)."""
+        embeds = pad_rows([r.state.embeds[s:s + n] for r, s, n in zip(reqs, starts, n_new)])
+        pos = pad_rows([r.state.position_ids[:, s:s + n].T for r, s, n in zip(reqs, starts, n_new)]).permute(2, 0, 1)
         view = self.kv.view([r.slot for r in reqs], starts, n_new)
         normed, tapped = run_decoder(self.stack, embeds, pos, view, self.tap_layer)
         logits = self.thinker.lm_head(last_rows(normed, n_new))
         return [self._output(r, s, n, embeds[i], tapped[i], logits[i])
                 for i, (r, s, n) in enumerate(zip(reqs, starts, n_new))]
+
+    def _decode(self, reqs, starts: list[int]) -> list[StepOutput]:
+        t = partial(torch.tensor, device=self.device)
+        inputs = {"token_ids": t([r.output_ids[-1] for r in reqs]), "slots": t([r.slot for r in reqs]),
+                  "positions": t(starts), "rope_pos": t([s + r.state.rope_delta for r, s in zip(reqs, starts)])}
+        (logits,) = self.graphs.run(len(reqs), max(starts) + 1, inputs, {"slots": self.kv.scratch_slot})
+        return [StepOutput(logits=row) for row in logits]
+
+    def _decode_step(self, key, token_ids, slots, positions, rope_pos) -> tuple[torch.Tensor]:
+        """One token for each row: the fixed-shape step that graphs capture, key = (batch, kv_len)."""
+        embeds = self.stack.embed_tokens(token_ids).unsqueeze(1)
+        view = self.kv.dense_view(slots, positions, 1, key[1])
+        normed, _ = run_decoder(self.stack, embeds, rope_pos.view(1, -1, 1).expand(3, -1, 1), view)
+        return (self.thinker.lm_head(normed[:, 0]),)
 
     @staticmethod
     def _output(req, start, n, embeds, tapped, logits) -> StepOutput:

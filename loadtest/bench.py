@@ -1,0 +1,234 @@
+"""`omnirt bench`: drive a live server over HTTP exactly like a client and report TTFP, RTF, req/s.
+
+Each request is a streaming chat completion with `modalities ["text", "audio"]`. A sweep point is a
+closed loop at concurrency c (c workers, each sending its next request when the last one ends),
+after warm-up requests. Output lengths can be pinned (`min_tokens` = `max_tokens` for the Thinker and
+the Talker) so that runs compare even with random weights. Definitions (DESIGN.md §6):
+TTFP = send -> first audio delta; RTF = (last audio delta - send) / audio seconds; underrun = the
+listener's buffer, filled from the first packet on, runs dry for >= 100 ms while audio is still owed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+SAMPLE_RATE = 24000
+UNDERRUN_S = 0.1
+
+
+@dataclass(slots=True)
+class Sample:
+    ok: bool = False
+    ttft_s: float | None = None
+    ttfp_s: float | None = None
+    latency_s: float = 0.0
+    audio_s: float = 0.0
+    rtf: float | None = None
+    max_gap_s: float = 0.0
+    gaps_s: list[float] = field(default_factory=list)
+    underruns: int = 0
+    prompt_tokens: int = 0
+    error: str | None = None
+
+
+def _underruns(arrivals: list[tuple[float, float]]) -> int:
+    """arrivals: (time since send, seconds of audio in the packet). Playback starts at the first packet."""
+    if not arrivals:
+        return 0
+    owed_until, count = arrivals[0][0] + arrivals[0][1], 0
+    for t, dur in arrivals[1:]:
+        if t - owed_until >= UNDERRUN_S:
+            count += 1
+        owed_until = max(owed_until, t) + dur
+    return count
+
+
+async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> Sample:
+    s, arrivals, t0 = Sample(), [], time.perf_counter()
+    try:
+        async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+            if r.status_code != 200:
+                s.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                return s
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                now = time.perf_counter() - t0
+                if chunk.get("usage"):
+                    s.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                for choice in chunk.get("choices", []):
+                    audio = choice["delta"].get("audio") or {}
+                    has_text = audio.get("transcript") is not None or choice["delta"].get("content") is not None
+                    if has_text and s.ttft_s is None and choice["delta"].get("role") is None:
+                        s.ttft_s = now
+                    if audio.get("data"):
+                        dur = len(base64.b64decode(audio["data"])) / 2 / SAMPLE_RATE
+                        arrivals.append((now, dur))
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        s.error = f"{type(exc).__name__}: {exc}"
+        return s
+    s.latency_s = time.perf_counter() - t0
+    if arrivals:
+        s.ttfp_s = arrivals[0][0]
+        s.audio_s = sum(d for _, d in arrivals)
+        s.rtf = arrivals[-1][0] / s.audio_s
+        s.gaps_s = [b[0] - a[0] for a, b in zip(arrivals, arrivals[1:])]
+        s.max_gap_s = max(s.gaps_s, default=0.0)
+        s.underruns = _underruns(arrivals)
+    s.ok = s.error is None
+    return s
+
+
+def request_body(args: argparse.Namespace, words: int) -> dict:
+    body = {"model": args.model, "stream": True, "stream_options": {"include_usage": True},
+            "modalities": ["text", "audio"], "audio": {"voice": args.voice, "format": "pcm16"},
+            "messages": [{"role": "user", "content": " ".join(["hello"] * max(words, 1))}],
+            "max_tokens": args.thinker_tokens, "temperature": 0.0}
+    if args.fixed_lengths:
+        body["min_tokens"] = args.thinker_tokens
+        body["talker_sampling"] = {"max_tokens": args.talker_frames + 1, "min_tokens": args.talker_frames + 1}
+    return body
+
+
+async def calibrate(client: httpx.AsyncClient, url: str, model: str, target: int) -> int:
+    """How many prompt words give `target` prompt tokens on this server (system prompt included)."""
+    async def count(words: int) -> int:
+        r = await client.post(f"{url}/v1/chat/completions", json={
+            "model": model, "max_tokens": 1, "messages": [{"role": "user", "content": " ".join(["hello"] * words)}]})
+        r.raise_for_status()
+        return r.json()["usage"]["prompt_tokens"]
+
+    base, per = await count(1), (await count(101) - await count(1)) / 100
+    return max(1, round(1 + (target - base) / max(per, 1e-6)))
+
+
+async def run_point(client, args, words: int, concurrency: int, num_requests: int) -> tuple[list[Sample], float]:
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    for i in range(num_requests):
+        queue.put_nowait(i)
+    samples: list[Sample] = []
+
+    async def worker():
+        while not queue.empty():
+            queue.get_nowait()
+            samples.append(await one_request(client, args.url, request_body(args, words)))
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return samples, time.perf_counter() - t0
+
+
+def summarize(samples: list[Sample], wall_s: float, prompt_len: int, concurrency: int) -> dict:
+    ok = [s for s in samples if s.ok and s.ttfp_s is not None]
+    ttfp = sorted(s.ttfp_s * 1000 for s in ok)
+    gaps = sorted(g * 1000 for s in ok for g in s.gaps_s)
+
+    def pct(xs, q):
+        return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
+
+    return {"prompt_len": prompt_len, "concurrency": concurrency, "requests": len(samples), "ok": len(ok),
+            "failed": len(samples) - len(ok), "req_per_s": len(ok) / wall_s if wall_s else 0.0,
+            "ttfp_mean_ms": statistics.fmean(ttfp) if ttfp else None, "ttfp_p50_ms": pct(ttfp, 0.5),
+            "ttfp_p99_ms": pct(ttfp, 0.99), "rtf_mean": statistics.fmean(s.rtf for s in ok) if ok else None,
+            "ttft_mean_ms": statistics.fmean(s.ttft_s * 1000 for s in ok if s.ttft_s) if ok else None,
+            "gap_p99_ms": pct(gaps, 0.99), "underruns": sum(s.underruns for s in ok),
+            "audio_s_mean": statistics.fmean(s.audio_s for s in ok) if ok else None,
+            "prompt_tokens": ok[0].prompt_tokens if ok else None,
+            "errors": sorted({s.error for s in samples if s.error})[:3]}
+
+
+async def sweep(args: argparse.Namespace) -> list[dict]:
+    limits = httpx.Limits(max_connections=max(args.concurrency) + 8)
+    results = []
+    async with httpx.AsyncClient(timeout=args.timeout, limits=limits) as client:
+        for prompt_len in args.prompt_lens:
+            words = await calibrate(client, args.url, args.model, prompt_len)
+            for c in args.concurrency:
+                await run_point(client, args, words, min(c, args.warmup), args.warmup)
+                n = max(args.requests_per_point, c * args.rounds)
+                samples, wall = await run_point(client, args, words, c, n)
+                row = summarize(samples, wall, prompt_len, c)
+                results.append(row)
+                print(format_row(row), flush=True)
+    return results
+
+
+COLUMNS = [("prompt_len", "prompt", "{}"), ("concurrency", "c", "{}"), ("ok", "ok", "{}"),
+           ("req_per_s", "req/s", "{:.2f}"), ("ttfp_mean_ms", "TTFP mean ms", "{:.0f}"),
+           ("ttfp_p50_ms", "TTFP p50", "{:.0f}"), ("ttfp_p99_ms", "TTFP p99", "{:.0f}"), ("rtf_mean", "RTF", "{:.3f}"),
+           ("ttft_mean_ms", "TTFT ms", "{:.0f}"), ("gap_p99_ms", "gap p99 ms", "{:.0f}"),
+           ("underruns", "underruns", "{}"), ("audio_s_mean", "audio s", "{:.1f}")]
+
+
+def format_row(row: dict) -> str:
+    return " | ".join(f"{title} " + (fmt.format(row[k]) if row[k] is not None else "-") for k, title, fmt in COLUMNS)
+
+
+def markdown(rows: list[dict], title: str) -> str:
+    head = "| " + " | ".join(t for _, t, _ in COLUMNS) + " |\n|" + "---|" * len(COLUMNS) + "\n"
+    body = "".join("| " + " | ".join(fmt.format(r[k]) if r[k] is not None else "-" for k, _, fmt in COLUMNS) + " |\n"
+                   for r in rows)
+    return f"### {title}\n\n{head}{body}"
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for prompt_len in sorted({r["prompt_len"] for r in rows}):
+        pts = [r for r in rows if r["prompt_len"] == prompt_len and r["ok"]]
+        c = [r["concurrency"] for r in pts]
+        for ax, key in zip(axes, ("req_per_s", "ttfp_mean_ms", "rtf_mean")):
+            ax.plot(c, [r[key] for r in pts], marker="o", label=f"prompt {prompt_len}")
+    for ax, label in zip(axes, ("requests / s", "mean audio TTFP (ms)", "mean RTF")):
+        ax.set_xlabel("concurrency")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="omnirt bench", description=__doc__.split("\n")[0])
+    p.add_argument("--url", default="http://127.0.0.1:8091")
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--voice", default="ethan")
+    p.add_argument("--prompt-lens", type=int, nargs="+", default=[10, 160, 320, 640])
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 32, 64])
+    p.add_argument("--thinker-tokens", type=int, default=40)
+    p.add_argument("--talker-frames", type=int, default=145, help="codec frames per reply (80 ms each)")
+    p.add_argument("--fixed-lengths", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--requests-per-point", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=2, help="requests per worker at each point")
+    p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--name", default="bench")
+    p.add_argument("--out", default="docs/benchmarks")
+    args = p.parse_args(argv)
+    rows = asyncio.run(sweep(args))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{args.name}.json").write_text(json.dumps({"args": vars(args), "results": rows}, indent=1))
+    (out / f"{args.name}.md").write_text(markdown(rows, args.name))
+    plot(rows, out / f"{args.name}.png", args.name)
+    print(markdown(rows, args.name))
+
+
+if __name__ == "__main__":
+    main()
+

@@ -1,0 +1,30 @@
+# Sourced by the GPU scripts: install the carried wheels, keep NVLink multicast off, helpers.
+set -u
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  || { echo "wheel install failed"; exit 1; }
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 OMNIRT_CACHE=/tmp/omnirt-cache
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+MODEL=qwen3-omni-30b-a3b
+
+start_server() {  # start_server NAME [serve args...]: background server on :8091, wait until healthy
+  local name=$1; shift
+  python3 -m app.cli serve --model $MODEL --load-format dummy --deploy-config deploy/qwen3_omni_moe_1gpu.yaml \
+    --port 8091 --log-level warning "$@" > "$OUT/server-$name.log" 2>&1 &
+  SERVER_PID=$!
+  local t0=$(date +%s)
+  until python3 -c "import httpx,sys; sys.exit(httpx.get('http://127.0.0.1:8091/health',timeout=2).status_code!=200)" 2>/dev/null; do
+    kill -0 $SERVER_PID 2>/dev/null || { echo "server $name died"; tail -30 "$OUT/server-$name.log"; return 1; }
+    sleep 2
+  done
+  echo "server $name ready after $(( $(date +%s) - t0 )) s"
+  nvidia-smi --query-gpu=memory.used,memory.total --format=csv,noheader
+}
+
+stop_server() { kill $SERVER_PID 2>/dev/null; wait $SERVER_PID 2>/dev/null; }
+
+bench() {  # bench NAME [bench args...]
+  local name=$1; shift
+  python3 -m app.cli bench --model $MODEL --name "$name" --out "$OUT" "$@" 2>&1 | tail -20
+}

@@ -1,0 +1,71 @@
+"""The released Qwen3-Omni-30B-A3B-Instruct architecture, for `--load-format dummy` without a checkpoint.
+
+Sizes are the released config's (transcribed in the project's reference notes); token ids are taken
+from the tokenizer in use, so the built-in tokenizer can drive the real-size graph. Random weights
+give meaningless text and audio, but every step costs what it costs with the real weights.
+"""
+
+from __future__ import annotations
+
+ALIASES = ("qwen3-omni-30b-a3b", "Qwen/Qwen3-Omni-30B-A3B-Instruct")
+
+_ROPE = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [24, 20, 20], "interleaved": True}
+ARCHITECTURE = {
+    "thinker": {
+        "audio": dict(d_model=1280, encoder_layers=32, encoder_attention_heads=20, encoder_ffn_dim=5120,
+                      num_mel_bins=128, max_source_positions=1500, n_window=50, n_window_infer=800,
+                      conv_chunksize=500, downsample_hidden_size=480, output_dim=2048),
+        "vision": dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, patch_size=16,
+                       spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=2048, num_position_embeddings=2304,
+                       deepstack_visual_indexes=[8, 16, 24], hidden_act="gelu_pytorch_tanh"),
+        "text": dict(vocab_size=152064, hidden_size=2048, intermediate_size=768, num_hidden_layers=48,
+                     num_attention_heads=32, num_key_value_heads=4, head_dim=128, moe_intermediate_size=768,
+                     num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, max_position_embeddings=65536,
+                     rope_parameters=_ROPE),
+    },
+    "talker": {
+        "text": dict(vocab_size=3072, hidden_size=1024, intermediate_size=2048, num_hidden_layers=20,
+                     num_attention_heads=16, num_key_value_heads=2, head_dim=128, moe_intermediate_size=384,
+                     num_experts=128, num_experts_per_tok=6, norm_topk_prob=True, shared_expert_intermediate_size=768,
+                     max_position_embeddings=65536, rope_parameters=_ROPE),
+        "predictor": dict(vocab_size=2048, hidden_size=1024, intermediate_size=3072, num_hidden_layers=5,
+                          num_attention_heads=16, num_key_value_heads=8, head_dim=128, num_code_groups=16,
+                          rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+        "codec": dict(codec_pad_id=2148, codec_bos_id=2149, codec_eos_token_id=2150, codec_nothink_id=2155,
+                      codec_think_bos_id=2156, codec_think_eos_id=2157,
+                      speaker_id={"chelsie": 2301, "ethan": 2302, "aiden": 2303}),
+    },
+    "code2wav": dict(codebook_size=2048, hidden_size=1024, intermediate_size=3072, num_hidden_layers=8,
+                     num_attention_heads=16, num_key_value_heads=16, sliding_window=72, num_quantizers=16,
+                     upsample_rates=[8, 5, 4, 3], upsampling_ratios=[2, 2], decoder_dim=1536,
+                     max_position_embeddings=8000, rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+}
+
+
+def released_config(tok):
+    """The released architecture with every token id taken from `tok`."""
+    from transformers import Qwen3OmniMoeConfig
+
+    def tid(t: str) -> int:
+        return tok.convert_tokens_to_ids(t)
+
+    def word(w: str) -> int:
+        return tok.encode(w, add_special_tokens=False)[0]
+
+    a = ARCHITECTURE
+    mm = dict(audio_token_id=tid("<|audio_pad|>"), image_token_id=tid("<|image_pad|>"),
+              video_token_id=tid("<|video_pad|>"), audio_start_token_id=tid("<|audio_start|>"),
+              audio_end_token_id=tid("<|audio_end|>"), vision_start_token_id=tid("<|vision_start|>"),
+              position_id_per_seconds=13, seconds_per_chunk=2)
+    return Qwen3OmniMoeConfig(
+        thinker_config=dict(audio_config=a["thinker"]["audio"], vision_config=a["thinker"]["vision"],
+                            text_config=a["thinker"]["text"], vision_end_token_id=tid("<|vision_end|>"),
+                            user_token_id=word("user"), **mm),
+        talker_config=dict(text_config=a["talker"]["text"], code_predictor_config=a["talker"]["predictor"],
+                           accept_hidden_layer=24, thinker_hidden_size=2048, num_code_groups=16, spatial_merge_size=2,
+                           **a["talker"]["codec"], **mm),
+        code2wav_config=a["code2wav"],
+        im_start_token_id=tid("<|im_start|>"), im_end_token_id=tid("<|im_end|>"), tts_pad_token_id=tid("<tts_pad>"),
+        tts_bos_token_id=tid("<tts_text_bos>"), tts_eos_token_id=tid("<tts_text_eod>"), system_token_id=word("system"),
+        user_token_id=word("user"), assistant_token_id=word("assistant"), enable_audio_output=True,
+    )
