@@ -28,6 +28,7 @@ from pipeline.shm_transport import Channel, ShmRing
 
 log = logging.getLogger(__name__)
 HEARTBEAT_S = 0.2
+HANG_TIMEOUT_S = 10.0  # an up worker silent this long (no step, no heartbeat) is killed, then handled as dead
 
 
 @dataclass(slots=True, frozen=True)
@@ -129,7 +130,8 @@ class ProcessReplica:
     """The engine's handle on one worker process: its channels, its reader thread, its liveness.
 
     `on_report(replica, report)` and `on_death(replica, reason)` are called from the reader thread;
-    a dead process is noticed within `HEARTBEAT_S` (the reader polls the process between reads)."""
+    a dead process is noticed within `HEARTBEAT_S` (the reader polls the process between reads), a
+    hung one (no report for `HANG_TIMEOUT_S`) is killed and then handled as dead."""
 
     kind = "process"
 
@@ -177,6 +179,7 @@ class ProcessReplica:
             self.inbox.ring.closed = True
 
     def _read(self) -> None:
+        last_report = None  # monotonic time of the last report; None until the worker is up
         while not self._stopping:
             try:
                 report = self.outbox.get(timeout=HEARTBEAT_S)
@@ -186,7 +189,13 @@ class ProcessReplica:
                 report = None
                 time.sleep(HEARTBEAT_S)
             if report is not None:
+                last_report = time.monotonic()
                 self.on_report(self, report)
+            elif last_report is not None and time.monotonic() - last_report > HANG_TIMEOUT_S:
+                log.error("%s replica %d: no heartbeat for %.0f s; killing process %d", self.spec.stage,
+                          self.spec.replica, HANG_TIMEOUT_S, self.process.pid)
+                self.process.kill()
+                last_report = None
             elif not self.process.is_alive() and not self._stopping:
                 self.mark_dead()
                 self.process.join()

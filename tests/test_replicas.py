@@ -91,16 +91,23 @@ async def test_killed_replica_fails_its_requests_others_finish_and_it_returns(po
     assert {0} in [routing.replicas_of("talker", f"after-{i}") for i in range(2)]  # the new replica serves
 
 
-async def test_request_on_a_replica_that_dies_before_streaming_is_retried(pooled, baseline):
+async def test_hung_replica_is_killed_and_its_unanswered_request_retried(pooled, baseline, monkeypatch):
+    import pipeline.worker
+
+    monkeypatch.setattr(pipeline.worker, "HANG_TIMEOUT_S", 3.0)
     await wait_for(lambda: all(r["state"] == "up" for r in pooled.replica_status()["talker"]), 120, "replicas up")
     pid = replica(pooled, "talker", 0)["pid"]
     os.kill(pid, signal.SIGSTOP)  # replica 0 takes the request (both idle: lowest index) but never answers
     try:
         task = asyncio.create_task(run(pooled, "retry-0", PROMPTS[0]))
         await wait_for(lambda: pooled.talker.requests.get("retry-0") == 0, 30, "the request to reach replica 0")
-        await asyncio.sleep(0.3)
+        # the pool kills the silent process after HANG_TIMEOUT_S, then replays the request on replica 1
+        await wait_for(lambda: replica(pooled, "talker", 0)["state"] == "dead", 10, "the hang to be detected")
+        assert "exited with code -9" in replica(pooled, "talker", 0)["last_error"]
     finally:
-        kill(pid)
+        handle = pooled.talker._slots[0].handle
+        if handle.pid == pid and handle.process.is_alive():
+            kill(pid)
     res = await asyncio.wait_for(task, 120)
     base = baseline[0]
     assert res.finish.finish_reason == base.finish.finish_reason and res.text == base.text
