@@ -35,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--engine", choices=["omnirt", "reference"], default="omnirt",
                    help="reference: transformers' own generate(), one request at a time (the baseline)")
     s.add_argument("--platform", default=None, help="override platform detection (cuda/rocm/npu/xpu/cpu)")
+    s.add_argument("--distributed", choices=["none", "ray"], default=None,
+                   help="where stage replicas run: local worker processes (none) or Ray actors (needs omnirt[ray])")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8091)
     s.add_argument("--threads", type=int, default=int(os.environ.get("OMNIRT_THREADS", "0")) or None,
@@ -57,13 +59,15 @@ def load_engine(args: argparse.Namespace):
     from pipeline.engine import OmniEngine
     from pipeline.models import load_models
     from pipeline.platform import detect_platform, get_platform
+    from pipeline.ray_replica import require_ray
 
     if args.threads:
         torch.set_num_threads(args.threads)
     platform = get_platform(args.platform) if args.platform else detect_platform()
     profile = args.deploy_config or DEPLOY_DIR / ("tiny.yaml" if args.model == "tiny" else "qwen3_omni_moe.yaml")
     overrides = {"model": args.model, "load_format": args.load_format, "dtype": args.dtype,
-                 "async_output": False if args.no_async_output else None, "moe_backend": args.moe_backend}
+                 "async_output": False if args.no_async_output else None, "moe_backend": args.moe_backend,
+                 "distributed": args.distributed}
     stage_overrides = dict(args.stage_overrides or {})
     if args.enforce_eager:
         for sid in ("0", "1", "2"):
@@ -71,6 +75,8 @@ def load_engine(args: argparse.Namespace):
     cfg = load_profile(profile, platform.name, overrides, stage_overrides)
     if args.no_async_chunk:
         cfg = dataclasses.replace(cfg, connector=dataclasses.replace(cfg.connector, async_chunk=False))
+    if cfg.distributed == "ray":
+        require_ray()  # fail before loading weights when the extra is missing
     log.info("platform %s, profile %s, model %s (%s, %s)", platform.name, profile, cfg.model, cfg.load_format,
              cfg.dtype)
     for s in cfg.stages:
@@ -94,10 +100,11 @@ def serve(args: argparse.Namespace) -> None:
     from app.session import RealtimeLimits
     from pipeline.config import ProfileError
     from pipeline.models import ModelNotFoundError
+    from pipeline.ray_replica import RayUnavailableError
 
     try:
         engine = load_engine(args)
-    except (ProfileError, ModelNotFoundError) as exc:
+    except (ProfileError, ModelNotFoundError, RayUnavailableError) as exc:
         sys.exit(f"omnirt: {exc}")
     name = args.served_model_name or args.model
     limits = RealtimeLimits(args.realtime_max_sessions, args.realtime_max_event_bytes,

@@ -77,7 +77,8 @@ def create_app(engine: OmniEngine, settings: ServerSettings) -> FastAPI:
     @app.get("/health")
     async def health():
         return {"status": "ok", "model": settings.model_names[0], "active_requests": engine.num_active_requests,
-                "free_slots": engine.num_free_slots(), "slots": engine.num_slots()}
+                "free_slots": engine.num_free_slots(), "slots": engine.num_slots(),
+                "replicas": engine.replica_status()}
 
     @app.get("/v1/models")
     async def models():

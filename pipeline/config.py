@@ -19,6 +19,8 @@ from pipeline.platform import PLATFORMS
 
 STAGE_NAMES = ("thinker", "talker", "code2wav")
 DTYPES = ("float32", "bfloat16", "float16")
+ROUTING = ("least_loaded", "round_robin")
+DISTRIBUTED = ("none", "ray")
 
 
 class ProfileError(ValueError):
@@ -36,10 +38,25 @@ class StageConfig:
     enforce_eager: bool = True
     gpu_memory_utilization: float | None = None
     default_sampling_params: dict[str, Any] = field(default_factory=dict)
+    routing: str = "least_loaded"  # how a replica pool places new requests: least_loaded | round_robin
+    ray_resources: dict[str, float] = field(default_factory=dict)  # per replica actor, e.g. {num_gpus: 1}
 
     @property
     def name(self) -> str:
         return STAGE_NAMES[self.stage_id]
+
+    @property
+    def device_ids(self) -> list[int]:
+        return [int(d) for d in str(self.devices).split(",")]
+
+    def replica_device(self, replica: int) -> int:
+        """Replicas take the listed devices in turn (3 replicas on "1,2": 1, 2, 1)."""
+        return self.device_ids[replica % len(self.device_ids)]
+
+    @property
+    def needs_workers(self) -> bool:
+        """Replicated, or placed off the engine's device (0): the stage runs in worker processes or actors."""
+        return self.num_replicas > 1 or self.device_ids != [0]
 
     def __post_init__(self):
         _check(0 <= self.stage_id < len(STAGE_NAMES), "stage_id", f"must be 0..{len(STAGE_NAMES) - 1}")
@@ -47,9 +64,17 @@ class StageConfig:
         _check(self.max_num_seqs >= 1, f"stages[{self.stage_id}].max_num_seqs", "must be >= 1")
         _check(self.max_num_batched_tokens >= 1, f"stages[{self.stage_id}].max_num_batched_tokens", "must be >= 1")
         _check(self.max_model_len >= 16, f"stages[{self.stage_id}].max_model_len", "must be >= 16")
+        key = f"stages[{self.stage_id}]"
         devices = [d.strip() for d in str(self.devices).split(",")]
-        _check(all(d.isdigit() for d in devices), f"stages[{self.stage_id}].devices",
-               f"must be a comma-separated list of device indices, got {self.devices!r}")
+        _check(all(d.isdigit() for d in devices) and len(set(map(int, devices))) == len(devices), f"{key}.devices",
+               f"must be a comma-separated list of distinct device indices, got {self.devices!r}")
+        _check(len(devices) <= self.num_replicas, f"{key}.devices",
+               f"lists {len(devices)} devices for num_replicas={self.num_replicas}; each replica takes one device "
+               "(replicas share devices in turn when there are more replicas than devices)")
+        _check(self.routing in ROUTING, f"{key}.routing", f"must be one of {', '.join(ROUTING)}")
+        _check(all(k in ("num_cpus", "num_gpus", "memory") and isinstance(v, int | float) and v >= 0
+                   for k, v in self.ray_resources.items()), f"{key}.ray_resources",
+               "must map num_cpus / num_gpus / memory to numbers >= 0")
 
 
 @dataclass(slots=True, frozen=True)
@@ -74,6 +99,7 @@ class EngineConfig:
     moe_backend: str = "auto"  # "auto" (grouped_mm where graphs run, else eager) | "grouped_mm" | "eager"
     dtype: str = "float32"
     platform: str = "cpu"
+    distributed: str = "none"  # where out-of-process stage replicas run: "none" (local processes) | "ray" (actors)
     async_output: bool = True  # stage threads never wait for the consumer of their outputs
     default_voice: str = "ethan"
     system_prompt: str = "You are a helpful voice assistant."
@@ -86,6 +112,7 @@ class EngineConfig:
         _check(self.moe_backend in ("auto", "grouped_mm", "batched_mm", "eager"), "moe_backend",
                "must be auto, grouped_mm, batched_mm or eager")
         _check(self.platform in PLATFORMS, "platform", f"must be one of {', '.join(PLATFORMS)}")
+        _check(self.distributed in DISTRIBUTED, "distributed", f"must be one of {', '.join(DISTRIBUTED)}")
         if not self.stages:
             object.__setattr__(self, "stages", tuple(StageConfig(i) for i in range(len(STAGE_NAMES))))
         _check([s.stage_id for s in self.stages] == list(range(len(STAGE_NAMES))), "stages",

@@ -19,6 +19,7 @@ import torch
 from pipeline.config import EngineConfig
 from pipeline.connector import CodecStream, Command, Message
 from pipeline.models import OmniModels, TalkerState
+from pipeline.replicas import make_stage, replica_status
 from pipeline.request import (
     FINISH_REASONS,
     AudioChunk,
@@ -30,9 +31,9 @@ from pipeline.request import (
     TextDelta,
     Usage,
 )
-from pipeline.sampling import Sampler, SamplingParams
-from pipeline.scheduler import Batch, ChunkScheduler, Scheduler, StepOutput
-from pipeline.stage import ARRunner, Stage
+from pipeline.sampling import SamplingParams
+from pipeline.scheduler import Batch, StepOutput
+from pipeline.stage import Stage
 
 log = logging.getLogger(__name__)
 
@@ -65,15 +66,6 @@ class _Stream:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
         else:  # ablation: the stage thread waits until the event loop has taken the output
             asyncio.run_coroutine_threadsafe(self.queue.put(item), self.loop).result()
-
-
-class Code2WavRunner:
-    def __init__(self, model):
-        self.model = model
-
-    def run(self, batch: Batch) -> list[StepOutput]:
-        wavs = self.model.decode([r.state.next_window()[0] for r in batch.requests])
-        return [StepOutput(payload=w) for w in wavs]
 
 
 class EngineBase:
@@ -115,26 +107,11 @@ class OmniEngine(EngineBase):
         super().__init__(cfg, models)
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
-        th, tk, c2w = cfg.stage("thinker"), cfg.stage("talker"), cfg.stage("code2wav")
-        thinker = models.thinker
-        self.thinker = Stage(
-            "thinker", Scheduler(thinker.kv, th.max_num_seqs, th.max_num_batched_tokens, thinker.eos_ids,
-                                 is_ready=lambda r: True),
-            ARRunner(thinker, Sampler(thinker.vocab_size, thinker.eos_ids)), on_step=self._thinker_step,
-            stream=models.platform.stage_stream())
+        self.thinker = make_stage("thinker", cfg, models, self._thinker_step)
         self.stages = [self.thinker]
         if models.talker is not None:
-            talker = models.talker
-            self.talker = Stage(
-                "talker", Scheduler(talker.kv, tk.max_num_seqs, tk.max_num_batched_tokens, talker.eos_ids,
-                                    is_ready=self._talker_may_step),
-                ARRunner(talker, Sampler(talker.vocab_size, talker.eos_ids, talker.suppress_ids)),
-                on_step=self._talker_step, on_input=lambda r, rows: r.state.add(rows),
-                on_input_done=self._thinker_done, stream=models.platform.stage_stream())
-            self.code2wav = Stage(
-                "code2wav", ChunkScheduler(c2w.max_num_seqs), Code2WavRunner(models.code2wav),
-                on_step=self._audio_step, on_input=lambda r, frame: r.state.frames.append(frame),
-                on_input_done=self._talker_done, stream=models.platform.stage_stream())
+            self.talker = make_stage("talker", cfg, models, self._talker_step)
+            self.code2wav = make_stage("code2wav", cfg, models, self._audio_step)
             self.stages += [self.talker, self.code2wav]
 
     # ---- lifecycle ----------------------------------------------------------------------------------
@@ -149,16 +126,20 @@ class OmniEngine(EngineBase):
             stage.stop()
 
     def num_free_slots(self) -> dict[str, int]:
-        out = {"thinker": self.models.thinker.kv.num_free_slots}
+        out = {"thinker": self.thinker.num_free_slots}
         if self.models.talker is not None:
-            out["talker"] = self.models.talker.kv.num_free_slots
+            out["talker"] = self.talker.num_free_slots
         return out
 
     def num_slots(self) -> dict[str, int]:
-        out = {"thinker": self.models.thinker.kv.num_slots}
+        out = {"thinker": self.thinker.num_slots}
         if self.models.talker is not None:
-            out["talker"] = self.models.talker.kv.num_slots
+            out["talker"] = self.talker.num_slots
         return out
+
+    def replica_status(self) -> dict[str, list[dict]]:
+        """Per stage, each replica's state and load (for /health and metrics)."""
+        return replica_status(self.stages)
 
     @property
     def num_active_requests(self) -> int:
@@ -260,21 +241,6 @@ class OmniEngine(EngineBase):
             else:
                 self._close(stream)
 
-    def _talker_may_step(self, req: StageRequest) -> bool:
-        """Has the Thinker sent what the Talker's next step of this request consumes?"""
-        talker, st = self.models.talker, req.state
-        if req.num_prompt_tokens == 0:
-            if not talker.can_prefill(st) or not (self.cfg.connector.async_chunk or st.thinker_done):
-                return False
-            req.num_prompt_tokens = talker.build_prompt(st)
-            return True
-        return req.is_prefill or talker.can_decode(st, len(req.output_ids) - 1)
-
-    def _thinker_done(self, stage: Stage, req: StageRequest) -> None:
-        req.state.thinker_done = True
-        if not self.models.talker.has_speech(req.state):
-            stage.finish(req, RequestStatus.FINISHED_STOPPED)
-
     def _talker_step(self, stage: Stage, batch: Batch, outputs: list[StepOutput],
                      finished: list[StageRequest]) -> None:
         for req, out in zip(batch.requests, outputs):
@@ -286,11 +252,6 @@ class OmniEngine(EngineBase):
         for req in finished:
             if not self._failed(req):
                 self.code2wav.send(Message(Command.INPUT_DONE, req.request_id))
-
-    def _talker_done(self, stage: Stage, req: StageRequest) -> None:
-        req.state.input_done = True
-        if req.state.is_drained():
-            stage.finish(req, RequestStatus.FINISHED_STOPPED)
 
     def _audio_step(self, stage: Stage, batch: Batch, outputs: list[StepOutput],
                     finished: list[StageRequest]) -> None:

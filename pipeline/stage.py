@@ -73,6 +73,14 @@ class Stage:
         self._inbox: queue.SimpleQueue[Message | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name=f"omnirt-{name}", daemon=True)
 
+    @property
+    def num_free_slots(self) -> int:
+        return self.scheduler.kv.num_free_slots
+
+    @property
+    def num_slots(self) -> int:
+        return self.scheduler.kv.num_slots
+
     # ---- called from other threads ------------------------------------------------------------------
 
     def start(self) -> None:

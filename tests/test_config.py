@@ -84,3 +84,71 @@ def test_platform_detection_boundary(monkeypatch):
     assert get_platform("npu").dist_backend == "hccl"
     with pytest.raises(ValueError):
         get_platform("tpu")
+
+
+# ---- replicas: placement keys and the replica profiles ------------------------------------------------
+
+
+@pytest.mark.parametrize("stage,key", [
+    ({"stage_id": 1, "num_replicas": 2, "devices": "1,2,3"}, "stages[1].devices"),  # more devices than replicas
+    ({"stage_id": 1, "num_replicas": 2, "devices": "1,1"}, "stages[1].devices"),  # a device twice
+    ({"stage_id": 2, "num_replicas": 2, "devices": "1;2"}, "stages[2].devices"),
+    ({"stage_id": 2, "num_replicas": 2, "devices": ""}, "stages[2].devices"),
+    ({"stage_id": 1, "num_replicas": -1}, "stages[1].num_replicas"),
+    ({"stage_id": 1, "routing": "random"}, "stages[1].routing"),
+    ({"stage_id": 1, "ray_resources": {"num_gpu": 1}}, "stages[1].ray_resources"),
+])
+def test_bad_replica_keys_name_the_key(stage, key):
+    with pytest.raises(ProfileError, match=key.replace("[", r"\[").replace("]", r"\]")):
+        build_config({"stages": [stage]}, "cpu", {}, {})
+
+
+def test_bad_distributed_names_the_key():
+    with pytest.raises(ProfileError, match="distributed"):
+        build_config({"distributed": "mpi"}, "cpu", {}, {})
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_multi_replica_profile_per_platform(platform):
+    cfg = load_profile(DEPLOY / "qwen3_omni_moe_multi_replicas.yaml", platform)
+    th, tk, c2w = cfg.stages
+    assert not th.needs_workers and th.device_ids == [0]
+    assert tk.num_replicas == c2w.num_replicas == 2 and tk.device_ids == c2w.device_ids == [1, 2]
+    assert [tk.replica_device(i) for i in range(2)] == [1, 2]
+    assert cfg.distributed == "none" and cfg.dtype == ("float32" if platform == "cpu" else "bfloat16")
+    assert c2w.enforce_eager == (platform in ("rocm", "xpu", "cpu"))
+
+
+def test_stage_override_scales_a_pool_and_replicas_share_devices_in_turn():
+    cfg = load_profile(DEPLOY / "qwen3_omni_moe_multi_replicas.yaml", "cuda",
+                       stage_overrides={"1": {"num_replicas": 3}})
+    tk = cfg.stage("talker")
+    assert tk.num_replicas == 3 and [tk.replica_device(i) for i in range(3)] == [1, 2, 1]
+    assert cfg.stage("code2wav").num_replicas == 2
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_ray_profile_per_platform(platform):
+    from pipeline.ray_replica import actor_resources
+
+    cfg = load_profile(DEPLOY / "qwen3_omni_moe_ray.yaml", platform)
+    tk = cfg.stage("talker")
+    assert cfg.distributed == "ray" and tk.num_replicas == 2
+    need = actor_resources(platform, tk.ray_resources)
+    if platform in ("cuda", "rocm", "xpu"):
+        assert need["num_gpus"] == 1
+    elif platform == "npu":
+        assert need["resources"] == {"NPU": 1} and need["num_gpus"] == 0
+    else:
+        assert need == {"num_cpus": 0.5, "num_gpus": 0}
+
+
+def test_device_the_host_lacks_names_the_key(monkeypatch):
+    import torch
+
+    from pipeline.replicas import make_stage
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    cfg = load_profile(DEPLOY / "qwen3_omni_moe_multi_replicas.yaml", "cuda")  # devices "1,2" on a 2-GPU host
+    with pytest.raises(ProfileError, match=r"stages\[1\]\.devices '1,2' names a device this host does not have"):
+        make_stage("talker", cfg, models=None, on_step=lambda *a: None)

@@ -1,0 +1,211 @@
+"""A stage served out of the engine's process: what runs there (`StageHost`, `worker_main`) and the
+engine's handle on one such worker process (`ProcessReplica`).
+
+The host builds the ordinary in-process `Stage` from its own copy of the models and turns each
+step into a `StepReport`: plain ids, tokens, statuses and payloads, no scheduler objects. The
+engine side replays reports into the engine's `on_step` callbacks, so the stage graph does not
+care where a stage runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from pipeline.config import EngineConfig
+from pipeline.connector import Message
+from pipeline.request import RequestStatus
+from pipeline.scheduler import Batch, StepOutput
+from pipeline.shm_transport import Channel, ShmRing
+
+log = logging.getLogger(__name__)
+HEARTBEAT_S = 0.2
+HANG_TIMEOUT_S = 10.0  # an up worker silent this long (no step, no heartbeat) is killed, then handled as dead
+
+
+@dataclass(slots=True, frozen=True)
+class WorkerSpec:
+    """Everything a replica needs to build its stage, wherever it runs."""
+
+    stage: str
+    replica: int
+    device_index: int
+    cfg: EngineConfig
+    num_threads: int = 1
+    pin_device: bool = True  # False where the runtime (Ray) assigns the device
+
+
+@dataclass(slots=True)
+class ReplicaLoad:
+    num_waiting: int = 0
+    num_running: int = 0
+    num_free_slots: int = 0
+    num_slots: int = 0
+    num_steps: int = 0
+    num_consumed: int = 0  # messages applied so far; the engine's sent count minus this is the inbox backlog
+
+
+@dataclass(slots=True)
+class StepReport:
+    """One step of a replica (or a heartbeat when both lists are empty)."""
+
+    outputs: list[tuple[str, int | None, Any]] = field(default_factory=list)  # request id, token, payload
+    finished: list[tuple[str, RequestStatus, list[int], str | None]] = field(default_factory=list)
+    load: ReplicaLoad | None = None
+    is_ready: bool = False
+
+
+class StageHost:
+    """The worker side: one stage, fed by `send`, reporting every step through `emit`."""
+
+    def __init__(self, spec: WorkerSpec, emit: Callable[[StepReport], None]):
+        from pipeline.models import load_models
+        from pipeline.platform import get_platform
+        from pipeline.stage_graph import build_stage
+
+        platform = get_platform(spec.cfg.platform)
+        if spec.pin_device:
+            platform.pin_device(spec.device_index)
+        torch.set_num_threads(spec.num_threads)
+        self.device = platform.device(0)  # the pinned device is the only one this process sees
+        self.emit = emit
+        self.num_consumed = 0
+        self.stage = build_stage(spec.stage, spec.cfg, load_models(spec.cfg, platform), self._on_step)
+        self._stopped = threading.Event()
+        self._beat = threading.Thread(target=self._heartbeat, name=f"omnirt-{spec.stage}-beat", daemon=True)
+
+    def start(self) -> None:
+        self.stage.start()
+        self._beat.start()
+        self.emit(StepReport(load=self.load(), is_ready=True))
+
+    def send(self, msg: Message) -> None:
+        self.stage.send(msg)
+        self.num_consumed += 1
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self.stage.stop()
+        self._beat.join(timeout=5)
+
+    def load(self) -> ReplicaLoad:
+        sched, kv = self.stage.scheduler, getattr(self.stage.scheduler, "kv", None)
+        running = len(getattr(sched, "running", ())) if kv is not None else sched.num_unfinished
+        return ReplicaLoad(sched.num_unfinished - running, running, kv.num_free_slots if kv else 0,
+                           kv.num_slots if kv else 0, self.stage.num_steps, self.num_consumed)
+
+    def _on_step(self, stage, batch: Batch, outputs: list[StepOutput], finished) -> None:
+        self.emit(StepReport([(r.request_id, o.token, o.payload) for r, o in zip(batch.requests, outputs)],
+                             [(r.request_id, r.status, list(r.output_ids), r.error) for r in finished], self.load()))
+
+    def _heartbeat(self) -> None:
+        while not self._stopped.wait(HEARTBEAT_S):
+            self.emit(StepReport(load=self.load()))
+
+
+def worker_main(spec: WorkerSpec, inbox_spec: tuple, outbox_spec: tuple) -> None:
+    """Entry point of a spawned worker process: serve one stage until told to stop (None)."""
+    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s %(levelname)s {spec.stage}[{spec.replica}] "
+                                                      "%(name)s: %(message)s")
+    outbox = Channel.attach(outbox_spec)
+    host = StageHost(spec, outbox.put)
+    inbox = Channel.attach(inbox_spec, host.device)
+    host.start()
+    while (msg := inbox.get()) is not None:
+        host.send(msg)
+    host.stop()
+    inbox.close()
+    outbox.close()
+
+
+class ProcessReplica:
+    """The engine's handle on one worker process: its channels, its reader thread, its liveness.
+
+    `on_report(replica, report)` and `on_death(replica, reason)` are called from the reader thread;
+    a dead process is noticed within `HEARTBEAT_S` (the reader polls the process between reads), a
+    hung one (no report for `HANG_TIMEOUT_S`) is killed and then handled as dead."""
+
+    kind = "process"
+
+    def __init__(self, spec: WorkerSpec, on_report: Callable, on_death: Callable, ring_bytes: int = 64 * 2**20):
+        self.spec, self.on_report, self.on_death = spec, on_report, on_death
+        self.ring_bytes = ring_bytes
+        self.process: Any = None
+        self.inbox: Channel | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
+    def start(self) -> None:
+        ctx = mp.get_context("spawn")
+        self.inbox = Channel(ctx.Queue(), ShmRing(self.ring_bytes))
+        self.outbox = Channel(ctx.Queue(), ShmRing(self.ring_bytes))
+        self.process = ctx.Process(target=worker_main, args=(self.spec, self.inbox.spec(), self.outbox.spec()),
+                                   name=f"omnirt-{self.spec.stage}-{self.spec.replica}", daemon=True)
+        self.process.start()
+        self._reader = threading.Thread(target=self._read, name=f"omnirt-{self.spec.stage}-{self.spec.replica}-rx",
+                                        daemon=True)
+        self._stopping = False
+        self._reader.start()
+
+    def send(self, msg: Message) -> None:
+        self.inbox.put(msg)
+
+    def stop(self) -> None:
+        self._stopping = True
+        if self.process is not None and self.process.is_alive():
+            self.inbox.put_end()
+            self.process.join(timeout=5)
+            if self.process.is_alive():
+                self.process.kill()
+                self.process.join(timeout=5)
+        if self._reader is not threading.current_thread():
+            self._reader.join(timeout=5)
+        if self.inbox is not None:
+            self._close_channels()
+
+    def mark_dead(self) -> None:
+        """Unblock writers waiting on a ring nobody reads any more."""
+        if self.inbox is not None:
+            self.inbox.ring.closed = True
+
+    def _read(self) -> None:
+        last_report = None  # monotonic time of the last report; None until the worker is up
+        while not self._stopping:
+            try:
+                report = self.outbox.get(timeout=HEARTBEAT_S)
+            except queue.Empty:
+                report = None
+            except (EOFError, OSError):  # the pipe broke: the process is going away
+                report = None
+                time.sleep(HEARTBEAT_S)
+            if report is not None:
+                last_report = time.monotonic()
+                self.on_report(self, report)
+            elif last_report is not None and time.monotonic() - last_report > HANG_TIMEOUT_S:
+                log.error("%s replica %d: no heartbeat for %.0f s; killing process %d", self.spec.stage,
+                          self.spec.replica, HANG_TIMEOUT_S, self.process.pid)
+                self.process.kill()
+                last_report = None
+            elif not self.process.is_alive() and not self._stopping:
+                self.mark_dead()
+                self.process.join()
+                self.on_death(self, f"process {self.process.pid} exited with code {self.process.exitcode}")
+                self._close_channels()
+                return
+
+    def _close_channels(self) -> None:
+        """Unlink both rings; a restart makes new ones."""
+        for ch in (self.inbox, self.outbox):
+            if ch is not None:
+                ch.close()
+        self.inbox = self.outbox = None

@@ -1,0 +1,144 @@
+"""The platform shim. Only the CPU runs here; CUDA, ROCm, NPU and XPU are checked with the device
+module faked at the boundary the shim calls (`torch.<device_type>`), which proves the dispatch
+and the per-platform values, not the devices themselves."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from pipeline.platform import PLATFORMS, detect_platform, get_platform
+
+
+class FakeDeviceModule:
+    """Stands in for torch.cuda / torch.npu / torch.xpu: fixed figures, and a log of the calls."""
+
+    def __init__(self):
+        self.calls: list[str] = []
+        self.available = True
+
+    def is_available(self):
+        return self.available
+
+    def device_count(self):
+        return 4
+
+    def synchronize(self, device=None):
+        self.calls.append("synchronize")
+
+    def memory_allocated(self, device=None):
+        return 10
+
+    def memory_reserved(self, device=None):
+        return 20
+
+    def mem_get_info(self, device=None):
+        return 30, 40
+
+    def graph_pool_handle(self):
+        self.calls.append("graph_pool_handle")
+        return "pool"
+
+    def graph(self, graph, pool=None, stream=None):
+        import contextlib
+
+        assert pool == "pool" and graph == "graph"
+        self.calls.append("graph")
+        return contextlib.nullcontext()
+
+    def Stream(self):  # noqa: N802 (torch's name)
+        self.calls.append("Stream")
+        return "stream"
+
+    def stream(self, stream):
+        import contextlib
+
+        assert stream == "stream"
+        self.calls.append("stream")
+        return contextlib.nullcontext()
+
+    def __getattr__(self, name):  # CUDAGraph / NPUGraph / XPUGraph
+        if name.endswith("Graph"):
+            self.calls.append("graph_class")
+            return lambda: "graph"
+        raise AttributeError(name)
+
+
+@pytest.fixture
+def fake_device(monkeypatch):
+    """Install a recording fake as torch.cuda / torch.npu / torch.xpu for one test."""
+    def install(device_type: str) -> FakeDeviceModule:
+        fake = FakeDeviceModule()
+        monkeypatch.setattr(torch, device_type, fake, raising=False)
+        return fake
+    return install
+
+
+@pytest.mark.parametrize("name,device_type,backend,env,graph", [
+    ("cuda", "cuda", "nccl", "CUDA_VISIBLE_DEVICES", True),
+    ("rocm", "cuda", "rccl", "HIP_VISIBLE_DEVICES", True),
+    ("npu", "npu", "hccl", "ASCEND_RT_VISIBLE_DEVICES", False),
+    ("xpu", "xpu", "xccl", "ZE_AFFINITY_MASK", False),
+])
+def test_accelerator_platforms_dispatch_to_their_device_module(name, device_type, backend, env, graph, fake_device,
+                                                               monkeypatch):
+    fake = fake_device(device_type)
+    p = get_platform(name)
+    assert p.dist_backend == backend and p.device_name(1) == f"{device_type}:1"
+    assert p.device_count() == 4
+    p.synchronize()
+    assert p.memory_stats() == {"allocated": 10, "reserved": 20, "free": 30, "total": 40}
+    assert p.mem_get_info() == (30, 40) and p.memory_allocated() == 10
+    monkeypatch.delenv(env, raising=False)
+    p.pin_device(2)
+    assert os.environ[env] == "2"
+    monkeypatch.delenv(env)
+    if graph:
+        g = p.new_graph()
+        with p.graph_context(g, pool=p.graph_pool_handle()):
+            pass
+        with p.stream_context(p.stage_stream()):
+            pass
+        assert fake.calls == ["synchronize", "graph_class", "graph_pool_handle", "graph", "Stream", "stream"]
+    else:
+        with pytest.raises(RuntimeError, match=f"graph capture is not available on {name}"):
+            p.new_graph()
+        assert p.stage_stream() is None  # no per-stage streams where graphs are off
+    assert p.ipc_transport == ("cuda_ipc" if device_type == "cuda" else "shm")
+
+
+def test_cpu_platform_runs_here():
+    p = get_platform("cpu")
+    assert detect_platform() is p
+    assert p.device(3) == torch.device("cpu") and p.device_count() is None
+    p.synchronize()
+    before = dict(os.environ)
+    p.pin_device(1)  # nothing to pin: every replica process uses the CPU
+    assert dict(os.environ) == before
+    assert p.memory_stats()["total"] == 0
+    with pytest.raises(RuntimeError, match="enforce_eager"):
+        p.graph_pool_handle()
+
+
+def test_cpu_distributed_backend_is_real_gloo(tmp_path):
+    import torch.distributed as dist
+
+    get_platform("cpu").init_process_group(0, 1, f"file://{tmp_path / 'rendezvous'}")
+    try:
+        assert dist.get_backend() == "gloo"
+        t = torch.ones(3)
+        dist.all_reduce(t)
+        assert t.tolist() == [1.0, 1.0, 1.0]
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("found", PLATFORMS)
+def test_detection_picks_the_platform_torch_reports(found, fake_device, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: found in ("cuda", "rocm"))
+    monkeypatch.setattr(torch.version, "hip", "6.2" if found == "rocm" else None)
+    for device_type in ("npu", "xpu"):
+        fake_device(device_type).available = found == device_type
+    assert detect_platform().name == found

@@ -1,0 +1,175 @@
+"""Stage replicas in worker processes: 2x Talker + 2x Code2Wav give the in-process engine's outputs,
+spread the load, keep each request on one replica, and survive a replica being killed."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+from replica_helpers import (
+    PROMPTS,
+    Routing,
+    kill,
+    max_pcm_diff,
+    pooled_config,
+    replica,
+    run,
+    start_engine,
+    wait_for,
+)
+
+from pipeline.connector import Command, Message
+from pipeline.replicas import ReplicaPool
+from pipeline.worker import ReplicaLoad, StepReport, WorkerSpec
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def pooled():
+    eng = start_engine(pooled_config())
+    yield eng
+    eng.stop()
+
+
+@pytest.fixture(scope="module")
+def baseline(engine):
+    """The in-process engine's results for PROMPTS, one at a time."""
+    async def go():
+        return [await run(engine, f"base-{i}", t) for i, t in enumerate(PROMPTS)]
+    return asyncio.run(go())
+
+
+async def test_replicas_match_in_process_spread_and_stick(pooled, baseline):
+    routing = Routing()
+    routing.install(pooled)
+    results = await asyncio.wait_for(asyncio.gather(*(run(pooled, f"par-{i}", t) for i, t in enumerate(PROMPTS))),
+                                     120)
+    for base, got in zip(baseline, results):
+        assert got.finish.finish_reason == base.finish.finish_reason and got.finish.error is None
+        assert got.text == base.text and len(got.pcm) == len(base.pcm) > 0
+        assert max_pcm_diff(base.pcm, got.pcm) <= 2  # batched float math may differ in the last bits
+    for stage in ("talker", "code2wav"):
+        owners = [routing.replicas_of(stage, f"par-{i}") for i in range(len(PROMPTS))]
+        assert all(len(o) == 1 for o in owners), f"{stage}: a request was served by two replicas: {owners}"
+        per_replica = [sum(o == {r} for o in owners) for r in (0, 1)]
+        assert min(per_replica) >= 2, f"{stage}: load did not spread: {per_replica}"
+    # hand-off payloads crossed through shared memory, nothing inline through the pipe
+    inboxes = [slot.handle.inbox.stats for slot in pooled.talker._slots]
+    assert all(s.num_shm_bytes > 0 and s.num_inline_bytes == 0 for s in inboxes)
+    await wait_for(lambda: not pooled.talker.requests and not pooled.code2wav.requests, 10, "pools to drain")
+
+
+async def test_killed_replica_fails_its_requests_others_finish_and_it_returns(pooled):
+    started = [asyncio.Event() for _ in range(4)]
+    tasks = [asyncio.create_task(run(pooled, f"kill-{i}", PROMPTS[i], talker_tokens=160, min_tokens=160,
+                                     started=started[i])) for i in range(4)]
+    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 120)
+    victims = {rid for rid, idx in pooled.talker.requests.items() if idx == 0}
+    assert victims and len(victims) < 4
+    old_pid = replica(pooled, "talker", 0)["pid"]
+    kill(old_pid)
+    noticed_s = await wait_for(lambda: replica(pooled, "talker", 0)["state"] != "up", 5, "the death to be noticed")
+    assert noticed_s < 1.5  # the reader polls the process every 0.2 s
+    results = await asyncio.wait_for(asyncio.gather(*tasks), 180)
+    for i, res in enumerate(results):
+        if f"kill-{i}" in victims:
+            assert res.finish.finish_reason == "error" and "talker replica 0 died" in res.finish.error
+        else:
+            assert res.finish.finish_reason == "length" and res.finish.error is None
+            assert res.finish.usage.audio_frames >= 159 and len(res.pcm) // 2 >= 150 * 1920  # all of its speech
+    await wait_for(lambda: replica(pooled, "talker", 0)["state"] == "up", 120, "the replica to restart")
+    status = replica(pooled, "talker", 0)
+    assert status["restarts"] == 1 and status["pid"] != old_pid
+    routing = Routing()
+    routing.install(pooled)
+    again = await asyncio.wait_for(asyncio.gather(*(run(pooled, f"after-{i}", PROMPTS[i]) for i in range(2))), 120)
+    assert all(r.finish.finish_reason == "length" and r.pcm for r in again)
+    assert {0} in [routing.replicas_of("talker", f"after-{i}") for i in range(2)]  # the new replica serves
+
+
+async def test_hung_replica_is_killed_and_its_unanswered_request_retried(pooled, baseline, monkeypatch):
+    import pipeline.worker
+
+    monkeypatch.setattr(pipeline.worker, "HANG_TIMEOUT_S", 3.0)
+    await wait_for(lambda: all(r["state"] == "up" for r in pooled.replica_status()["talker"]), 120, "replicas up")
+    pid = replica(pooled, "talker", 0)["pid"]
+    os.kill(pid, signal.SIGSTOP)  # replica 0 takes the request (both idle: lowest index) but never answers
+    try:
+        task = asyncio.create_task(run(pooled, "retry-0", PROMPTS[0]))
+        await wait_for(lambda: pooled.talker.requests.get("retry-0") == 0, 30, "the request to reach replica 0")
+        # the pool kills the silent process after HANG_TIMEOUT_S, then replays the request on replica 1
+        await wait_for(lambda: replica(pooled, "talker", 0)["state"] == "dead", 10, "the hang to be detected")
+        assert "exited with code -9" in replica(pooled, "talker", 0)["last_error"]
+    finally:
+        handle = pooled.talker._slots[0].handle
+        if handle.pid == pid and handle.process.is_alive():
+            kill(pid)
+    res = await asyncio.wait_for(task, 120)
+    base = baseline[0]
+    assert res.finish.finish_reason == base.finish.finish_reason and res.text == base.text
+    assert len(res.pcm) == len(base.pcm) and max_pcm_diff(res.pcm, base.pcm) <= 2
+    await wait_for(lambda: replica(pooled, "talker", 0)["state"] == "up", 120, "the replica to restart")
+
+
+class _Recorder:
+    """A replica that only records what it is sent, for the routing policy alone."""
+
+    kind = "test"
+
+    def __init__(self, spec, on_report, on_death):
+        self.spec, self.on_report, self.sent = spec, on_report, []
+
+    def start(self):
+        self.on_report(self, StepReport(load=ReplicaLoad(), is_ready=True))
+
+    def send(self, msg):
+        self.sent.append(msg.request_id)
+
+    def stop(self):
+        pass
+
+
+@pytest.mark.parametrize("routing,expected", [("round_robin", [3, 3, 3]), ("least_loaded", [3, 3, 3])])
+def test_routing_policies(routing, expected):
+    from pipeline.config import EngineConfig
+
+    specs = [WorkerSpec("code2wav", i, i, EngineConfig()) for i in range(3)]
+    pool = ReplicaPool("code2wav", specs, on_step=lambda *a: None, routing=routing, replica_cls=_Recorder)
+    pool.start()
+    for i in range(9):
+        pool.send(Message(Command.ADD, f"r{i}"))
+        pool.send(Message(Command.INPUT, f"r{i}", [0] * 16))
+    counts = [len({rid for rid in slot.handle.sent}) for slot in pool._slots]
+    assert counts == expected
+    for slot in pool._slots:  # sticky: every message of a request went to the replica that got its ADD
+        assert all(slot.handle.sent.count(rid) == 2 for rid in slot.handle.sent)
+    # least-loaded skips a busy replica; round-robin does not
+    pool._slots[0].num_sent += 100  # 100 unapplied messages queued at replica 0
+    pool.send(Message(Command.ADD, "busy"))
+    got = [i for i, slot in enumerate(pool._slots) if "busy" in slot.handle.sent]
+    assert got == ([0] if routing == "round_robin" else [1])
+    t0 = time.monotonic()
+    pool.stop()
+    assert time.monotonic() - t0 < 1
+
+
+async def test_thinker_in_a_worker_process_matches_in_process(baseline):
+    """Any stage can leave the engine's process: here the Thinker (prompt embeddings in, rows out)."""
+    from replica_helpers import ROOT
+
+    from pipeline.config import load_profile
+
+    eng = start_engine(load_profile(ROOT / "deploy" / "tiny.yaml", "cpu", {}, {"0": {"devices": "1"}}))
+    try:
+        assert eng.replica_status()["thinker"][0]["kind"] == "process"
+        got = await asyncio.wait_for(asyncio.gather(*(run(eng, f"th-{i}", t) for i, t in enumerate(PROMPTS[:3]))), 120)
+        for base, res in zip(baseline, got):
+            assert res.text == base.text and res.finish.finish_reason == base.finish.finish_reason
+            assert len(res.pcm) == len(base.pcm) and max_pcm_diff(res.pcm, base.pcm) <= 2
+        assert eng.thinker._slots[0].handle.inbox.stats.num_shm_bytes > 0  # the prompt embeddings
+    finally:
+        eng.stop()
