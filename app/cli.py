@@ -53,16 +53,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def load_engine(args: argparse.Namespace):
     """Profile -> platform merge -> models -> started engine. Shared by serve and the benchmarks."""
-    import torch
-
     from pipeline.config import load_profile
     from pipeline.engine import OmniEngine
     from pipeline.models import load_models
-    from pipeline.platform import detect_platform, get_platform
+    from pipeline.platform import detect_platform, get_platform, set_num_threads
     from pipeline.ray_replica import require_ray
 
     if args.threads:
-        torch.set_num_threads(args.threads)
+        set_num_threads(args.threads)
     platform = get_platform(args.platform) if args.platform else detect_platform()
     profile = args.deploy_config or DEPLOY_DIR / ("tiny.yaml" if args.model == "tiny" else "qwen3_omni_moe.yaml")
     overrides = {"model": args.model, "load_format": args.load_format, "dtype": args.dtype,

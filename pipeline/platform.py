@@ -145,3 +145,8 @@ def detect_platform() -> Platform:
     if hasattr(torch, "xpu") and torch.xpu.is_available():
         return _KNOWN["xpu"]
     return _KNOWN["cpu"]
+
+
+def set_num_threads(n: int) -> None:
+    """torch's intra-op threads for this process (stage threads share them)."""
+    torch.set_num_threads(n)
