@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--webrtc-ice-address", action="append", default=None, dest="ice_addresses",
                    help="host address WebRTC offers as ICE candidate (repeatable; default: --host when it is one "
                         "address, else every interface but loopback)")
+    s.add_argument("--webrtc-connect-timeout-s", type=float, default=30.0,
+                   help="a WebRTC call that is not connected this long after its answer is closed")
     sub.add_parser("bench", help="benchmark a running server (see `omnirt bench --help`)", add_help=False)
     return p
 
@@ -107,7 +109,8 @@ def serve(args: argparse.Namespace) -> None:
     limits = RealtimeLimits(args.realtime_max_sessions, args.realtime_max_event_bytes,
                             args.realtime_max_input_buffer_s, args.realtime_idle_timeout_s)
     app = create_app(engine, ServerSettings(model_names=(name,), system_prompt=engine.cfg.system_prompt,
-                                            realtime=limits, ice_addresses=_ice_addresses(args)))
+                                            realtime=limits, ice_addresses=_ice_addresses(args),
+                                            webrtc_connect_timeout_s=args.webrtc_connect_timeout_s))
     print(f"omnirt ready: http://{args.host}:{args.port}/  (model {name!r}, voices {', '.join(engine.voices)})",
           flush=True)
     try:

@@ -29,6 +29,7 @@ class ServerSettings:
     max_audio_s: float = 300.0
     realtime: RealtimeLimits = field(default_factory=RealtimeLimits)
     ice_addresses: tuple[str, ...] = ()  # WebRTC host candidates; empty: every interface but loopback (aioice)
+    webrtc_connect_timeout_s: float = 30.0
 
 
 @dataclass(slots=True)
@@ -96,7 +97,7 @@ def create_app(engine: OmniEngine, settings: ServerSettings) -> FastAPI:
     if importlib.util.find_spec("aiortc") is not None:  # the `webrtc` extra
         from app import webrtc
 
-        webrtc.install(app, settings.ice_addresses)
+        webrtc.install(app, settings.ice_addresses, settings.webrtc_connect_timeout_s)
     if WEB_DIR.is_dir():
         app.mount("/", StaticFiles(directory=WEB_DIR, html=True), name="web")
     return app

@@ -7,7 +7,7 @@ flows out on a `PacedAudioTrack` (the session's audio sink); the Realtime JSON e
 ways on the data channel `oai-events`, exactly as over the WebSocket.
 
 The app owns the calls (`app.state.webrtc`): a call ends when its connection fails or closes, its
-data channel closes, it does not connect within `CONNECT_TIMEOUT_S`, the client posts
+data channel closes, it does not connect within `connect_timeout_s`, the client posts
 `/v1/realtime/calls/{id}/hangup`, or the server shuts down (all calls closed with `gather`). Ending
 a call closes the session (which aborts its response in every engine stage), stops the track, and
 cancels the call's tasks. WebRTC calls count against the Realtime `max_sessions` limit.
@@ -20,6 +20,7 @@ import contextlib
 import ipaddress
 import json
 import logging
+from dataclasses import dataclass, field
 
 import aioice.ice
 import av
@@ -39,7 +40,6 @@ log = logging.getLogger(__name__)
 router = APIRouter()
 CHANNEL = "oai-events"
 MAX_SDP_BYTES = 64 * 1024
-CONNECT_TIMEOUT_S = 30.0
 INPUT_CHUNK_SAMPLES = INPUT_RATE * 40 // 1000  # mic audio reaches the session every 40 ms
 MAX_CHANNEL_BUFFER_BYTES = 2**20
 
@@ -56,12 +56,23 @@ def offer_host_addresses(addresses: tuple[str, ...]) -> None:
             a for a in addresses if (use_ipv4 if ipaddress.ip_address(a).version == 4 else use_ipv6)]
 
 
+@dataclass(slots=True)
+class CallRegistry:
+    """The app's calls: dropped when they end, all ended together on shutdown."""
+
+    connect_timeout_s: float = 30.0  # ICE + DTLS must complete within this after the answer
+    calls: dict[str, Call] = field(default_factory=dict)
+
+    async def close_all(self) -> None:
+        await asyncio.gather(*(c.end("server shutdown") for c in list(self.calls.values())), return_exceptions=True)
+
+
 class Call:
     """One WebRTC session: the peer connection, the Realtime session, and the tasks between them."""
 
     def __init__(self, request: Request, beta: bool, model: str):
         server = request.app.state.server
-        self.calls: dict[str, Call] = request.app.state.webrtc
+        self.registry: CallRegistry = request.app.state.webrtc
         self.sessions, self.limits = request.app.state.realtime, request.app.state.realtime.limits
         self.id = new_id("rtc")
         self.pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))  # never a public STUN server
@@ -150,7 +161,7 @@ class Call:
 
         Events wait (in the bounded outbox) for the channel to open; a client without one loses them."""
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.channel_open.wait(), CONNECT_TIMEOUT_S)
+            await asyncio.wait_for(self.channel_open.wait(), self.registry.connect_timeout_s)
         while (event := await self.session.outbox.get()) is not None:
             if event["type"] == "response.done":
                 self.track.response_done(event["response"]["id"])
@@ -159,9 +170,9 @@ class Call:
             self.send(event)
 
     async def _watchdog(self) -> None:
-        await asyncio.sleep(CONNECT_TIMEOUT_S)
+        await asyncio.sleep(self.registry.connect_timeout_s)
         if self.pc.connectionState != "connected":
-            self.end(f"not connected after {CONNECT_TIMEOUT_S:g} s")
+            self.end(f"not connected after {self.registry.connect_timeout_s:g} s")
 
     def send(self, event: dict) -> None:
         """A server event on the data channel (dropped while it is not open: the client is not there)."""
@@ -185,7 +196,7 @@ class Call:
 
     async def _close(self, reason: str) -> None:
         log.info("webrtc %s: closing (%s)", self.id, reason)
-        self.calls.pop(self.id, None)
+        self.registry.calls.pop(self.id, None)
         self.sessions.sessions.discard(self.session)
         self.track.stop()
         await self.session.close()  # aborts the response in every engine stage; the outbox ends
@@ -202,15 +213,10 @@ class Call:
 # ---- routes --------------------------------------------------------------------------------------------
 
 
-def install(app: FastAPI, ice_addresses: tuple[str, ...] = ()) -> None:
+def install(app: FastAPI, ice_addresses: tuple[str, ...] = (), connect_timeout_s: float = 30.0) -> None:
     offer_host_addresses(ice_addresses)
-    app.state.webrtc = {}
-
-    async def close_all() -> None:
-        await asyncio.gather(*(c.end("server shutdown") for c in list(app.state.webrtc.values())),
-                             return_exceptions=True)
-
-    app.router.on_shutdown.insert(0, close_all)
+    app.state.webrtc = CallRegistry(connect_timeout_s)
+    app.router.on_shutdown.insert(0, app.state.webrtc.close_all)
     app.include_router(router)
 
 
@@ -226,7 +232,7 @@ async def create_call_beta(request: Request) -> Response:
 
 @router.post("/v1/realtime/calls/{call_id}/hangup")
 async def hangup(call_id: str, request: Request) -> JSONResponse:
-    call = request.app.state.webrtc.get(call_id)
+    call = request.app.state.webrtc.calls.get(call_id)
     if call is None:
         raise APIError(404, f"no call {call_id!r}", "call_id", "call_not_found")
     await call.end("hangup")
@@ -240,12 +246,12 @@ async def _call(request: Request, beta: bool, status: int) -> Response:
     if model not in server.model_names:
         raise APIError(404, f"the model {model!r} does not exist; served: {', '.join(server.model_names)}",
                        "model", "model_not_found")
-    call = Call(request, beta, model)
-    if not sessions.try_add(call.session):
-        await call.pc.close()
+    if len(sessions.sessions) >= sessions.limits.max_sessions:
         raise APIError(429, f"the server has {sessions.limits.max_sessions} realtime sessions open; try again "
                        "later", None, "session_limit_reached", headers={"Retry-After": "5"})
-    request.app.state.webrtc[call.id] = call
+    call = Call(request, beta, model)
+    sessions.try_add(call.session)  # room was checked above, with no await in between
+    request.app.state.webrtc.calls[call.id] = call
     try:
         answer = await call.answer(offer)
     except Exception as exc:  # aiortc raises ValueError and friends for offers it cannot use

@@ -72,7 +72,8 @@ class RealtimeCall:
         await self.pc.close()
 
 
-async def connect(base_url: str, path: str = "/v1/realtime/calls") -> RealtimeCall:
+async def connect(base_url: str, path: str = "/v1/realtime/calls", transport=None) -> RealtimeCall:
+    """Offer, answer, connect; `transport`: an httpx transport (an in-process app), else real HTTP."""
     offer_host_addresses(("127.0.0.1",))  # this process's ICE offers loopback, as the server does
     pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
     call = RealtimeCall(pc, pc.createDataChannel("oai-events"), PacedAudioTrack(lambda ev: None))
@@ -84,7 +85,7 @@ async def connect(base_url: str, path: str = "/v1/realtime/calls") -> RealtimeCa
         call.tasks.append(asyncio.create_task(_record(track, call.frames)))
 
     await pc.setLocalDescription(await pc.createOffer())
-    async with httpx.AsyncClient(timeout=30) as http:
+    async with httpx.AsyncClient(timeout=30, transport=transport) as http:
         r = await http.post(base_url + path, content=pc.localDescription.sdp,
                             headers={"Content-Type": "application/sdp"})
     if r.status_code not in (200, 201):
