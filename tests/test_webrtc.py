@@ -39,6 +39,14 @@ async def arrival(call: RealtimeCall, predicate, timeout: float = 120.0) -> tupl
     return ev, time.monotonic()
 
 
+async def is_dropped(base_url: str, location: str, after_s: float = 1.5) -> bool:
+    """Whether the server dropped the call within `after_s` (then there is no call to hang up: 404;
+    a 200 means it was still there, and this probe hung it up)."""
+    await asyncio.sleep(after_s)
+    async with httpx.AsyncClient(timeout=10) as http:
+        return (await http.post(f"{base_url}{location}/hangup")).status_code == 404
+
+
 async def long_answer(call: RealtimeCall) -> tuple[dict, float]:
     """Ask by text for a long spoken answer; returns `output_audio_buffer.started` and its arrival."""
     call.send({"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": [
@@ -119,13 +127,7 @@ async def test_client_hangs_up_mid_answer_frees_every_stage(server):
     await call.close()  # like a closed tab: the peer connection goes away mid-answer
     h = server.wait_idle()
     assert h["active_requests"] == 0 and h["free_slots"] == h["slots"]
-    async with httpx.AsyncClient(timeout=10) as http:  # the server dropped the call: there is none to hang up
-        for _ in range(50):
-            r = await http.post(f"{server.url}{call.location}/hangup")
-            if r.status_code == 404:
-                break
-            await asyncio.sleep(0.2)
-    assert r.status_code == 404
+    assert await is_dropped(server.url, call.location)
 
 
 async def test_hangup_endpoint_and_beta_path(server):
@@ -192,6 +194,7 @@ async def test_call_that_never_connects_is_closed(one_session_server):
     assert f"webrtc {call_id}: closing (not connected after 5 s)" in one_session_server.log.read_text()
     call = await connect(one_session_server.url)  # its session slot (the only one) is free again
     await call.close()
+    assert await is_dropped(one_session_server.url, call.location)
 
 
 async def test_no_task_or_track_outlives_a_call(engine):
