@@ -193,6 +193,7 @@ async def test_call_that_never_connects_is_closed(one_session_server):
     call_id = r.headers["location"].rsplit("/", 1)[-1]
     assert f"webrtc {call_id}: closing (not connected after 5 s)" in one_session_server.log.read_text()
     call = await connect(one_session_server.url)  # its session slot (the only one) is free again
+    await call.wait_for(of_type("session.created"), 30)
     await call.close()
     assert await is_dropped(one_session_server.url, call.location)
 
