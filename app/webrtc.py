@@ -259,7 +259,8 @@ async def _call(request: Request, beta: bool, status: int) -> Response:
         log.info("webrtc %s: refused the offer: %r", call.id, exc)
         raise APIError(400, f"the SDP offer cannot be used: {exc or type(exc).__name__}", "sdp",
                        "invalid_sdp") from exc
-    log.info("webrtc %s: answered (model %s, beta %s, session %s)", call.id, model, beta, call.session.id)
+    log.info("webrtc %s: answered (model %s, beta %s, session %s); candidates offered %s, answered %s", call.id,
+             model, beta, call.session.id, _candidates(offer), _candidates(answer))
     return Response(answer, status, media_type="application/sdp",
                     headers={"Location": f"/v1/realtime/calls/{call.id}"})
 
@@ -280,3 +281,9 @@ async def _read_offer(request: Request) -> str:
     if not sdp.lstrip().startswith("v=0"):
         raise APIError(400, "the body is not an SDP offer (it must start with `v=0`)", "sdp", "invalid_sdp")
     return sdp
+
+
+def _candidates(sdp: str) -> list[str]:
+    """`address:port type` of each ICE candidate (for the log: what ICE had to work with)."""
+    fields = [line.split() for line in sdp.splitlines() if line.startswith("a=candidate:")]
+    return [f"{f[4]}:{f[5]} {f[7]}" for f in fields if len(f) >= 8]

@@ -130,10 +130,14 @@ function onEvent(ev) {
   switch (ev.type) {
     case "input_audio_buffer.speech_started":
       demo.userTurn = line("user", "You", "(speaking…)");
+      demo.userTurn.startMs = ev.audio_start_ms;
       break;
-    case "input_audio_buffer.speech_stopped":
+    case "input_audio_buffer.speech_stopped": // omnirt does not transcribe the user: say how long they spoke
       demo.lastSpeechStop = performance.now();
-      if (demo.userTurn) demo.userTurn.text.textContent = `(spoke ${(ev.audio_end_ms / 1000).toFixed(1)} s of audio)`;
+      if (demo.userTurn) {
+        const seconds = (ev.audio_end_ms - demo.userTurn.startMs) / 1000;
+        demo.userTurn.text.textContent = `(spoke for ${seconds.toFixed(1)} s)`;
+      }
       break;
     case "response.created":
       startTurn(ev.response.id);
