@@ -94,6 +94,9 @@ class Call:
         await self.pc.setRemoteDescription(RTCSessionDescription(sdp=offer_sdp, type="offer"))
         if self.track not in (s.track for s in self.pc.getSenders()):
             raise ValueError("the offer has no audio section (m=audio) to send and receive on")
+        for transceiver in self.pc.getTransceivers():  # video or a second audio: nobody would read it
+            if transceiver.sender.track is not self.track:
+                transceiver.direction = "inactive"
         await self.pc.setLocalDescription(await self.pc.createAnswer())
         await self.session.start()
         self.writer = asyncio.create_task(self._write(), name=f"webrtc-{self.id}-write")

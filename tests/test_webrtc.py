@@ -163,9 +163,11 @@ async def test_bad_offers_get_http_errors(server):
         r = await http.post(f"{server.url}/v1/realtime?model=gpt-4o", content=b"v=0\r\n", headers=sdp)
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
         assert (await http.get(f"{server.url}/health")).status_code == 200
-    call = await connect(server.url)  # the server goes on
+    call = await connect(server.url, extra_video=True)  # the server goes on; it declines the video
     try:
         await call.wait_for(of_type("session.created"), 30)
+        video = next(t for t in call.pc.getTransceivers() if t.kind == "video")
+        assert video.currentDirection == "inactive"
     finally:
         await call.close()
 

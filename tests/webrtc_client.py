@@ -72,13 +72,17 @@ class RealtimeCall:
         await self.pc.close()
 
 
-async def connect(base_url: str, path: str = "/v1/realtime/calls", transport=None) -> RealtimeCall:
-    """Offer, answer, connect; `transport`: an httpx transport (an in-process app), else real HTTP."""
+async def connect(base_url: str, path: str = "/v1/realtime/calls", transport=None,
+                  extra_video: bool = False) -> RealtimeCall:
+    """Offer, answer, connect; `transport`: an httpx transport (an in-process app), else real HTTP;
+    `extra_video`: offer a video section as well (sendrecv, no track)."""
     offer_host_addresses(("127.0.0.1",))  # this process's ICE offers loopback, as the server does
     pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
     call = RealtimeCall(pc, pc.createDataChannel("oai-events"), PacedAudioTrack(lambda ev: None))
     call.channel.on("message", lambda m: (call.events.append(json.loads(m)), call.new_event.set()))
     pc.addTrack(call.mic)
+    if extra_video:
+        pc.addTransceiver("video")
 
     @pc.on("track")
     def on_track(track):
