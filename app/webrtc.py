@@ -7,7 +7,8 @@ flows out on a `PacedAudioTrack` (the session's audio sink); the Realtime JSON e
 ways on the data channel `oai-events`, exactly as over the WebSocket.
 
 The app owns the calls (`app.state.webrtc`): a call ends when its connection fails or closes, its
-data channel closes, it does not connect within `connect_timeout_s`, the client posts
+data channel closes, no microphone audio arrives for `MEDIA_TIMEOUT_S`, it does not connect within
+`connect_timeout_s`, the client posts
 `/v1/realtime/calls/{id}/hangup`, or the server shuts down (all calls closed with `gather`). Ending
 a call closes the session (which aborts its response in every engine stage), stops the track, and
 cancels the call's tasks. WebRTC calls count against the Realtime `max_sessions` limit.
@@ -41,6 +42,7 @@ router = APIRouter()
 CHANNEL = "oai-events"
 MAX_SDP_BYTES = 64 * 1024
 INPUT_CHUNK_SAMPLES = INPUT_RATE * 40 // 1000  # mic audio reaches the session every 40 ms
+MEDIA_TIMEOUT_S = 10.0  # no microphone frame for this long: the client is gone (ICE consent would take ~30 s)
 MAX_CHANNEL_BUFFER_BYTES = 2**20
 
 
@@ -146,8 +148,11 @@ class Call:
         pending: list[np.ndarray] = []
         while True:
             try:
-                frame = await track.recv()
+                frame = await asyncio.wait_for(track.recv(), MEDIA_TIMEOUT_S)
             except MediaStreamError:
+                return
+            except TimeoutError:
+                self.end(f"no audio from the client for {MEDIA_TIMEOUT_S:g} s")
                 return
             pending += [f.to_ndarray().reshape(-1) for f in resampler.resample(frame)]
             if sum(p.size for p in pending) >= INPUT_CHUNK_SAMPLES:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import re
+import signal
+import sys
 import time
 
 import httpx
@@ -12,7 +14,8 @@ import pytest
 from aiortc import RTCConfiguration, RTCPeerConnection
 
 from app.server import ServerSettings, create_app
-from tests.conftest import ServerProcess
+from app.webrtc import MEDIA_TIMEOUT_S
+from tests.conftest import ROOT, ServerProcess
 from tests.realtime_helpers import LEAD_S, espeak_utterance
 from tests.webrtc_client import RealtimeCall, connect
 
@@ -128,6 +131,18 @@ async def test_client_hangs_up_mid_answer_frees_every_stage(server):
     h = server.wait_idle()
     assert h["active_requests"] == 0 and h["free_slots"] == h["slots"]
     assert await is_dropped(server.url, call.location)
+
+
+async def test_client_that_vanishes_is_dropped(server):
+    """A client killed mid-answer (no DTLS close, no hangup; as a lost network): its media stops, and the
+    server ends the call after `MEDIA_TIMEOUT_S` and frees every stage."""
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "tests.webrtc_client", server.url, cwd=ROOT,
+                                                stdout=asyncio.subprocess.PIPE)
+    location = (await asyncio.wait_for(proc.stdout.readline(), 90)).decode().strip()
+    assert await asyncio.wait_for(proc.wait(), 10) == -signal.SIGKILL and location.startswith("/v1/realtime/calls/")
+    assert await is_dropped(server.url, location, after_s=MEDIA_TIMEOUT_S + 2)
+    h = server.wait_idle()
+    assert h["active_requests"] == 0 and h["free_slots"] == h["slots"]
 
 
 async def test_hangup_endpoint_and_beta_path(server):
