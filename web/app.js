@@ -152,8 +152,8 @@ function onEvent(ev) {
     case "output_audio_buffer.stopped":
       if (turn) { turn.playing = false; turn.audioMs = ev.omnirt_playback?.audio_ms; turn.underruns = ev.omnirt_playback?.num_underruns; }
       break;
-    case "output_audio_buffer.cleared":
-      if (turn) { turn.playing = false; turn.status = "interrupted"; }
+    case "output_audio_buffer.cleared": // interrupted while playing (its generation may have ended already)
+      if (turn) { turn.playing = false; turn.status = "interrupted"; turn.el.li.classList.add("cancelled"); }
       break;
     case "conversation.item.truncated": {
       const t = demo.turns.find((x) => x.itemId === ev.item_id);
@@ -210,9 +210,11 @@ function line(kind, who, text) {
 function row(turn) {
   turn.row = turn.row || $("metrics").tBodies[0].insertRow();
   const ms = (x) => (x == null ? "…" : `${Math.round(x)} ms`);
-  const rtf = turn.doneAt && turn.audioMs ? ((turn.doneAt - turn.createdAt) / turn.audioMs).toFixed(2) : "…";
+  const cut = turn.status === "interrupted"; // only part of the audio was played: no RTF, no underrun count
+  const rtf = cut ? "—"
+    : turn.doneAt && turn.audioMs ? ((turn.doneAt - turn.createdAt) / turn.audioMs).toFixed(2) : "…";
   const cells = [turn.n, ms(turn.heardAt && turn.heardAt - turn.since), rtf,
-    turn.audioMs == null ? "…" : `${(turn.audioMs / 1000).toFixed(1)} s`, turn.underruns ?? "…", turn.status];
+    turn.audioMs == null ? "…" : `${(turn.audioMs / 1000).toFixed(1)} s`, cut ? "—" : turn.underruns ?? "…", turn.status];
   turn.row.replaceChildren(...cells.map((c) => Object.assign(document.createElement("td"), { textContent: c })));
 }
 
