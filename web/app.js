@@ -150,7 +150,11 @@ function onEvent(ev) {
       if (turn) turn.playing = true;
       break;
     case "output_audio_buffer.stopped":
-      if (turn) { turn.playing = false; turn.audioMs = ev.omnirt_playback?.audio_ms; turn.underruns = ev.omnirt_playback?.num_underruns; }
+      if (turn) {
+        turn.playing = false;
+        turn.audioMs = ev.omnirt_playback?.audio_ms;
+        turn.underruns = ev.omnirt_playback?.num_underruns;
+      }
       break;
     case "output_audio_buffer.cleared": // interrupted while playing (its generation may have ended already)
       if (turn) { turn.playing = false; turn.status = "interrupted"; turn.el.li.classList.add("cancelled"); }
@@ -214,7 +218,8 @@ function row(turn) {
   const rtf = cut ? "—"
     : turn.doneAt && turn.audioMs ? ((turn.doneAt - turn.createdAt) / turn.audioMs).toFixed(2) : "…";
   const cells = [turn.n, ms(turn.heardAt && turn.heardAt - turn.since), rtf,
-    turn.audioMs == null ? "…" : `${(turn.audioMs / 1000).toFixed(1)} s`, cut ? "—" : turn.underruns ?? "…", turn.status];
+    turn.audioMs == null ? "…" : `${(turn.audioMs / 1000).toFixed(1)} s`, cut ? "—" : turn.underruns ?? "…",
+    turn.status];
   turn.row.replaceChildren(...cells.map((c) => Object.assign(document.createElement("td"), { textContent: c })));
 }
 
