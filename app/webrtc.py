@@ -262,6 +262,9 @@ async def _call(request: Request, beta: bool, status: int) -> Response:
     request.app.state.webrtc.calls[call.id] = call
     try:
         answer = await call.answer(offer)
+    except asyncio.CancelledError:
+        call.end("signalling cancelled")
+        raise
     except Exception as exc:  # aiortc raises ValueError and friends for offers it cannot use
         await call.end("bad offer")
         log.info("webrtc %s: refused the offer: %r", call.id, exc)
