@@ -7,6 +7,7 @@ import dataclasses
 import json
 import logging
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -47,6 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--realtime-max-event-bytes", type=int, default=20 * 2**20)
     r.add_argument("--realtime-max-input-buffer-s", type=float, default=120.0)
     r.add_argument("--realtime-idle-timeout-s", type=float, default=300.0)
+    s.add_argument("--webrtc-ice-address", action="append", default=None, dest="ice_addresses",
+                   help="host address WebRTC offers as ICE candidate (repeatable; default: --host when it is one "
+                        "address, else every interface but loopback)")
+    s.add_argument("--webrtc-connect-timeout-s", type=float, default=30.0,
+                   help="a WebRTC call that is not connected this long after its answer is closed")
     sub.add_parser("bench", help="benchmark a running server (see `omnirt bench --help`)", add_help=False)
     return p
 
@@ -108,7 +114,8 @@ def serve(args: argparse.Namespace) -> None:
     limits = RealtimeLimits(args.realtime_max_sessions, args.realtime_max_event_bytes,
                             args.realtime_max_input_buffer_s, args.realtime_idle_timeout_s)
     app = create_app(engine, ServerSettings(model_names=(name,), system_prompt=engine.cfg.system_prompt,
-                                            realtime=limits))
+                                            realtime=limits, ice_addresses=_ice_addresses(args),
+                                            webrtc_connect_timeout_s=args.webrtc_connect_timeout_s))
     print(f"omnirt ready: http://{args.host}:{args.port}/  (model {name!r}, voices {', '.join(engine.voices)})",
           flush=True)
     try:
@@ -117,6 +124,13 @@ def serve(args: argparse.Namespace) -> None:
                     ws_max_size=limits.max_event_bytes + 2**20)
     finally:
         engine.stop()
+
+
+def _ice_addresses(args: argparse.Namespace) -> tuple[str, ...]:
+    """The addresses WebRTC offers: given ones, else the one the server listens on (127.0.0.1 by default)."""
+    if args.ice_addresses:
+        return tuple(args.ice_addresses)
+    return () if args.host in ("0.0.0.0", "::", "") else (socket.gethostbyname(args.host),)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import time
 from dataclasses import dataclass, field
@@ -27,6 +28,8 @@ class ServerSettings:
     max_body_bytes: int = 32 * 2**20
     max_audio_s: float = 300.0
     realtime: RealtimeLimits = field(default_factory=RealtimeLimits)
+    ice_addresses: tuple[str, ...] = ()  # WebRTC host candidates; empty: every interface but loopback (aioice)
+    webrtc_connect_timeout_s: float = 30.0
 
 
 @dataclass(slots=True)
@@ -92,6 +95,10 @@ def create_app(engine: OmniEngine, settings: ServerSettings) -> FastAPI:
 
     app.include_router(chat.router)
     realtime.install(app, settings.realtime)
+    if importlib.util.find_spec("aiortc") is not None:  # the `webrtc` extra
+        from app import webrtc
+
+        webrtc.install(app, settings.ice_addresses, settings.webrtc_connect_timeout_s)
     if WEB_DIR.is_dir():
         app.mount("/", StaticFiles(directory=WEB_DIR, html=True), name="web")
     return app

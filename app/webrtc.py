@@ -1,0 +1,300 @@
+"""WebRTC voice sessions: `POST /v1/realtime/calls` (GA) and `POST /v1/realtime?model=…` (beta).
+
+The client posts an SDP offer (`Content-Type: application/sdp`) and gets the SDP answer back, as
+with OpenAI. Then the microphone flows in as Opus (48 kHz, usually stereo), is resampled by PyAV to
+the VAD's 16 kHz mono and fed to the same `RealtimeSession` as the WebSocket API; the agent's voice
+flows out on a `PacedAudioTrack` (the session's audio sink); the Realtime JSON events travel both
+ways on the data channel `oai-events`, exactly as over the WebSocket.
+
+The app owns the calls (`app.state.webrtc`): a call ends when its connection fails or closes, its
+data channel closes, no microphone audio arrives for `MEDIA_TIMEOUT_S`, it does not connect within
+`connect_timeout_s`, the client posts
+`/v1/realtime/calls/{id}/hangup`, or the server shuts down (all calls closed with `gather`). Ending
+a call closes the session (which aborts its response in every engine stage), stops the track, and
+cancels the call's tasks. WebRTC calls count against the Realtime `max_sessions` limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import json
+import logging
+from dataclasses import dataclass, field
+
+import aioice.ice
+import av
+import numpy as np
+from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
+from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from app.errors import APIError
+from app.realtime_events import ProtocolError, new_id
+from app.session import RealtimeSession
+from app.vad import SAMPLE_RATE as INPUT_RATE
+from app.webrtc_track import PacedAudioTrack
+
+log = logging.getLogger(__name__)
+router = APIRouter()
+CHANNEL = "oai-events"
+MAX_SDP_BYTES = 64 * 1024
+INPUT_CHUNK_SAMPLES = INPUT_RATE * 40 // 1000  # mic audio reaches the session every 40 ms
+MEDIA_TIMEOUT_S = 10.0  # no microphone frame for this long: the client is gone (ICE consent would take ~30 s)
+MAX_CHANNEL_BUFFER_BYTES = 2**20
+
+
+def offer_host_addresses(addresses: tuple[str, ...]) -> None:
+    """Make ICE offer exactly these host addresses (process-wide: aioice reads one module function).
+
+    aioice gathers a host candidate on every interface except loopback (it drops 127.0.0.1 and ::1),
+    so a server bound to 127.0.0.1 would offer only addresses it does not listen on. Empty: aioice's
+    own choice.
+    """
+    if addresses:
+        aioice.ice.get_host_addresses = lambda use_ipv4, use_ipv6: [
+            a for a in addresses if (use_ipv4 if ipaddress.ip_address(a).version == 4 else use_ipv6)]
+
+
+@dataclass(slots=True)
+class CallRegistry:
+    """The app's calls: dropped when they end, all ended together on shutdown."""
+
+    connect_timeout_s: float = 30.0  # ICE + DTLS must complete within this after the answer
+    calls: dict[str, Call] = field(default_factory=dict)
+
+    async def close_all(self) -> None:
+        await asyncio.gather(*(c.end("server shutdown") for c in list(self.calls.values())), return_exceptions=True)
+
+
+class Call:
+    """One WebRTC session: the peer connection, the Realtime session, and the tasks between them."""
+
+    def __init__(self, request: Request, beta: bool, model: str):
+        server = request.app.state.server
+        self.registry: CallRegistry = request.app.state.webrtc
+        self.sessions, self.limits = request.app.state.realtime, request.app.state.realtime.limits
+        self.id = new_id("rtc")
+        self.pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))  # never a public STUN server
+        self.track = PacedAudioTrack(self.send)
+        self.session = RealtimeSession(server.engine, model, self.limits, beta=beta,
+                                       instructions=server.system_prompt or "", audio_sink=self.track)
+        self.channel = None
+        self.channel_open = asyncio.Event()
+        self.inbox: asyncio.Queue[str | bytes] = asyncio.Queue(self.limits.max_queued_events)
+        self.tasks: list[asyncio.Task] = []
+        self.writer: asyncio.Task | None = None  # drains the outbox on close, so it ends last
+        self.closing: asyncio.Task | None = None
+        self.pc.on("track", self._on_track)
+        self.pc.on("datachannel", self._on_datachannel)
+        self.pc.on("connectionstatechange", self._on_state)
+
+    async def answer(self, offer_sdp: str) -> str:
+        """Offer in, answer out (aiortc gathers all candidates first: no trickle ICE)."""
+        await self.pc.setRemoteDescription(RTCSessionDescription(sdp=offer_sdp, type="offer"))
+        if self.track not in (s.track for s in self.pc.getSenders()):
+            raise ValueError("the offer has no audio section (m=audio) to send and receive on")
+        for transceiver in self.pc.getTransceivers():  # video or a second audio: nobody would read it
+            if transceiver.sender.track is not self.track:
+                transceiver.direction = "inactive"
+        await self.pc.setLocalDescription(await self.pc.createAnswer())
+        await self.session.start()
+        self.writer = asyncio.create_task(self._write(), name=f"webrtc-{self.id}-write")
+        self._spawn(self._read(), self._watchdog())
+        return self.pc.localDescription.sdp
+
+    # ---- events of the peer connection ---------------------------------------------------------------
+
+    def _on_track(self, track: MediaStreamTrack) -> None:
+        log.info("webrtc %s: %s track", self.id, track.kind)
+        if track.kind == "audio" and self.track not in (s.track for s in self.pc.getSenders()):
+            self.pc.addTrack(self.track)
+            self._spawn(self._listen(track))
+
+    def _on_datachannel(self, channel) -> None:
+        if channel.label != CHANNEL or self.channel is not None:
+            log.info("webrtc %s: ignoring data channel %r", self.id, channel.label)
+            return
+        self.channel = channel
+        channel.on("open", self.channel_open.set)
+        if channel.readyState == "open":
+            self.channel_open.set()
+        channel.on("message", self._on_message)
+        channel.on("close", lambda: self.end("data channel closed"))
+
+    def _on_message(self, message: str | bytes) -> None:
+        if len(message) > self.limits.max_event_bytes:
+            self._refuse(ProtocolError(f"the event is {len(message)} bytes; the limit is "
+                                       f"{self.limits.max_event_bytes}", "event_too_large"))
+        elif self.inbox.full():
+            self._refuse(ProtocolError("too many client events are waiting; the event was dropped",
+                                       "rate_limit_exceeded"))
+        else:
+            self.inbox.put_nowait(message)
+
+    def _on_state(self) -> None:
+        state = self.pc.connectionState
+        log.info("webrtc %s: connection %s", self.id, state)
+        if state in ("failed", "closed"):
+            self.end(f"connection {state}")
+
+    # ---- the call's tasks ----------------------------------------------------------------------------
+
+    async def _listen(self, track: MediaStreamTrack) -> None:
+        """Microphone frames (48 kHz Opus, decoded as stereo s16) -> 16 kHz mono -> the session."""
+        resampler = av.AudioResampler(format="s16", layout="mono", rate=INPUT_RATE)
+        pending: list[np.ndarray] = []
+        while True:
+            try:
+                frame = await asyncio.wait_for(track.recv(), MEDIA_TIMEOUT_S)
+            except MediaStreamError:
+                return
+            except TimeoutError:
+                self.end(f"no audio from the client for {MEDIA_TIMEOUT_S:g} s")
+                return
+            pending += [f.to_ndarray().reshape(-1) for f in resampler.resample(frame)]
+            if sum(p.size for p in pending) >= INPUT_CHUNK_SAMPLES:
+                samples = np.concatenate(pending).astype(np.float32) / 32768.0
+                pending = []
+                await self.session.append_audio(samples, INPUT_RATE)
+
+    async def _read(self) -> None:
+        while True:
+            await self.session.handle_text(await self.inbox.get())
+
+    async def _write(self) -> None:
+        """The session's events -> the data channel; `response.done` tells the track the audio is all there.
+
+        Events wait (in the bounded outbox) for the channel to open; a client without one loses them."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.channel_open.wait(), self.registry.connect_timeout_s)
+        while (event := await self.session.outbox.get()) is not None:
+            if event["type"] == "response.done":
+                self.track.response_done(event["response"]["id"])
+            while self.channel is not None and self.channel.bufferedAmount > MAX_CHANNEL_BUFFER_BYTES:
+                await asyncio.sleep(0.01)  # a slow client: wait, and so the outbox fills and the session waits
+            self.send(event)
+
+    async def _watchdog(self) -> None:
+        await asyncio.sleep(self.registry.connect_timeout_s)
+        if self.pc.connectionState != "connected":
+            self.end(f"not connected after {self.registry.connect_timeout_s:g} s")
+
+    def send(self, event: dict) -> None:
+        """A server event on the data channel (dropped while it is not open: the client is not there)."""
+        if self.channel is not None and self.channel.readyState == "open":
+            self.channel.send(json.dumps(event))
+
+    def _refuse(self, exc: ProtocolError) -> None:
+        self._spawn(self.session.send_error(exc))
+
+    def _spawn(self, *coros) -> None:
+        self.tasks = [t for t in self.tasks if not t.done()]
+        self.tasks += [asyncio.create_task(c, name=f"webrtc-{self.id}") for c in coros]
+
+    # ---- the end -------------------------------------------------------------------------------------
+
+    def end(self, reason: str) -> asyncio.Task:
+        """Close the call once, in a task of its own (callers may be the call's own tasks)."""
+        if self.closing is None:
+            self.closing = asyncio.create_task(self._close(reason), name=f"webrtc-close-{self.id}")
+        return self.closing
+
+    async def _close(self, reason: str) -> None:
+        log.info("webrtc %s: closing (%s)", self.id, reason)
+        self.registry.calls.pop(self.id, None)
+        self.sessions.sessions.discard(self.session)
+        self.track.stop()
+        await self.session.close()  # aborts the response in every engine stage; the outbox ends
+        for task in self.tasks:
+            task.cancel()
+        if self.writer is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.writer, 2)
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        await self.pc.close()
+        log.info("webrtc %s: closed", self.id)
+
+
+# ---- routes --------------------------------------------------------------------------------------------
+
+
+def install(app: FastAPI, ice_addresses: tuple[str, ...] = (), connect_timeout_s: float = 30.0) -> None:
+    offer_host_addresses(ice_addresses)
+    app.state.webrtc = CallRegistry(connect_timeout_s)
+    app.router.on_shutdown.insert(0, app.state.webrtc.close_all)
+    app.include_router(router)
+
+
+@router.post("/v1/realtime/calls", status_code=201)
+async def create_call(request: Request) -> Response:
+    return await _call(request, beta=False, status=201)
+
+
+@router.post("/v1/realtime")
+async def create_call_beta(request: Request) -> Response:
+    return await _call(request, beta=True, status=201)
+
+
+@router.post("/v1/realtime/calls/{call_id}/hangup")
+async def hangup(call_id: str, request: Request) -> JSONResponse:
+    call = request.app.state.webrtc.calls.get(call_id)
+    if call is None:
+        raise APIError(404, f"no call {call_id!r}", "call_id", "call_not_found")
+    await call.end("hangup")
+    return JSONResponse({})
+
+
+async def _call(request: Request, beta: bool, status: int) -> Response:
+    offer = await _read_offer(request)
+    server, sessions = request.app.state.server, request.app.state.realtime
+    model = request.query_params.get("model") or server.model_names[0]
+    if model not in server.model_names:
+        raise APIError(404, f"the model {model!r} does not exist; served: {', '.join(server.model_names)}",
+                       "model", "model_not_found")
+    if len(sessions.sessions) >= sessions.limits.max_sessions:
+        raise APIError(429, f"the server has {sessions.limits.max_sessions} realtime sessions open; try again "
+                       "later", None, "session_limit_reached", headers={"Retry-After": "5"})
+    call = Call(request, beta, model)
+    sessions.try_add(call.session)  # room was checked above, with no await in between
+    request.app.state.webrtc.calls[call.id] = call
+    try:
+        answer = await call.answer(offer)
+    except asyncio.CancelledError:
+        call.end("signalling cancelled")
+        raise
+    except Exception as exc:  # aiortc raises ValueError and friends for offers it cannot use
+        await call.end("bad offer")
+        log.info("webrtc %s: refused the offer: %r", call.id, exc)
+        raise APIError(400, f"the SDP offer cannot be used: {exc or type(exc).__name__}", "sdp",
+                       "invalid_sdp") from exc
+    log.info("webrtc %s: answered (model %s, beta %s, session %s); candidates offered %s, answered %s", call.id,
+             model, beta, call.session.id, _candidates(offer), _candidates(answer))
+    return Response(answer, status, media_type="application/sdp",
+                    headers={"Location": f"/v1/realtime/calls/{call.id}"})
+
+
+async def _read_offer(request: Request) -> str:
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if kind != "application/sdp":
+        raise APIError(415, f"the body must be an SDP offer with Content-Type: application/sdp (got "
+                       f"{kind or 'none'!r})", None, "unsupported_content_type")
+    body = await request.body()
+    if len(body) > MAX_SDP_BYTES:
+        raise APIError(413, f"the SDP offer is {len(body)} bytes; the limit is {MAX_SDP_BYTES}", "sdp",
+                       "payload_too_large")
+    try:
+        sdp = body.decode()
+    except UnicodeDecodeError as exc:
+        raise APIError(400, "the SDP offer is not UTF-8 text", "sdp", "invalid_sdp") from exc
+    if not sdp.lstrip().startswith("v=0"):
+        raise APIError(400, "the body is not an SDP offer (it must start with `v=0`)", "sdp", "invalid_sdp")
+    return sdp
+
+
+def _candidates(sdp: str) -> list[str]:
+    """`address:port type` of each ICE candidate (for the log: what ICE had to work with)."""
+    fields = [line.split() for line in sdp.splitlines() if line.startswith("a=candidate:")]
+    return [f"{f[4]}:{f[5]} {f[7]}" for f in fields if len(f) >= 8]

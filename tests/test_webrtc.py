@@ -1,0 +1,265 @@
+"""WebRTC calls against a real server on loopback: an aiortc peer in the test process talks to it."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import signal
+import sys
+import time
+
+import httpx
+import numpy as np
+import pytest
+from aiortc import RTCConfiguration, RTCPeerConnection
+
+from app.server import ServerSettings, create_app
+from app.webrtc import MEDIA_TIMEOUT_S
+from tests.conftest import ROOT, ServerProcess
+from tests.realtime_helpers import LEAD_S, espeak_utterance
+from tests.webrtc_client import RealtimeCall, connect
+
+LONG_ANSWER = {"max_output_tokens": 16, "talker_sampling": {"min_tokens": 300, "max_tokens": 300}}  # 24 s of audio
+SILENT_PEAK = 64  # Opus-decoded digital silence stays ~0; speech-codec output peaks in the thousands
+
+
+@pytest.fixture(scope="module")
+def utterance(tmp_path_factory):
+    return espeak_utterance(tmp_path_factory.mktemp("speech"))
+
+
+def of_type(kind: str, **fields):
+    return lambda ev: ev["type"] == kind and all(ev.get(k) == v for k, v in fields.items())
+
+
+def frames_between(call: RealtimeCall, t0: float, t1: float) -> list:
+    return [f for f in call.frames if t0 <= f.arrival_s <= t1]
+
+
+async def arrival(call: RealtimeCall, predicate, timeout: float = 120.0) -> tuple[dict, float]:
+    """The event and when the test saw it."""
+    ev = await call.wait_for(predicate, timeout)
+    return ev, time.monotonic()
+
+
+async def is_dropped(base_url: str, location: str, after_s: float = 1.5) -> bool:
+    """Whether the server dropped the call within `after_s` (then there is no call to hang up: 404;
+    a 200 means it was still there, and this probe hung it up)."""
+    await asyncio.sleep(after_s)
+    async with httpx.AsyncClient(timeout=10) as http:
+        return (await http.post(f"{base_url}{location}/hangup")).status_code == 404
+
+
+async def long_answer(call: RealtimeCall) -> tuple[dict, float]:
+    """Ask by text for a long spoken answer; returns `output_audio_buffer.started` and its arrival."""
+    call.send({"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": [
+        {"type": "input_text", "text": "Tell me a long story."}]}})
+    call.send({"type": "response.create", "response": LONG_ANSWER})
+    return await arrival(call, of_type("output_audio_buffer.started"), 60)
+
+
+async def test_voice_turn_paced_audio_and_transcript(server, utterance):
+    samples, speech_s = utterance
+    call = await connect(server.url)
+    try:
+        created = await call.wait_for(of_type("session.created"), 30)
+        assert created["session"]["audio"]["input"]["turn_detection"]["type"] == "server_vad"
+        await call.say(samples)
+        stopped_speech, t_user_end = await arrival(call, of_type("input_audio_buffer.speech_stopped"))
+        started, t_first = await arrival(call, of_type("output_audio_buffer.started"))
+        done = await call.wait_for(of_type("response.done"))
+        stopped, t_last = await arrival(call, of_type("output_audio_buffer.stopped"), 60)
+    finally:
+        await call.close()
+    types = call.types()
+    # the VAD heard the real speech through Opus + PyAV resampling
+    assert abs(stopped_speech["audio_end_ms"] - (LEAD_S + speech_s) * 1000) < 500
+    response = done["response"]
+    assert started["response_id"] == stopped["response_id"] == response["id"]
+    assert response["status"] in ("completed", "incomplete")
+    transcript = "".join(e["delta"] for e in call.events if e["type"] == "response.output_audio_transcript.delta")
+    assert transcript and transcript == response["output"][0]["content"][0]["transcript"]
+    assert "response.output_audio.delta" not in types  # the audio went out on the media track
+    assert types.index("response.done") < types.index("output_audio_buffer.stopped")
+    playing = frames_between(call, t_first, t_last)
+    gaps_ms = np.diff([f.arrival_s for f in playing]) * 1000
+    assert {(f.sample_rate, f.num_samples) for f in playing} == {(48000, 960)}  # 20 ms Opus frames
+    assert 17 <= np.median(gaps_ms) <= 23, np.percentile(gaps_ms, [5, 50, 95])
+    heard_ms = sum(f.num_samples for f in playing if f.peak > SILENT_PEAK) * 1000 / 48000
+    audio_ms = stopped["omnirt_playback"]["audio_ms"]
+    assert audio_ms > 1000 and heard_ms > 0.5 * audio_ms  # speech-codec output, not silence
+    # played in real time: the wall time between started and stopped is the audio's duration
+    assert abs((t_last - t_first) * 1000 - audio_ms) < max(500, 0.1 * audio_ms), (t_last - t_first, audio_ms)
+    print(f"\nwebrtc turn: {len(playing)} frames, gap p50 {np.median(gaps_ms):.2f} ms p95 "
+          f"{np.percentile(gaps_ms, 95):.2f} ms, first audio {1000 * (t_first - t_user_end):.0f} ms after "
+          f"speech_stopped, {audio_ms} ms of audio, underruns {stopped['omnirt_playback']['num_underruns']}")
+    assert server.wait_idle()["active_requests"] == 0
+
+
+async def test_barge_in_stops_the_audio(server, utterance):
+    samples, _ = utterance
+    call = await connect(server.url)
+    try:
+        await call.wait_for(of_type("session.created"), 30)
+        started, t_started = await long_answer(call)
+        await asyncio.sleep(1.0)
+        await call.say(samples)  # 1 s of silence, then the user talks over the agent
+        cleared, t_cleared = await arrival(call, of_type("output_audio_buffer.cleared"), 30)
+        done = await call.wait_for(of_type("response.done"), 30)
+        truncated = await call.wait_for(of_type("conversation.item.truncated"), 5)
+        await asyncio.sleep(1.3)
+    finally:
+        await call.close()
+    assert done["response"]["status"] == "cancelled"
+    assert done["response"]["status_details"]["reason"] == "turn_detected"
+    assert cleared["response_id"] == started["response_id"] == done["response"]["id"]
+    # the truncation point is what the track sent: the time it played here, give or take the jitter buffer
+    played_ms = (t_cleared - t_started) * 1000
+    assert truncated["item_id"] == done["response"]["output"][0]["id"]
+    assert abs(truncated["audio_end_ms"] - played_ms) < 400, (truncated["audio_end_ms"], played_ms)
+    before = frames_between(call, t_started + 0.2, t_cleared - 0.1)
+    after = frames_between(call, t_cleared + 0.3, t_cleared + 1.3)  # the user is still talking: no new answer yet
+    assert sum(f.peak > SILENT_PEAK for f in before) > 0.5 * len(before)
+    assert len(after) > 35 and max(f.peak for f in after) <= SILENT_PEAK, [f.peak for f in after]
+
+
+async def test_client_hangs_up_mid_answer_frees_every_stage(server):
+    call = await connect(server.url)
+    await call.wait_for(of_type("session.created"), 30)
+    await long_answer(call)
+    await call.close()  # like a closed tab: the peer connection goes away mid-answer
+    h = server.wait_idle()
+    assert h["active_requests"] == 0 and h["free_slots"] == h["slots"]
+    assert await is_dropped(server.url, call.location)
+
+
+async def test_client_that_vanishes_is_dropped(server):
+    """A client killed mid-answer (no DTLS close, no hangup; as a lost network): its media stops, and the
+    server ends the call after `MEDIA_TIMEOUT_S` and frees every stage."""
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "tests.webrtc_client", server.url, cwd=ROOT,
+                                                stdout=asyncio.subprocess.PIPE)
+    location = (await asyncio.wait_for(proc.stdout.readline(), 90)).decode().strip()
+    assert await asyncio.wait_for(proc.wait(), 10) == -signal.SIGKILL and location.startswith("/v1/realtime/calls/")
+    assert await is_dropped(server.url, location, after_s=MEDIA_TIMEOUT_S + 2)
+    h = server.wait_idle()
+    assert h["active_requests"] == 0 and h["free_slots"] == h["slots"]
+
+
+async def test_hangup_endpoint_and_beta_path(server):
+    call = await connect(server.url, "/v1/realtime?model=tiny")
+    try:
+        created = await call.wait_for(of_type("session.created"), 30)
+        assert created["session"]["object"] == "realtime.session" and "modalities" in created["session"]  # beta
+        async with httpx.AsyncClient(timeout=10) as http:
+            r = await http.post(f"{server.url}{call.location}/hangup")
+            assert r.status_code == 200
+            r = await http.post(f"{server.url}{call.location}/hangup")
+            assert r.status_code == 404 and r.json()["error"]["code"] == "call_not_found"
+        deadline = time.monotonic() + 10
+        while call.pc.connectionState not in ("closed", "failed") and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        assert call.channel.readyState == "closed"
+    finally:
+        await call.close()
+
+
+async def test_bad_offers_get_http_errors(server):
+    async with httpx.AsyncClient(timeout=30) as http:
+        url = f"{server.url}/v1/realtime/calls"
+        r = await http.post(url, json={"sdp": "v=0"})
+        assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_content_type"
+        sdp = {"Content-Type": "application/sdp"}
+        r = await http.post(url, content=b"hello", headers=sdp)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_sdp"
+        r = await http.post(url, content=b"v=0\r\no=- 1 1 IN IP4 0.0.0.0\r\ns=-\r\nt=0 0\r\n", headers=sdp)
+        assert r.status_code == 400 and "no audio" in r.json()["error"]["message"]
+        r = await http.post(url, content=b"v=0\r\nm=audio 9 UDP/TLS/RTP/SAVPF 111\r\nGARBAGE", headers=sdp)
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+        r = await http.post(f"{server.url}/v1/realtime?model=gpt-4o", content=b"v=0\r\n", headers=sdp)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        assert (await http.get(f"{server.url}/health")).status_code == 200
+    call = await connect(server.url, extra_video=True)  # the server goes on; it declines the video
+    try:
+        await call.wait_for(of_type("session.created"), 30)
+        video = next(t for t in call.pc.getTransceivers() if t.kind == "video")
+        assert video.currentDirection == "inactive"
+    finally:
+        await call.close()
+
+
+@pytest.fixture(scope="module")
+def one_session_server():
+    srv = ServerProcess(["--realtime-max-sessions", "1", "--webrtc-connect-timeout-s", "5", "--log-level", "info"])
+    yield srv
+    srv.stop()
+
+
+async def test_call_that_never_connects_is_closed(one_session_server):
+    """ICE never completes (the client vanished after its offer): the call ends at the connect timeout."""
+    pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
+    pc.createDataChannel("oai-events")
+    pc.addTransceiver("audio")
+    await pc.setLocalDescription(await pc.createOffer())
+    await pc.close()
+    async with httpx.AsyncClient(timeout=30) as http:
+        r = await http.post(f"{one_session_server.url}/v1/realtime/calls", content=pc.localDescription.sdp,
+                            headers={"Content-Type": "application/sdp"})
+        assert r.status_code == 201
+        await asyncio.sleep(6.5)
+        assert (await http.post(f"{one_session_server.url}{r.headers['location']}/hangup")).status_code == 404
+    call_id = r.headers["location"].rsplit("/", 1)[-1]
+    assert f"webrtc {call_id}: closing (not connected after 5 s)" in one_session_server.log.read_text()
+    call = await connect(one_session_server.url)  # its session slot (the only one) is free again
+    await call.wait_for(of_type("session.created"), 30)
+    await call.close()
+    assert await is_dropped(one_session_server.url, call.location)
+
+
+async def test_no_task_or_track_outlives_a_call(engine):
+    """In process: after a page close mid-answer and after shutdown, nothing of the call is left running."""
+    app = create_app(engine, ServerSettings(ice_addresses=("127.0.0.1",)))
+    baseline = asyncio.all_tasks()
+    transport = httpx.ASGITransport(app=app)
+    ended = []
+    for how in ("page closed", "server shutdown"):
+        call = await connect("http://omnirt", transport=transport)
+        await call.wait_for(of_type("session.created"), 30)
+        server_call = next(iter(app.state.webrtc.calls.values()))
+        await long_answer(call)
+        if how == "page closed":
+            await call.close()
+        else:
+            await app.state.webrtc.close_all()
+            await call.close()
+        await asyncio.wait_for(server_call.closing, 10)
+        ended.append(server_call)
+    await asyncio.sleep(1.0)
+    for c in ended:
+        assert c.track.readyState == "ended" and c.pc.connectionState == "closed"
+        assert all(t.done() for t in [*c.tasks, c.writer]) and c.session.response.task.done()
+    assert not app.state.webrtc.calls and not app.state.realtime.sessions
+    leftover = [t for t in asyncio.all_tasks() - baseline if not t.done()]
+    assert not leftover, leftover
+    assert engine.num_active_requests == 0
+
+
+async def test_too_many_calls_then_shutdown_closes_the_call(one_session_server):
+    """Last in the module: it stops the server."""
+    srv = one_session_server
+    call = await connect(srv.url)
+    try:
+        await call.wait_for(of_type("session.created"), 30)
+        with pytest.raises(AssertionError, match="429.*session_limit_reached"):
+            await connect(srv.url)
+        await long_answer(call)
+        await asyncio.to_thread(srv.stop)  # SIGTERM mid-answer
+        assert srv.proc.returncode in (0, -15)  # uvicorn re-raises SIGTERM once shut down
+        deadline = time.monotonic() + 10
+        while call.channel.readyState != "closed" and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        assert call.channel.readyState == "closed"
+    finally:
+        await call.close()
+    log = srv.log.read_text()
+    assert "closing (server shutdown)" in log and re.search(r"webrtc rtc_\w+: closed", log)
+    assert "Application shutdown complete" in log and "Traceback" not in log

@@ -1,0 +1,130 @@
+"""A WebRTC Realtime client for the tests: a second aiortc peer in the test process, on loopback.
+
+Its microphone is a `PacedAudioTrack` (the server's own paced track, fed 24 kHz speech), the agent's
+audio is recorded frame by frame with its arrival time, and the `oai-events` data channel's events
+are collected in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+
+import httpx
+import numpy as np
+from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
+from aiortc.mediastreams import MediaStreamError
+
+from app.audio import float_to_pcm16
+from app.webrtc import offer_host_addresses
+from app.webrtc_track import PacedAudioTrack
+
+
+@dataclass
+class ReceivedFrame:
+    arrival_s: float  # time.monotonic()
+    peak: int  # max |sample| (s16)
+    num_samples: int  # per channel
+    sample_rate: int
+
+
+@dataclass
+class RealtimeCall:
+    pc: RTCPeerConnection
+    channel: object
+    mic: PacedAudioTrack
+    events: list[dict] = field(default_factory=list)
+    frames: list[ReceivedFrame] = field(default_factory=list)
+    new_event: asyncio.Event = field(default_factory=asyncio.Event)
+    tasks: list[asyncio.Task] = field(default_factory=list)
+    location: str = ""
+
+    async def say(self, samples_24k: np.ndarray) -> None:
+        await self.mic.write("mic", "mic", float_to_pcm16(samples_24k))
+
+    def send(self, event: dict) -> None:
+        self.channel.send(json.dumps(event))
+
+    async def wait_for(self, predicate, timeout: float = 120.0, start: int = 0) -> dict:
+        """The first event from index `start` on for which predicate(event) holds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for ev in self.events[start:]:
+                if predicate(ev):
+                    return ev
+            self.new_event.clear()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no such event; got {[e['type'] for e in self.events]}")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.new_event.wait(), left)
+
+    def types(self) -> list[str]:
+        return [e["type"] for e in self.events]
+
+    async def close(self) -> None:
+        for t in self.tasks:
+            t.cancel()
+        self.mic.stop()
+        await self.pc.close()
+
+
+async def connect(base_url: str, path: str = "/v1/realtime/calls", transport=None,
+                  extra_video: bool = False) -> RealtimeCall:
+    """Offer, answer, connect; `transport`: an httpx transport (an in-process app), else real HTTP;
+    `extra_video`: offer a video section as well (sendrecv, no track)."""
+    offer_host_addresses(("127.0.0.1",))  # this process's ICE offers loopback, as the server does
+    pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
+    call = RealtimeCall(pc, pc.createDataChannel("oai-events"), PacedAudioTrack(lambda ev: None))
+    call.channel.on("message", lambda m: (call.events.append(json.loads(m)), call.new_event.set()))
+    pc.addTrack(call.mic)
+    if extra_video:
+        pc.addTransceiver("video")
+
+    @pc.on("track")
+    def on_track(track):
+        call.tasks.append(asyncio.create_task(_record(track, call.frames)))
+
+    await pc.setLocalDescription(await pc.createOffer())
+    async with httpx.AsyncClient(timeout=30, transport=transport) as http:
+        r = await http.post(base_url + path, content=pc.localDescription.sdp,
+                            headers={"Content-Type": "application/sdp"})
+    if r.status_code not in (200, 201):
+        await call.close()
+        raise AssertionError(f"{r.status_code}: {r.text}")
+    assert r.headers["content-type"].startswith("application/sdp")
+    call.location = r.headers.get("location", "")
+    await pc.setRemoteDescription(RTCSessionDescription(r.text, "answer"))
+    return call
+
+
+async def _record(track, frames: list[ReceivedFrame]) -> None:
+    while True:
+        try:
+            frame = await track.recv()
+        except MediaStreamError:
+            return
+        pcm = frame.to_ndarray()
+        frames.append(ReceivedFrame(time.monotonic(), int(np.abs(pcm).max()), frame.samples, frame.sample_rate))
+
+
+async def _call_and_vanish(base_url: str) -> None:
+    """Connect, start a long spoken answer, print the call's location, then die without a goodbye."""
+    call = await connect(base_url)
+    await call.wait_for(lambda e: e["type"] == "session.created", 30)
+    call.send({"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": [
+        {"type": "input_text", "text": "Tell me a long story."}]}})
+    call.send({"type": "response.create", "response": {"talker_sampling": {"min_tokens": 3000, "max_tokens": 3000}}})
+    await call.wait_for(lambda e: e["type"] == "output_audio_buffer.started", 60)
+    print(call.location, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)  # no DTLS close, no hangup: as a crashed browser or a lost network
+
+
+if __name__ == "__main__":
+    asyncio.run(_call_and_vanish(sys.argv[1]))

@@ -1,0 +1,229 @@
+// omnirt voice demo: one WebRTC call to POST /v1/realtime/calls (the OpenAI Realtime WebRTC flow).
+// The microphone goes out as Opus, the agent's voice comes back on the remote track, and the Realtime
+// events travel on the data channel "oai-events". No build step, no CDN.
+"use strict";
+
+const $ = (id) => document.getElementById(id);
+const LEVEL_HEARD = 0.01; // RMS above which agent audio counts as heard
+
+// `window.demo` is the page's state; the browser test reads it too.
+const demo = window.demo = { pc: null, channel: null, mic: null, callUrl: null, audio: null,
+  turns: [], byResponse: new Map(), userTurn: null, lastSpeechStop: null, maxAgentLevel: 0, agentLevel: 0 };
+
+// ---- voices -------------------------------------------------------------------------------------------
+
+async function loadVoices() {
+  const r = await fetch("/v1/voices");
+  const { voices, default: preferred } = await r.json();
+  $("voice").replaceChildren(...voices.map((v) => new Option(v, v, v === preferred, v === preferred)));
+}
+
+$("voice").addEventListener("change", () => {
+  if (demo.channel?.readyState === "open") sendVoice();
+});
+
+function sendVoice() {
+  send({ type: "session.update", session: { type: "realtime", audio: { output: { voice: $("voice").value } } } });
+}
+
+// ---- the call -----------------------------------------------------------------------------------------
+
+$("talk").addEventListener("click", () => (demo.pc ? hangUp("You hung up.") : call().catch(fail)));
+window.addEventListener("pagehide", () => { if (demo.callUrl) navigator.sendBeacon(demo.callUrl + "/hangup"); });
+
+async function call() {
+  $("talk").disabled = true;
+  status("Asking for the microphone…");
+  // media permission first: Chromium then offers real host addresses instead of mDNS names
+  demo.mic = await navigator.mediaDevices.getUserMedia({ audio: { echoCancellation: true, noiseSuppression: true } });
+  const pc = demo.pc = new RTCPeerConnection({ iceServers: [] }); // never a public STUN server
+  pc.addTrack(demo.mic.getAudioTracks()[0], demo.mic);
+  pc.ontrack = (e) => playAgent(e.streams[0] || new MediaStream([e.track]));
+  pc.onconnectionstatechange = () => {
+    status(`Connection ${pc.connectionState}.`);
+    if (["failed", "closed"].includes(pc.connectionState)) hangUp(`Connection ${pc.connectionState}.`);
+  };
+  const channel = demo.channel = pc.createDataChannel("oai-events");
+  channel.onopen = () => { status("Connected: talk."); sendVoice(); };
+  channel.onmessage = (m) => onEvent(JSON.parse(m.data));
+  channel.onclose = () => { if (demo.pc === pc) hangUp("The server ended the call."); };
+  meter(demo.mic, $("mic-level"));
+
+  await pc.setLocalDescription(await pc.createOffer());
+  await gathered(pc); // the server does not trickle: send every candidate in the offer
+  status("Calling…");
+  const r = await fetch("/v1/realtime/calls", { method: "POST", body: pc.localDescription.sdp,
+    headers: { "Content-Type": "application/sdp" } });
+  if (!r.ok) throw new Error((await r.json()).error?.message || `HTTP ${r.status}`);
+  demo.callUrl = r.headers.get("Location");
+  await pc.setRemoteDescription({ type: "answer", sdp: await r.text() });
+  $("talk").textContent = "Hang up";
+  $("talk").classList.add("live");
+  $("talk").disabled = false;
+}
+
+function gathered(pc) {
+  if (pc.iceGatheringState === "complete") return Promise.resolve();
+  return new Promise((done) => {
+    pc.addEventListener("icegatheringstatechange", () => pc.iceGatheringState === "complete" && done());
+    setTimeout(done, 3000);
+  });
+}
+
+function hangUp(message) {
+  const pc = demo.pc;
+  if (!pc) return;
+  demo.pc = null;
+  if (demo.callUrl) fetch(demo.callUrl + "/hangup", { method: "POST" }).catch(() => {});
+  demo.callUrl = null;
+  demo.channel = null;
+  pc.close();
+  demo.mic?.getTracks().forEach((t) => t.stop());
+  $("talk").textContent = "Talk";
+  $("talk").classList.remove("live");
+  $("talk").disabled = false;
+  status(message);
+}
+
+function fail(err) {
+  hangUp(`Could not start: ${err.message || err}`);
+  error(String(err.message || err));
+}
+
+function send(event) {
+  if (demo.channel?.readyState === "open") demo.channel.send(JSON.stringify(event));
+}
+
+// ---- audio: playback and level meters ---------------------------------------------------------------
+
+function playAgent(stream) {
+  demo.audio = $("agent-audio");
+  demo.audio.srcObject = stream; // Chromium feeds a remote stream to Web Audio only while an element plays it
+  demo.audio.play().catch((e) => error(`Playback blocked: ${e.message}`));
+  meter(stream, $("agent-level"), (level) => {
+    demo.agentLevel = level;
+    demo.maxAgentLevel = Math.max(demo.maxAgentLevel, level);
+    if (level > LEVEL_HEARD) heard();
+  });
+}
+
+function meter(stream, bar, onLevel) {
+  demo.ctx = demo.ctx || new AudioContext();
+  demo.ctx.resume();
+  const analyser = demo.ctx.createAnalyser();
+  analyser.fftSize = 1024;
+  demo.ctx.createMediaStreamSource(stream).connect(analyser);
+  const samples = new Float32Array(analyser.fftSize);
+  const timer = setInterval(() => {
+    if (!stream.active) return clearInterval(timer);
+    analyser.getFloatTimeDomainData(samples);
+    const rms = Math.sqrt(samples.reduce((s, x) => s + x * x, 0) / samples.length);
+    bar.style.width = `${Math.min(100, rms * 400)}%`;
+    onLevel?.(rms);
+  }, 40);
+}
+
+// ---- events ---------------------------------------------------------------------------------------------
+
+function onEvent(ev) {
+  const turn = demo.byResponse.get(ev.response_id || ev.response?.id);
+  switch (ev.type) {
+    case "input_audio_buffer.speech_started":
+      demo.userTurn = line("user", "You", "(speaking…)");
+      demo.userTurn.startMs = ev.audio_start_ms;
+      break;
+    case "input_audio_buffer.speech_stopped": // omnirt does not transcribe the user: say how long they spoke
+      demo.lastSpeechStop = performance.now();
+      if (demo.userTurn) {
+        const seconds = (ev.audio_end_ms - demo.userTurn.startMs) / 1000;
+        demo.userTurn.text.textContent = `(spoke for ${seconds.toFixed(1)} s)`;
+      }
+      break;
+    case "response.created":
+      startTurn(ev.response.id);
+      break;
+    case "response.output_audio_transcript.delta":
+    case "response.output_text.delta":
+      if (turn) { turn.transcript += ev.delta; turn.el.text.textContent = turn.transcript; }
+      break;
+    case "output_audio_buffer.started":
+      if (turn) turn.playing = true;
+      break;
+    case "output_audio_buffer.stopped":
+      if (turn) {
+        turn.playing = false;
+        turn.audioMs = ev.omnirt_playback?.audio_ms;
+        turn.underruns = ev.omnirt_playback?.num_underruns;
+      }
+      break;
+    case "output_audio_buffer.cleared": // interrupted while playing (its generation may have ended already)
+      if (turn) { turn.playing = false; turn.status = "interrupted"; turn.el.li.classList.add("cancelled"); }
+      break;
+    case "conversation.item.truncated": {
+      const t = demo.turns.find((x) => x.itemId === ev.item_id);
+      if (t) t.audioMs = ev.audio_end_ms;
+      break;
+    }
+    case "response.output_item.added":
+      if (turn) turn.itemId = ev.item.id;
+      break;
+    case "response.done":
+      if (turn) finishTurn(turn, ev.response);
+      break;
+    case "error":
+      error(`${ev.error.code || ev.error.type}: ${ev.error.message}`);
+      break;
+  }
+  if (turn) row(turn);
+}
+
+function startTurn(responseId) {
+  const turn = { n: demo.turns.length + 1, responseId, itemId: null, transcript: "", createdAt: performance.now(),
+    since: demo.lastSpeechStop ?? performance.now(), doneAt: null, heardAt: null, audioMs: null, underruns: null,
+    status: "in progress", playing: false, el: line("agent", "Agent", "") };
+  demo.lastSpeechStop = null;
+  demo.turns.push(turn);
+  demo.byResponse.set(responseId, turn);
+}
+
+function finishTurn(turn, response) {
+  turn.doneAt = performance.now();
+  if (turn.status !== "interrupted") turn.status = response.status;
+  if (response.status === "cancelled") turn.el.li.classList.add("cancelled");
+}
+
+function heard() {
+  const turn = demo.turns.findLast((t) => t.playing);
+  if (turn && turn.heardAt === null) { turn.heardAt = performance.now(); row(turn); }
+}
+
+// ---- the page ---------------------------------------------------------------------------------------
+
+function line(kind, who, text) {
+  const li = document.createElement("li");
+  li.className = kind;
+  li.innerHTML = `<span class="who"></span><span class="text"></span>`;
+  li.querySelector(".who").textContent = who;
+  const el = { li, text: li.querySelector(".text") };
+  el.text.textContent = text;
+  $("transcript").append(li);
+  li.scrollIntoView({ block: "end" });
+  return el;
+}
+
+function row(turn) {
+  turn.row = turn.row || $("metrics").tBodies[0].insertRow();
+  const ms = (x) => (x == null ? "…" : `${Math.round(x)} ms`);
+  const cut = turn.status === "interrupted"; // only part of the audio was played: no RTF, no underrun count
+  const rtf = cut ? "—"
+    : turn.doneAt && turn.audioMs ? ((turn.doneAt - turn.createdAt) / turn.audioMs).toFixed(2) : "…";
+  const cells = [turn.n, ms(turn.heardAt && turn.heardAt - turn.since), rtf,
+    turn.audioMs == null ? "…" : `${(turn.audioMs / 1000).toFixed(1)} s`, cut ? "—" : turn.underruns ?? "…",
+    turn.status];
+  turn.row.replaceChildren(...cells.map((c) => Object.assign(document.createElement("td"), { textContent: c })));
+}
+
+function status(text) { $("status").textContent = text; }
+function error(text) { $("errors").textContent = text; }
+
+loadVoices().catch(fail);
