@@ -10,7 +10,8 @@ for engine in omnirt reference; do
   port=$((18100 + RANDOM % 500))
   $BIN/omnirt serve --engine $engine --port $port --threads 1 --log-level warning > "/tmp/compare-$engine.log" 2>&1 &
   pid=$!
-  until curl -sf "http://127.0.0.1:$port/health" > /dev/null; do sleep 1; kill -0 $pid; done
+  for _ in $(seq 120); do curl -sf "http://127.0.0.1:$port/health" > /dev/null && break; sleep 1; kill -0 $pid; done
+  curl -sf "http://127.0.0.1:$port/health" > /dev/null || { echo "$engine server not healthy"; kill $pid; exit 1; }
   $BIN/omnirt bench --url "http://127.0.0.1:$port" --name "cpu-tiny-$engine" --out "$OUT" "${ARGS[@]}" | tail -3
   kill $pid; wait $pid 2>/dev/null || true
 done

@@ -37,6 +37,9 @@ class ReferenceEngine(EngineBase):
     def num_slots(self) -> dict[str, int]:
         return {"thinker": 1}
 
+    def replica_status(self) -> dict[str, list[dict]]:
+        return {}
+
     def abort(self, request_id: str) -> None:
         """generate() cannot be interrupted; the request runs to its end."""
 

@@ -153,3 +153,20 @@ def test_client_disconnect_non_streaming_frees_slots(server):
         httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=1.5)
     h = server.wait_idle()
     assert h["free_slots"] == h["slots"] and h["active_requests"] == 0
+
+
+def test_reference_engine_serves_the_same_api():
+    """The benchmark baseline (transformers' generate() behind the same routes) answers like omnirt."""
+    from tests.conftest import ServerProcess
+
+    srv = ServerProcess(["--engine", "reference"])
+    try:
+        assert srv.health()["status"] == "ok"
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        r = client.chat.completions.create(model="tiny", messages=MSG, modalities=["text", "audio"], audio=AUDIO,
+                                           max_tokens=8)
+        samples, rate = _wav(r.choices[0].message.audio.data)
+        frames = r.usage.completion_tokens_details.audio_tokens
+        assert rate == 24000 and frames > 0 and len(samples) == frames * 1920 - 555
+    finally:
+        srv.stop()
