@@ -12,12 +12,15 @@ import itertools
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 
+from pipeline.admission import Admission, StageLimit
 from pipeline.config import EngineConfig
 from pipeline.connector import CodecStream, Command, Message
+from pipeline.faults import FaultInjector, FaultSpec
 from pipeline.models import OmniModels, TalkerState
 from pipeline.request import (
     FINISH_REASONS,
@@ -47,20 +50,40 @@ class RequestError(ValueError):
 
 @dataclass(slots=True)
 class _Stream:
-    """Engine-side record of one request: the queue its events go to, filled from stage threads."""
+    """Engine-side record of one request: the queue its events go to, filled from stage threads.
+    The queue is bounded in bytes: a consumer that stops reading gets its request aborted."""
 
     request: OmniRequest
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     num_prompt_tokens: int
+    stages: tuple[str, ...]  # the stages it was admitted to
+    max_buffered_bytes: int
+    on_overflow: Any
     finish_reason: str = "stop"
     num_completion_tokens: int = 0
     num_audio_frames: int = 0
     closed: bool = False
+    num_buffered_bytes: int = 0
     token_ids: list[int] = field(default_factory=list)
 
     def push(self, item: tuple) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        self.loop.call_soon_threadsafe(self._put, item)
+
+    def _put(self, item: tuple) -> None:
+        self.queue.put_nowait(item)
+        self.num_buffered_bytes += _num_bytes(item)
+        if self.num_buffered_bytes > self.max_buffered_bytes and not self.closed:
+            self.on_overflow(self)
+
+    async def get(self) -> tuple:
+        item = await self.queue.get()
+        self.num_buffered_bytes -= _num_bytes(item)
+        return item
+
+
+def _num_bytes(item: tuple) -> int:
+    return 64 + (len(item[1]) if item[0] == "audio" else 0)
 
 
 class Code2WavRunner:
@@ -77,26 +100,34 @@ class OmniEngine:
         self.cfg, self.models = cfg, models
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
+        self.admission = Admission({s.name: StageLimit(s.max_num_seqs, s.max_waiting) for s in cfg.stages},
+                                   cfg.retry_after_s)
+        self.faults = FaultInjector(FaultSpec.parse(cfg.fault_injection)) if cfg.fault_injection else None
         th, tk, c2w = cfg.stage("thinker"), cfg.stage("talker"), cfg.stage("code2wav")
         thinker = models.thinker
         self.thinker = Stage(
             "thinker", Scheduler(thinker.kv, th.max_num_seqs, th.max_num_batched_tokens, thinker.eos_ids,
                                  is_ready=lambda r: True),
-            ARRunner(thinker, Sampler(thinker.vocab_size, thinker.eos_ids)), on_step=self._thinker_step)
+            self._runner("thinker", ARRunner(thinker, Sampler(thinker.vocab_size, thinker.eos_ids))),
+            on_step=self._thinker_step)
         self.stages = [self.thinker]
         if models.talker is not None:
             talker = models.talker
             self.talker = Stage(
                 "talker", Scheduler(talker.kv, tk.max_num_seqs, tk.max_num_batched_tokens, talker.eos_ids,
                                     is_ready=self._talker_may_step),
-                ARRunner(talker, Sampler(talker.vocab_size, talker.eos_ids, talker.suppress_ids)),
+                self._runner("talker", ARRunner(talker, Sampler(talker.vocab_size, talker.eos_ids,
+                                                                talker.suppress_ids))),
                 on_step=self._talker_step, on_input=lambda r, rows: r.state.add(rows),
                 on_input_done=self._thinker_done)
             self.code2wav = Stage(
-                "code2wav", ChunkScheduler(c2w.max_num_seqs), Code2WavRunner(models.code2wav),
+                "code2wav", ChunkScheduler(c2w.max_num_seqs), self._runner("code2wav", Code2WavRunner(models.code2wav)),
                 on_step=self._audio_step, on_input=lambda r, frame: r.state.frames.append(frame),
                 on_input_done=self._talker_done)
             self.stages += [self.talker, self.code2wav]
+
+    def _runner(self, stage: str, runner):
+        return self.faults.wrap(stage, runner) if self.faults else runner
 
     # ---- lifecycle ----------------------------------------------------------------------------------
 
@@ -137,10 +168,15 @@ class OmniEngine:
         prompt = await asyncio.to_thread(self.models.encoder.encode, req.messages)
         n_prompt = len(prompt.input_ids)
         th_params = self._params("thinker", req.thinker_sampling, n_prompt)
-        stream = _Stream(req, asyncio.get_running_loop(), asyncio.Queue(), n_prompt)
+        stages = self.stages_for(req.wants_audio)
+        stream = _Stream(req, asyncio.get_running_loop(), asyncio.Queue(), n_prompt, stages,
+                         self.cfg.max_output_buffer_bytes, self._overflow)
         if req.request_id in self._streams:
             raise RequestError(f"request id {req.request_id!r} is already running", "request_id")
+        self.admission.admit(stages)  # raises EngineOverloaded when a stage's wait queue is full
         self._streams[req.request_id] = stream
+        if self.faults:
+            self.faults.mark(req.request_id, req.messages)
         state = self.models.thinker.prepare(prompt, wants_rows=req.wants_audio)
         if req.wants_audio:
             tk_params = self._params("talker", req.talker_sampling, n_prompt + 9)
@@ -149,19 +185,36 @@ class OmniEngine:
             req.request_id, th_params, state, n_prompt)))
         return self._events(stream)
 
-    def abort(self, request_id: str) -> None:
-        """Free the request in every stage; its stream ends with finish_reason "abort"."""
+    def abort(self, request_id: str, error: str | None = None) -> None:
+        """Free the request in every stage; its stream ends with finish_reason "abort" (and `error`,
+        the reason, when the server rather than the client ended it)."""
         stream = self._streams.get(request_id)
         for stage in self.stages:
             stage.send(Message(Command.ABORT, request_id))
         if stream is not None:
-            self._close(stream, "abort")
+            self._close(stream, "abort", error)
+
+    def abort_all(self, error: str) -> None:
+        for rid in list(self._streams):
+            self.abort(rid, error)
+
+    def stages_for(self, wants_audio: bool) -> tuple[str, ...]:
+        return tuple(s.name for s in self.stages) if wants_audio else ("thinker",)
+
+    def check_admission(self, wants_audio: bool = True) -> None:
+        """Raise EngineOverloaded if a new request would be refused now (e.g. to refuse a session at connect)."""
+        self.admission.check(self.stages_for(wants_audio))
+
+    def _overflow(self, stream: _Stream) -> None:
+        log.warning("%s: output buffer over %d bytes (the client is not reading); aborting",
+                    stream.request.request_id, stream.max_buffered_bytes)
+        self.abort(stream.request.request_id, "output buffer full: the client is not reading")
 
     async def _events(self, stream: _Stream) -> AsyncIterator[Event]:
         rid, index, text, pending = stream.request.request_id, 0, "", []
         try:
             while True:
-                kind, *data = await stream.queue.get()
+                kind, *data = await stream.get()
                 if kind == "tokens":
                     stream.token_ids.extend(data[0])
                     pending.extend(data[0])
@@ -308,6 +361,7 @@ class OmniEngine:
             return
         stream.closed = True
         self._streams.pop(stream.request.request_id, None)
+        self.admission.release(stream.stages)
         usage = Usage(stream.num_prompt_tokens, stream.num_completion_tokens, stream.num_audio_frames)
         stream.push(("finished", Finished(stream.request.request_id, reason or stream.finish_reason, usage,
                                           error)))
