@@ -168,6 +168,7 @@ class OmniEngine:
         prompt = await asyncio.to_thread(self.models.encoder.encode, req.messages)
         n_prompt = len(prompt.input_ids)
         th_params = self._params("thinker", req.thinker_sampling, n_prompt)
+        tk_params = self._params("talker", req.talker_sampling, n_prompt + 9) if req.wants_audio else None
         stages = self.stages_for(req.wants_audio)
         stream = _Stream(req, asyncio.get_running_loop(), asyncio.Queue(), n_prompt, stages,
                          self.cfg.max_output_buffer_bytes, self._overflow)
@@ -175,14 +176,17 @@ class OmniEngine:
             raise RequestError(f"request id {req.request_id!r} is already running", "request_id")
         self.admission.admit(stages)  # raises EngineOverloaded when a stage's wait queue is full
         self._streams[req.request_id] = stream
-        if self.faults:
-            self.faults.mark(req.request_id, req.messages)
-        state = self.models.thinker.prepare(prompt, wants_rows=req.wants_audio)
-        if req.wants_audio:
-            tk_params = self._params("talker", req.talker_sampling, n_prompt + 9)
-            self._start_speech(req, voice, prompt, tk_params)
-        self.thinker.send(Message(Command.ADD, req.request_id, self._stage_request(
-            req.request_id, th_params, state, n_prompt)))
+        try:
+            if self.faults:
+                self.faults.mark(req.request_id, req.messages)
+            state = self.models.thinker.prepare(prompt, wants_rows=req.wants_audio)
+            if req.wants_audio:
+                self._start_speech(req, voice, prompt, tk_params)
+            self.thinker.send(Message(Command.ADD, req.request_id, self._stage_request(
+                req.request_id, th_params, state, n_prompt)))
+        except BaseException:
+            self.abort(req.request_id)  # never leave a half-started request holding its admission
+            raise
         return self._events(stream)
 
     def abort(self, request_id: str, error: str | None = None) -> None:
@@ -258,6 +262,8 @@ class OmniEngine:
             params = SamplingParams(**cfg.default_sampling_params).merged(**overrides)
         except (AssertionError, TypeError) as exc:
             raise RequestError(f"bad sampling parameters: {exc}", "sampling") from exc
+        if params.seed is not None and not -(2**63) <= params.seed < 2**64:  # torch.Generator's range
+            raise RequestError(f"seed must be in [-2**63, 2**64), got {params.seed}", "seed")
         return params.merged(max_tokens=min(params.max_tokens, room))
 
     @staticmethod
