@@ -32,3 +32,5 @@ def _init(environment, **_) -> None:
         if not ok:
             log.warning("skipping RealtimeUser: %s has no /v1/realtime (%s)", environment.host, why)
             environment.user_classes[:] = [u for u in environment.user_classes if u is not RealtimeUser]
+            if not environment.user_classes:
+                raise SystemExit("omnirt loadtest: no user class left to run")

@@ -88,7 +88,7 @@ class RealtimeUser(User):
             chunk = outgoing.popleft() if outgoing else self.silence
             self._send({"type": "input_audio_buffer.append", "audio": base64.b64encode(chunk).decode()})
             if not outgoing and trace is None:  # the end of this utterance: the turn latency starts here
-                trace, trace_rid = AudioTrace(time.perf_counter()), None
+                trace, trace_rid, stopped_at = AudioTrace(time.perf_counter()), None, None
             tick += 1
             gevent.sleep(max(0.0, started + tick * CHUNK_MS / 1000 - time.perf_counter()))  # real-time pacing
             for at, ev in self._drain():
@@ -96,14 +96,15 @@ class RealtimeUser(User):
                 if kind == "error":
                     self._fail("turn", started, f"error event: {ev.get('error')}")
                     return
-                if kind == "input_audio_buffer.speech_stopped":
+                if kind == "input_audio_buffer.speech_stopped" and trace is not None:
                     stopped_at = at
+                elif kind == "response.created" and trace is not None and at >= trace.started:
+                    trace_rid = ev.get("response", {}).get("id")  # the answer to this turn, not to a pause in it
                 elif kind == "response.output_audio.delta":
                     rid = ev.get("response_id")
                     if barged is not None and rid == barged_rid:
                         barged.on_audio(base64.b64decode(ev["delta"]))
-                    elif trace is not None and not outgoing:
-                        trace_rid = rid
+                    elif trace is not None and rid == trace_rid:
                         trace.on_audio(base64.b64decode(ev["delta"]))
                         if will_barge and interrupt_at is None and at - trace.clock.first_at > 0.4:
                             outgoing.extend(self.utterance[: 1000 // CHUNK_MS])  # 1 s of speech over the answer
@@ -111,11 +112,12 @@ class RealtimeUser(User):
                 elif kind == "response.done":
                     rid, status = ev.get("response", {}).get("id"), ev.get("response", {}).get("status")
                     if barged is not None and rid == barged_rid:
-                        if status == "cancelled":
+                        if status == "cancelled":  # last audio after the interrupt (0: none came), and the cancel
                             self._fire("audio", "realtime barge_in_stop", interrupt_at,
                                        end=max(barged.clock.last_at or interrupt_at, interrupt_at))
+                            self._fire("audio", "realtime barge_in_cancelled", interrupt_at, end=at)
                         barged = None
-                    elif trace is not None and rid == trace_rid and status == "completed":
+                    elif trace is not None and rid == trace_rid and status in ("completed", "incomplete"):
                         trace.report(self.environment, "realtime", first_audio_name="turn_latency")
                         if stopped_at is not None:
                             self._fire("audio", "realtime first_audio_after_speech_stopped", stopped_at,
@@ -129,7 +131,8 @@ class RealtimeUser(User):
     def _read(self) -> None:
         try:
             while True:
-                self.inbox.put((time.perf_counter(), json.loads(self.ws.recv())))
+                event = json.loads(self.ws.recv())
+                self.inbox.put((time.perf_counter(), event))  # stamped on arrival, not when recv() began
         except (websocket.WebSocketException, OSError, ValueError):
             self.inbox.put((time.perf_counter(), {"type": "error", "error": "connection closed"}))
 

@@ -12,12 +12,12 @@ import tempfile
 import numpy as np
 from scipy.signal import resample_poly
 
-TEXT = "Hello there. What is the weather like in Paris today?"
+TEXT = "What is the weather like in Paris today"  # one phrase: no pause for the VAD to end the turn early
 
 
 @functools.cache
 def speech(rate: int) -> np.ndarray:
-    """Mono float32 speech at `rate` Hz, about 3 s long."""
+    """Mono float32 speech at `rate` Hz, about 2 s long."""
     audio, src_rate = _espeak() or _synthetic()
     g = np.gcd(rate, src_rate)
     return resample_poly(audio, rate // g, src_rate // g).astype(np.float32)
