@@ -55,7 +55,7 @@ async def wait_idle(engine, timeout: float = 20.0) -> None:
     raise AssertionError(f"not idle: free {engine.num_free_slots()}, active {engine.num_active_requests}")
 
 
-@pytest.fixture(scope="module", params=["thinker:after=3", "talker:after=4", "code2wav:after=0"])
+@pytest.fixture(scope="module", params=["thinker:after=3", "talker:after=4", "code2wav:after=1"])
 def faulty_engine(request, tiny_config):
     eng = make_engine(dataclasses.replace(tiny_config, fault_injection=request.param))
     yield eng
@@ -70,16 +70,19 @@ async def test_injected_failure_fails_only_that_request(faulty_engine, caplog):
     exactly as they do when run alone."""
     caplog.set_level(logging.WARNING, logger="pipeline.stage")
     alone = [await collect(faulty_engine, request(f"alone-{i}", p)) for i, p in enumerate(PROMPTS)]
-    reqs = [request(f"mixed-{i}", p) for i, p in enumerate(PROMPTS)]
-    bad = request("bad", f"{FAULT_MARKER} Tell me about the sea.")
-    results = await asyncio.gather(*(collect(faulty_engine, r) for r in [bad, *reqs]))
     stage = FaultSpec.parse(faulty_engine.cfg.fault_injection).stage
-    _, _, fin_bad = results[0]
-    assert fin_bad.finish_reason == "error" and stage in fin_bad.error and "Traceback" not in fin_bad.error
-    for (text, pcm, fin), (text_a, pcm_a, fin_a) in zip(results[1:], alone):
-        assert fin.finish_reason == fin_a.finish_reason != "error"
-        assert text == text_a and len(pcm) == len(pcm_a) > 0
-        assert len(pcm) // 2 == fin.usage.audio_frames * 1920 - 555  # every packet of the response arrived
+    for attempt in range(3):  # batching depends on timing: retry until the fault hit a shared batch
+        reqs = [request(f"mixed-{attempt}-{i}", p) for i, p in enumerate(PROMPTS)]
+        bad = request(f"bad-{attempt}", f"{FAULT_MARKER} Tell me about the sea.")
+        results = await asyncio.gather(*(collect(faulty_engine, r) for r in [bad, *reqs]))
+        _, _, fin_bad = results[0]
+        assert fin_bad.finish_reason == "error" and stage in fin_bad.error and "Traceback" not in fin_bad.error
+        for (text, pcm, fin), (text_a, pcm_a, fin_a) in zip(results[1:], alone):
+            assert fin.finish_reason == fin_a.finish_reason != "error"
+            assert text == text_a and len(pcm) == len(pcm_a) > 0
+            assert len(pcm) // 2 == fin.usage.audio_frames * 1920 - 555  # every packet of the response arrived
+        if any("retrying its halves" in r.getMessage() for r in caplog.records):
+            break
     assert any("retrying its halves" in r.getMessage() for r in caplog.records)  # it failed inside a batch
     await wait_idle(faulty_engine)
 
