@@ -58,6 +58,7 @@ def test_overload_gets_429_and_admitted_keep_their_latency(small_server):
     assert all(r.is_complete for r in admitted)
     base_ttfp = statistics.median(r.ttfp_s for r in base)
     over_ttfp = statistics.median(r.ttfp_s for r in admitted)
+    print(f"overload: {len(refused)}/{len(flood)} refused; TTFP p50 {base_ttfp:.3f} s alone, {over_ttfp:.3f} s flooded")
     assert over_ttfp < 3 * base_ttfp + 1.0, (base_ttfp, over_ttfp)  # refusals cost the running ones little
     assert metric(url, "omnirt_requests_total", endpoint="chat", state="rejected") - rejected_before == len(refused)
     assert metric(url, "omnirt_http_responses_total", code="429") >= len(refused)
