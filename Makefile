@@ -39,10 +39,10 @@ loadtest: $(STAMP)
 
 # The full soak (CI runs 8 clients for 30 s) and a longer fuzz run; figures go to tests/artifacts/.
 soak: $(STAMP)
-	OMNIRT_SOAK_N=64 OMNIRT_SOAK_S=600 $(BIN)/python -m pytest -q -s -p no:cacheprovider tests/test_soak.py
+	OMNIRT_SOAK_N=64 OMNIRT_SOAK_S=600 $(BIN)/python -m pytest -q -s -p no:cacheprovider -o timeout=1800 tests/test_soak.py
 
 fuzz: $(STAMP)
-	OMNIRT_FUZZ_CASES=20000 OMNIRT_SCHEMA_CASES=3000 $(BIN)/python -m pytest -q -s -p no:cacheprovider tests/test_fuzz.py
+	OMNIRT_FUZZ_CASES=20000 OMNIRT_SCHEMA_CASES=3000 $(BIN)/python -m pytest -q -s -p no:cacheprovider -o timeout=3600 tests/test_fuzz.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check app pipeline loadtest tests

@@ -10,9 +10,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch
@@ -59,7 +58,7 @@ class _Stream:
     num_prompt_tokens: int
     stages: tuple[str, ...]  # the stages it was admitted to
     max_buffered_bytes: int
-    on_overflow: Any
+    on_overflow: Callable[[_Stream], None]  # called on the event loop once the bound is crossed
     finish_reason: str = "stop"
     num_completion_tokens: int = 0
     num_audio_frames: int = 0

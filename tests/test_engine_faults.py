@@ -10,9 +10,12 @@ import logging
 import os
 import random
 import time
+from types import SimpleNamespace
 
 import pytest
 
+from app.admission import session_refusal
+from app.lifecycle import Lifecycle
 from pipeline.admission import EngineOverloaded
 from pipeline.faults import FAULT_MARKER, FaultSpec
 from pipeline.request import AudioChunk, Finished, OmniRequest, TextDelta
@@ -97,12 +100,18 @@ async def test_admission_refuses_beyond_max_waiting(tiny_config):
         assert exc.value.retry_after_s == 2.0 and exc.value.capacity == 3
         with pytest.raises(EngineOverloaded):
             eng.check_admission(wants_audio=True)
+        server = SimpleNamespace(engine=eng, lifecycle=Lifecycle(eng, deadline_s=1.0))
+        code, reason = session_refusal(server)  # what a realtime endpoint answers at connect now
+        assert code == 1013 and "capacity" in reason and len(reason.encode()) <= 123
         assert eng.admission.num_waiting("thinker") == 1
         fins = []
         for events in running:  # the admitted ones all finish, the waiting one included
             fins += [ev async for ev in events if isinstance(ev, Finished)]
         assert [f.finish_reason for f in fins] == ["length"] * 3
         eng.check_admission(wants_audio=True)  # room again
+        assert session_refusal(server) is None
+        server.lifecycle.is_draining = True
+        assert session_refusal(server) == (1001, "server shutting down")
         assert eng.admission.num_admitted == dict.fromkeys(eng.admission.limits, 0)
     finally:
         eng.stop()
