@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -263,6 +264,12 @@ class OmniEngine:
             raise RequestError(f"bad sampling parameters: {exc}", "sampling") from exc
         if params.seed is not None and not -(2**63) <= params.seed < 2**64:  # torch.Generator's range
             raise RequestError(f"seed must be in [-2**63, 2**64), got {params.seed}", "seed")
+        if not all(map(math.isfinite, (params.temperature, params.top_p, params.repetition_penalty))) or \
+                not 1e-5 <= params.repetition_penalty <= 1e5:  # beyond these the logits overflow to inf/nan
+            raise RequestError("temperature, top_p and repetition_penalty must be finite; repetition_penalty "
+                               "in [1e-5, 1e5]", "sampling")
+        if 0 < params.temperature < 1e-5:
+            params = params.merged(temperature=0.0)  # as vLLM: effectively greedy, and logits / T would overflow
         return params.merged(max_tokens=min(params.max_tokens, room))
 
     @staticmethod

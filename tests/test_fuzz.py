@@ -97,6 +97,13 @@ def test_fuzz_chat_bodies(fuzz_server):
               suppress_health_check=list(HealthCheck))
     @given(body=sometimes_junk(chat_body), raw=st.sampled_from([False, False, False, True]))
     @example(body={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "seed": 2**64}, raw=False)
+    @example(body={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": 1e-320}, raw=False)
+    @example(body={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "modalities": ["audio"],
+                   "audio": {"voice": "ethan"}, "talker_sampling": {"temperature": 1e-320}}, raw=False)
+    @example(body={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "modalities": ["audio"],
+                   "audio": {"voice": "ethan"}, "talker_sampling": {"repetition_penalty": 1e-320}}, raw=False)
+    @example(body={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "modalities": ["audio"],
+                   "audio": {"voice": "ethan"}, "talker_sampling": {"temperature": float("inf")}}, raw=True)
     @example(body={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "modalities": ["audio"],
                    "audio": {"voice": "ethan"}, "talker_sampling": {"seed": -(2**70)}}, raw=False)
     def run(body, raw):
