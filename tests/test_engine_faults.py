@@ -31,9 +31,11 @@ def make_engine(cfg):
     return eng
 
 
-def request(rid: str, text: str, audio: bool = True, frames: int = 24) -> OmniRequest:
+def request(rid: str, text: str, audio: bool = True, frames: int = 24, exact: bool = False) -> OmniRequest:
+    """`exact`: exactly `frames` codec frames (no early stop), for tests that need a long answer."""
+    talker = {"max_tokens": frames, "min_tokens": frames} if exact else {"max_tokens": frames}
     return OmniRequest(rid, [{"role": "user", "content": text}], ("text", "audio") if audio else ("text",),
-                       thinker_sampling={"max_tokens": 12}, talker_sampling={"max_tokens": frames})
+                       thinker_sampling={"max_tokens": 12}, talker_sampling=talker)
 
 
 async def collect(engine, req: OmniRequest) -> tuple[str, bytes, Finished]:
@@ -74,10 +76,11 @@ async def test_injected_failure_fails_only_that_request(faulty_engine, caplog):
     caplog.set_level(logging.WARNING, logger="pipeline.stage")
     alone = [await collect(faulty_engine, request(f"alone-{i}", p)) for i, p in enumerate(PROMPTS)]
     stage = FaultSpec.parse(faulty_engine.cfg.fault_injection).stage
-    for attempt in range(3):  # batching depends on timing: retry until the fault hit a shared batch
+    for attempt in range(6):  # batching depends on timing: retry until the fault hit a shared batch
         reqs = [request(f"mixed-{attempt}-{i}", p) for i, p in enumerate(PROMPTS)]
         bad = request(f"bad-{attempt}", f"{FAULT_MARKER} Tell me about the sea.")
-        results = await asyncio.gather(*(collect(faulty_engine, r) for r in [bad, *reqs]))
+        results = await asyncio.gather(*(collect(faulty_engine, r) for r in [*reqs[:2], bad, *reqs[2:]]))
+        results.insert(0, results.pop(2))
         _, _, fin_bad = results[0]
         assert fin_bad.finish_reason == "error" and stage in fin_bad.error and "Traceback" not in fin_bad.error
         for (text, pcm, fin), (text_a, pcm_a, fin_a) in zip(results[1:], alone):
@@ -94,7 +97,7 @@ async def test_admission_refuses_beyond_max_waiting(tiny_config):
     stages = tuple(dataclasses.replace(s, max_num_seqs=2, max_waiting=1) for s in tiny_config.stages)
     eng = make_engine(dataclasses.replace(tiny_config, stages=stages, retry_after_s=2.0))
     try:
-        running = [await eng.submit(request(f"adm-{i}", "Talk for a while.", frames=60)) for i in range(3)]
+        running = [await eng.submit(request(f"adm-{i}", "Talk for a while.", frames=60, exact=True)) for i in range(3)]
         with pytest.raises(EngineOverloaded) as exc:
             await eng.submit(request("adm-over", "One more?"))
         assert exc.value.retry_after_s == 2.0 and exc.value.capacity == 3
@@ -120,7 +123,7 @@ async def test_admission_refuses_beyond_max_waiting(tiny_config):
 async def test_unread_stream_is_aborted_at_its_buffer_bound(tiny_config):
     eng = make_engine(dataclasses.replace(tiny_config, max_output_buffer_bytes=64 * 1024))
     try:
-        events = await eng.submit(request("unread", "Talk for a long time.", frames=600))
+        events = await eng.submit(request("unread", "Talk for a long time.", frames=600, exact=True))
         await wait_idle(eng, timeout=60)  # nobody reads: the engine frees it all by itself
         kinds = [ev async for ev in events]
         fin = kinds[-1]
