@@ -86,6 +86,23 @@ def _num_bytes(item: tuple) -> int:
     return 64 + (len(item[1]) if item[0] == "audio" else 0)
 
 
+def _numerically_safe(params: SamplingParams) -> SamplingParams:
+    """Refuse values that would overflow inside a step (and so fail it): float fields as finite floats,
+    the seed in torch.Generator's range; temperatures below 1e-5 are greedy, as in vLLM."""
+    try:
+        floats = {k: float(getattr(params, k)) for k in ("temperature", "top_p", "repetition_penalty")}
+    except (OverflowError, TypeError, ValueError) as exc:
+        raise RequestError(f"bad sampling parameters: {exc}", "sampling") from exc
+    if not all(map(math.isfinite, floats.values())) or not 1e-5 <= floats["repetition_penalty"] <= 1e5:
+        raise RequestError("temperature, top_p and repetition_penalty must be finite; repetition_penalty "
+                           "in [1e-5, 1e5]", "sampling")
+    if params.seed is not None and not -(2**63) <= params.seed < 2**64:
+        raise RequestError(f"seed must be in [-2**63, 2**64), got {params.seed}", "seed")
+    if 0 < floats["temperature"] < 1e-5:
+        floats["temperature"] = 0.0
+    return params.merged(**floats)
+
+
 class Code2WavRunner:
     def __init__(self, model):
         self.model = model
@@ -262,15 +279,7 @@ class OmniEngine:
             params = SamplingParams(**cfg.default_sampling_params).merged(**overrides)
         except (AssertionError, TypeError) as exc:
             raise RequestError(f"bad sampling parameters: {exc}", "sampling") from exc
-        if params.seed is not None and not -(2**63) <= params.seed < 2**64:  # torch.Generator's range
-            raise RequestError(f"seed must be in [-2**63, 2**64), got {params.seed}", "seed")
-        if not all(map(math.isfinite, (params.temperature, params.top_p, params.repetition_penalty))) or \
-                not 1e-5 <= params.repetition_penalty <= 1e5:  # beyond these the logits overflow to inf/nan
-            raise RequestError("temperature, top_p and repetition_penalty must be finite; repetition_penalty "
-                               "in [1e-5, 1e5]", "sampling")
-        if 0 < params.temperature < 1e-5:
-            params = params.merged(temperature=0.0)  # as vLLM: effectively greedy, and logits / T would overflow
-        return params.merged(max_tokens=min(params.max_tokens, room))
+        return _numerically_safe(params).merged(max_tokens=min(params.max_tokens, room))
 
     @staticmethod
     def _stage_request(rid: str, params: SamplingParams, state, num_prompt: int = 0) -> StageRequest:

@@ -99,6 +99,8 @@ def test_fuzz_chat_bodies(fuzz_server):
     @example(body={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "seed": 2**64}, raw=False)
     @example(body={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": 1e-320}, raw=False)
     @example(body={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "modalities": ["audio"],
+                   "audio": {"voice": "ethan"}, "talker_sampling": {"temperature": 2**64}}, raw=False)
+    @example(body={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "modalities": ["audio"],
                    "audio": {"voice": "ethan"}, "talker_sampling": {"temperature": 1e-320}}, raw=False)
     @example(body={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "modalities": ["audio"],
                    "audio": {"voice": "ethan"}, "talker_sampling": {"repetition_penalty": 1e-320}}, raw=False)
