@@ -8,7 +8,7 @@ HOST   ?= 127.0.0.1
 PORT   ?= 8091
 export OMNIRT_THREADS ?= 2
 
-.PHONY: serve test lint venv sysdeps clean
+.PHONY: serve test lint venv sysdeps clean loadtest soak fuzz
 
 # torch is installed first and pinned: the local CPU wheel, never a several-GB CUDA build.
 $(STAMP): pyproject.toml
@@ -30,6 +30,19 @@ serve: $(STAMP)
 
 test: $(STAMP) sysdeps
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+
+# Locust, headless, against a server it starts on 127.0.0.1; CSV + HTML + raw samples in docs/loadtest/.
+LOADTEST_USERS ?= 8
+LOADTEST_TIME  ?= 60s
+loadtest: $(STAMP)
+	$(BIN)/python -m loadtest.run --users $(LOADTEST_USERS) --spawn-rate 4 --run-time $(LOADTEST_TIME)
+
+# The full soak (CI runs 8 clients for 30 s) and a longer fuzz run; figures go to tests/artifacts/.
+soak: $(STAMP)
+	OMNIRT_SOAK_N=64 OMNIRT_SOAK_S=600 $(BIN)/python -m pytest -q -s -p no:cacheprovider -o timeout=1800 tests/test_soak.py
+
+fuzz: $(STAMP)
+	OMNIRT_FUZZ_CASES=20000 OMNIRT_SCHEMA_CASES=3000 $(BIN)/python -m pytest -q -s -p no:cacheprovider -o timeout=3600 tests/test_fuzz.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check app pipeline loadtest tests

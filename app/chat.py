@@ -18,9 +18,11 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from app.admission import check_draining, overloaded_error
 from app.audio import encode_wav
 from app.chat_protocol import ChatRequest, to_engine_messages
 from app.errors import APIError
+from pipeline.admission import EngineOverloaded
 from pipeline.engine import RequestError
 from pipeline.request import AudioChunk, Finished, OmniRequest, TextDelta, collect_reply
 
@@ -48,12 +50,18 @@ def _engine_request(body: ChatRequest, request: Request) -> OmniRequest:
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatRequest, request: Request):
+    started = time.monotonic()
+    server = request.app.state.server
+    check_draining(server)
     req = _engine_request(body, request)
-    engine = request.app.state.server.engine
     try:
-        events = await engine.submit(req)
+        events = await server.engine.submit(req)
     except RequestError as exc:
         raise APIError(400, str(exc), exc.param, exc.code) from exc
+    except EngineOverloaded as exc:
+        server.metrics.requests.labels("chat", "rejected").inc()
+        raise overloaded_error(exc) from exc
+    events = server.metrics.observe(events, req.request_id, "chat", started)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(_sse(body, req, events, include_usage), media_type="text/event-stream",
@@ -93,6 +101,8 @@ async def _collect(body: ChatRequest, req: OmniRequest, events: AsyncIterator) -
 def _raise_if_failed(fin: Finished | None) -> None:
     if fin is None or fin.finish_reason == "error":
         raise APIError(500, f"generation failed: {fin.error if fin else 'no result'}", code="generation_failed")
+    if fin.error:  # ended by the server, e.g. at the shutdown deadline
+        raise APIError(503, fin.error, code="request_aborted")
 
 
 def _usage(fin: Finished) -> dict:
@@ -123,8 +133,10 @@ async def _sse(body: ChatRequest, req: OmniRequest, events: AsyncIterator, inclu
             elif isinstance(ev, AudioChunk):
                 yield chunk({"audio": {"id": audio_id, "data": base64.b64encode(ev.pcm16).decode()}})
             elif isinstance(ev, Finished):
-                if ev.finish_reason == "error":
-                    yield f"data: {json.dumps({'error': {'message': 'generation failed', 'type': 'server_error', 'param': None, 'code': 'generation_failed'}})}\n\n"  # noqa: E501
+                if ev.error:  # failed, or ended by the server (shutdown, unread output): say why, in-stream
+                    code = "generation_failed" if ev.finish_reason == "error" else "request_aborted"
+                    err = {"message": ev.error, "type": "server_error", "param": None, "code": code}
+                    yield f"data: {json.dumps({'error': err})}\n\n"
                     return
                 if req.wants_audio:
                     yield chunk({"audio": {"id": audio_id, "expires_at": created + AUDIO_TTL_S}})

@@ -54,7 +54,26 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--webrtc-connect-timeout-s", type=float, default=30.0,
                    help="a WebRTC call that is not connected this long after its answer is closed")
     sub.add_parser("bench", help="benchmark a running server (see `omnirt bench --help`)", add_help=False)
+    s.add_argument("--log-format", choices=["text", "json"], default="text", help="structured log lines")
+    add_reliability_args(s)
     return p
+
+
+def add_reliability_args(s: argparse.ArgumentParser) -> None:
+    """Limits, security and shutdown; env vars are read here, once."""
+    env = os.environ.get
+    s.add_argument("--api-key", action="append", default=[k for k in [env("OMNIRT_API_KEY")] if k],
+                   help="require this Bearer key on /v1/* (repeatable; default $OMNIRT_API_KEY; none: open)")
+    s.add_argument("--cors-origins", default="", help="comma-separated origins allowed by CORS (default: none)")
+    s.add_argument("--max-body-bytes", type=int, default=32 * 2**20)
+    s.add_argument("--max-audio-seconds", type=float, default=300.0, help="longest input audio per request")
+    s.add_argument("--max-output-buffer-bytes", type=int, default=None,
+                   help="unread output a request may hold before it is aborted (default: profile, 8 MiB)")
+    s.add_argument("--slow-client-timeout", type=float, default=30.0,
+                   help="disconnect a client that takes no streamed data for this many seconds")
+    s.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM, running responses may finish within this many seconds")
+    s.add_argument("--fault-inject", default=env("OMNIRT_FAULT_INJECT"), help=argparse.SUPPRESS)  # tests only
 
 
 def load_engine(args: argparse.Namespace):
@@ -71,7 +90,9 @@ def load_engine(args: argparse.Namespace):
     profile = args.deploy_config or DEPLOY_DIR / ("tiny.yaml" if args.model == "tiny" else "qwen3_omni_moe.yaml")
     overrides = {"model": args.model, "load_format": args.load_format, "dtype": args.dtype,
                  "async_output": False if args.no_async_output else None, "moe_backend": args.moe_backend,
-                 "distributed": args.distributed}
+                 "distributed": args.distributed,
+                 "max_output_buffer_bytes": getattr(args, "max_output_buffer_bytes", None),
+                 "fault_injection": getattr(args, "fault_inject", None)}
     stage_overrides = dict(args.stage_overrides or {})
     if args.enforce_eager:
         for sid in ("0", "1", "2"):
@@ -100,6 +121,7 @@ def load_engine(args: argparse.Namespace):
 def serve(args: argparse.Namespace) -> None:
     import uvicorn
 
+    from app.lifecycle import DrainingServer
     from app.server import ServerSettings, create_app
     from app.session import RealtimeLimits
     from pipeline.config import ProfileError
@@ -113,15 +135,21 @@ def serve(args: argparse.Namespace) -> None:
     name = args.served_model_name or args.model
     limits = RealtimeLimits(args.realtime_max_sessions, args.realtime_max_event_bytes,
                             args.realtime_max_input_buffer_s, args.realtime_idle_timeout_s)
-    app = create_app(engine, ServerSettings(model_names=(name,), system_prompt=engine.cfg.system_prompt,
-                                            realtime=limits, ice_addresses=_ice_addresses(args),
-                                            webrtc_connect_timeout_s=args.webrtc_connect_timeout_s))
-    print(f"omnirt ready: http://{args.host}:{args.port}/  (model {name!r}, voices {', '.join(engine.voices)})",
-          flush=True)
+    settings = ServerSettings(
+        model_names=(name,), system_prompt=engine.cfg.system_prompt, max_body_bytes=args.max_body_bytes,
+        max_audio_s=args.max_audio_seconds, api_keys=tuple(args.api_key),
+        cors_origins=tuple(o.strip() for o in args.cors_origins.split(",") if o.strip()),
+        slow_client_timeout_s=args.slow_client_timeout, shutdown_timeout_s=args.shutdown_timeout,
+        realtime=limits, ice_addresses=_ice_addresses(args), webrtc_connect_timeout_s=args.webrtc_connect_timeout_s)
+    app = create_app(engine, settings)
+    # frames a bit over the realtime event limit still arrive, so that they get an `error` event
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            ws_max_size=limits.max_event_bytes + 2**20,
+                            timeout_graceful_shutdown=args.shutdown_timeout + 5)
+    print(f"omnirt ready: http://{args.host}:{args.port}/  (model {name!r}, voices {', '.join(engine.voices)}"
+          f"{', API key required' if settings.api_keys else ''})", flush=True)
     try:
-        # frames a bit over the realtime event limit still arrive, so that they get an `error` event
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                    ws_max_size=limits.max_event_bytes + 2**20)
+        DrainingServer(config, app.state.server.lifecycle).run()
     finally:
         engine.stop()
 
@@ -140,8 +168,9 @@ def main(argv: list[str] | None = None) -> None:
 
         return bench(argv[1:])
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from app.logs import setup
+
+    setup(args.log_level, getattr(args, "log_format", "text"))
     if args.command == "serve":
         serve(args)
 

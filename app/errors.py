@@ -24,8 +24,12 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
 
 
+def error_type(status: int) -> str:
+    return _TYPES.get(status, "server_error")
+
+
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": _TYPES.get(status, "server_error"), "param": param,
+    return {"error": {"message": message, "type": error_type(status), "param": param,
                       "code": code}}
 
 
@@ -50,7 +54,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException):
-        return error_response(APIError(exc.status_code, str(exc.detail)))
+        return error_response(APIError(exc.status_code, str(exc.detail), code=getattr(exc, "code", None)))
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception):

@@ -17,6 +17,7 @@ import logging
 from fastapi import APIRouter, FastAPI, WebSocket
 from starlette.websockets import WebSocketDisconnect, WebSocketState
 
+from app.admission import session_refusal
 from app.realtime_events import ProtocolError, error_event
 from app.session import RealtimeLimits, RealtimeSession
 
@@ -64,6 +65,11 @@ async def realtime(ws: WebSocket) -> None:
         return await _refuse(ws, ProtocolError(f"the model {model!r} does not exist; served: "
                                                f"{', '.join(server.model_names)}", "model_not_found", "model"),
                              CLOSE_POLICY)
+    refusal = session_refusal(server)  # engine at capacity, or the server is draining
+    if refusal is not None:
+        code, reason = refusal
+        return await _refuse(ws, ProtocolError(reason, "server_busy" if code == CLOSE_TRY_AGAIN else
+                                               "server_shutting_down", error_type="server_error"), code)
     session = RealtimeSession(server.engine, model, registry.limits, beta=_is_beta(ws),
                               instructions=server.system_prompt or "")
     if not registry.try_add(session):

@@ -12,8 +12,11 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from fastapi.staticfiles import StaticFiles
 
-from app import chat, realtime
-from app.errors import APIError, error_response, install_error_handlers
+from app import chat, metrics, realtime, security
+from app.errors import install_error_handlers
+from app.lifecycle import Lifecycle
+from app.limits import BodySizeLimit, SlowClientGuard
+from app.metrics import Metrics, StatusCounter
 from app.session import RealtimeLimits
 from pipeline.engine import OmniEngine
 
@@ -30,6 +33,10 @@ class ServerSettings:
     realtime: RealtimeLimits = field(default_factory=RealtimeLimits)
     ice_addresses: tuple[str, ...] = ()  # WebRTC host candidates; empty: every interface but loopback (aioice)
     webrtc_connect_timeout_s: float = 30.0
+    api_keys: tuple[str, ...] = ()  # none: no key needed
+    cors_origins: tuple[str, ...] = ()  # none: CORS closed
+    slow_client_timeout_s: float = 30.0  # a write the client does not take within this disconnects it
+    shutdown_timeout_s: float = 30.0  # running responses may finish within this after SIGTERM
 
 
 @dataclass(slots=True)
@@ -38,6 +45,8 @@ class OmniServer:
 
     engine: OmniEngine
     settings: ServerSettings
+    metrics: Metrics
+    lifecycle: Lifecycle
     started_at: float = field(default_factory=time.time)
 
     @property
@@ -53,29 +62,15 @@ class OmniServer:
         return self.settings.max_audio_s
 
 
-class BodySizeLimit:
-    """Refuse declared bodies over the limit with 413 (a pure ASGI middleware, so that client
-    disconnects still reach the routes)."""
-
-    def __init__(self, app, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http":
-            size = dict(scope["headers"]).get(b"content-length", b"0")
-            if not size.isdigit() or int(size) > self.max_bytes:
-                response = error_response(APIError(413, f"request body over {self.max_bytes} bytes",
-                                                   code="payload_too_large"))
-                return await response(scope, receive, send)
-        return await self.app(scope, receive, send)
-
-
 def create_app(engine: OmniEngine, settings: ServerSettings) -> FastAPI:
     app = FastAPI(title="omnirt", version="0.1.0")
-    app.state.server = OmniServer(engine, settings)
+    app.state.server = OmniServer(engine, settings, Metrics(engine), Lifecycle(engine, settings.shutdown_timeout_s))
     install_error_handlers(app)
 
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(SlowClientGuard, timeout_s=settings.slow_client_timeout_s)
+    security.install(app, settings.api_keys, settings.cors_origins)
+    app.add_middleware(StatusCounter, metrics=app.state.server.metrics)
 
     @app.get("/health")
     async def health():
@@ -99,6 +94,7 @@ def create_app(engine: OmniEngine, settings: ServerSettings) -> FastAPI:
         from app import webrtc
 
         webrtc.install(app, settings.ice_addresses, settings.webrtc_connect_timeout_s)
+    app.include_router(metrics.router)
     if WEB_DIR.is_dir():
         app.mount("/", StaticFiles(directory=WEB_DIR, html=True), name="web")
     return app

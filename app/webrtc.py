@@ -31,6 +31,7 @@ from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from app.admission import check_admission
 from app.errors import APIError
 from app.realtime_events import ProtocolError, new_id
 from app.session import RealtimeSession
@@ -257,6 +258,7 @@ async def _call(request: Request, beta: bool, status: int) -> Response:
     if len(sessions.sessions) >= sessions.limits.max_sessions:
         raise APIError(429, f"the server has {sessions.limits.max_sessions} realtime sessions open; try again "
                        "later", None, "session_limit_reached", headers={"Retry-After": "5"})
+    check_admission(server)  # 429 when the engine's wait queues are full, 503 while draining
     call = Call(request, beta, model)
     sessions.try_add(call.session)  # room was checked above, with no await in between
     request.app.state.webrtc.calls[call.id] = call

@@ -35,6 +35,7 @@ class StageConfig:
     max_num_seqs: int = 8
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
+    max_waiting: int = 64  # requests admitted beyond max_num_seqs to wait for a slot; more get refused
     enforce_eager: bool = True
     gpu_memory_utilization: float | None = None
     default_sampling_params: dict[str, Any] = field(default_factory=dict)
@@ -63,6 +64,7 @@ class StageConfig:
         _check(self.num_replicas >= 1, f"stages[{self.stage_id}].num_replicas", "must be >= 1")
         _check(self.max_num_seqs >= 1, f"stages[{self.stage_id}].max_num_seqs", "must be >= 1")
         _check(self.max_num_batched_tokens >= 1, f"stages[{self.stage_id}].max_num_batched_tokens", "must be >= 1")
+        _check(self.max_waiting >= 0, f"stages[{self.stage_id}].max_waiting", "must be >= 0")
         _check(self.max_model_len >= 16, f"stages[{self.stage_id}].max_model_len", "must be >= 16")
         key = f"stages[{self.stage_id}]"
         devices = [d.strip() for d in str(self.devices).split(",")]
@@ -105,6 +107,9 @@ class EngineConfig:
     system_prompt: str = "You are a helpful voice assistant."
     connector: ConnectorConfig = field(default_factory=ConnectorConfig)
     stages: tuple[StageConfig, ...] = ()
+    max_output_buffer_bytes: int = 8 * 2**20  # events a request may hold unread before it is aborted
+    retry_after_s: float = 1.0  # what a refused request is told when the engine is full
+    fault_injection: str | None = None  # tests only: "STAGE[:after=N]", see pipeline/faults.py
 
     def __post_init__(self):
         _check(self.load_format in ("auto", "dummy"), "load_format", "must be 'auto' or 'dummy'")
@@ -113,6 +118,7 @@ class EngineConfig:
                "must be auto, grouped_mm, batched_mm or eager")
         _check(self.platform in PLATFORMS, "platform", f"must be one of {', '.join(PLATFORMS)}")
         _check(self.distributed in DISTRIBUTED, "distributed", f"must be one of {', '.join(DISTRIBUTED)}")
+        _check(self.max_output_buffer_bytes >= 4096, "max_output_buffer_bytes", "must be >= 4096")
         if not self.stages:
             object.__setattr__(self, "stages", tuple(StageConfig(i) for i in range(len(STAGE_NAMES))))
         _check([s.stage_id for s in self.stages] == list(range(len(STAGE_NAMES))), "stages",

@@ -10,14 +10,17 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import AsyncIterator
+import math
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from pipeline.admission import Admission, StageLimit
 from pipeline.config import EngineConfig
 from pipeline.connector import CodecStream, Command, Message
+from pipeline.faults import FaultInjector, FaultSpec
 from pipeline.models import OmniModels, TalkerState
 from pipeline.replicas import make_stage, replica_status
 from pipeline.request import (
@@ -48,24 +51,64 @@ class RequestError(ValueError):
 
 @dataclass(slots=True)
 class _Stream:
-    """Engine-side record of one request: the queue its events go to, filled from stage threads."""
+    """Engine-side record of one request: the queue its events go to, filled from stage threads.
+    The queue is bounded in bytes: a consumer that stops reading gets its request aborted."""
 
     request: OmniRequest
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     num_prompt_tokens: int
+    stages: tuple[str, ...]  # the stages it was admitted to
+    max_buffered_bytes: int
+    on_overflow: Callable[[_Stream], None]  # called on the event loop once the bound is crossed
     finish_reason: str = "stop"
     num_completion_tokens: int = 0
     num_audio_frames: int = 0
     closed: bool = False
+    num_buffered_bytes: int = 0
     token_ids: list[int] = field(default_factory=list)
     async_output: bool = True
 
     def push(self, item: tuple) -> None:
         if self.async_output:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+            self.loop.call_soon_threadsafe(self._put, item)
         else:  # ablation: the stage thread waits until the event loop has taken the output
-            asyncio.run_coroutine_threadsafe(self.queue.put(item), self.loop).result()
+            asyncio.run_coroutine_threadsafe(self._put_async(item), self.loop).result()
+
+    async def _put_async(self, item: tuple) -> None:
+        self._put(item)
+
+    def _put(self, item: tuple) -> None:
+        self.queue.put_nowait(item)
+        self.num_buffered_bytes += _num_bytes(item)
+        if self.num_buffered_bytes > self.max_buffered_bytes and not self.closed:
+            self.on_overflow(self)
+
+    async def get(self) -> tuple:
+        item = await self.queue.get()
+        self.num_buffered_bytes -= _num_bytes(item)
+        return item
+
+
+def _num_bytes(item: tuple) -> int:
+    return 64 + (len(item[1]) if item[0] == "audio" else 0)
+
+
+def _numerically_safe(params: SamplingParams) -> SamplingParams:
+    """Refuse values that would overflow inside a step (and so fail it): float fields as finite floats,
+    the seed in torch.Generator's range; temperatures below 1e-5 are greedy, as in vLLM."""
+    try:
+        floats = {k: float(getattr(params, k)) for k in ("temperature", "top_p", "repetition_penalty")}
+    except (OverflowError, TypeError, ValueError) as exc:
+        raise RequestError(f"bad sampling parameters: {exc}", "sampling") from exc
+    if not all(map(math.isfinite, floats.values())) or not 1e-5 <= floats["repetition_penalty"] <= 1e5:
+        raise RequestError("temperature, top_p and repetition_penalty must be finite; repetition_penalty "
+                           "in [1e-5, 1e5]", "sampling")
+    if params.seed is not None and not -(2**63) <= params.seed < 2**64:
+        raise RequestError(f"seed must be in [-2**63, 2**64), got {params.seed}", "seed")
+    if 0 < floats["temperature"] < 1e-5:
+        floats["temperature"] = 0.0
+    return params.merged(**floats)
 
 
 class EngineBase:
@@ -77,6 +120,9 @@ class EngineBase:
     @property
     def voices(self) -> list[str]:
         return sorted(self.models.voices)
+
+    def check_admission(self, wants_audio: bool = True) -> None:
+        """Raise EngineOverloaded when new work would have to wait past the stages' bounds (none here)."""
 
     def _check_voice(self, req: OmniRequest) -> str | None:
         if not req.wants_audio:
@@ -99,7 +145,7 @@ class EngineBase:
             params = SamplingParams(**cfg.default_sampling_params).merged(**overrides)
         except (AssertionError, TypeError) as exc:
             raise RequestError(f"bad sampling parameters: {exc}", "sampling") from exc
-        return params.merged(max_tokens=min(params.max_tokens, room))
+        return _numerically_safe(params).merged(max_tokens=min(params.max_tokens, room))
 
 
 class OmniEngine(EngineBase):
@@ -107,12 +153,22 @@ class OmniEngine(EngineBase):
         super().__init__(cfg, models)
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
-        self.thinker = make_stage("thinker", cfg, models, self._thinker_step)
+        self.admission = Admission({s.name: StageLimit(s.max_num_seqs, s.max_waiting) for s in cfg.stages},
+                                   cfg.retry_after_s)
+        self.faults = FaultInjector(FaultSpec.parse(cfg.fault_injection)) if cfg.fault_injection else None
+        self.thinker = self._stage("thinker", self._thinker_step)
         self.stages = [self.thinker]
         if models.talker is not None:
-            self.talker = make_stage("talker", cfg, models, self._talker_step)
-            self.code2wav = make_stage("code2wav", cfg, models, self._audio_step)
+            self.talker = self._stage("talker", self._talker_step)
+            self.code2wav = self._stage("code2wav", self._audio_step)
             self.stages += [self.talker, self.code2wav]
+
+    def _stage(self, name: str, on_step):
+        """The stage as the profile places it; the test-only fault injector wraps in-process runners."""
+        stage = make_stage(name, self.cfg, self.models, on_step)
+        if self.faults and isinstance(stage, Stage):
+            stage.runner = self.faults.wrap(name, stage.runner)
+        return stage
 
     # ---- lifecycle ----------------------------------------------------------------------------------
 
@@ -155,31 +211,56 @@ class OmniEngine(EngineBase):
         n_prompt = len(prompt.input_ids)
         th_params = self._params("thinker", req.thinker_sampling, n_prompt)
         tk_params = self._params("talker", req.talker_sampling, n_prompt + 9) if req.wants_audio else None
-        stream = _Stream(req, asyncio.get_running_loop(), asyncio.Queue(), n_prompt,
-                         async_output=self.cfg.async_output)
+        stages = self.stages_for(req.wants_audio)
+        stream = _Stream(req, asyncio.get_running_loop(), asyncio.Queue(), n_prompt, stages,
+                         self.cfg.max_output_buffer_bytes, self._overflow, async_output=self.cfg.async_output)
         if req.request_id in self._streams:
             raise RequestError(f"request id {req.request_id!r} is already running", "request_id")
+        self.admission.admit(stages)  # raises EngineOverloaded when a stage's wait queue is full
         self._streams[req.request_id] = stream
-        state = self.models.thinker.prepare(prompt, wants_rows=req.wants_audio)
-        if req.wants_audio:
-            self._start_speech(req, voice, prompt, tk_params)
-        self.thinker.send(Message(Command.ADD, req.request_id, self._stage_request(
-            req.request_id, th_params, state, n_prompt)))
+        try:
+            if self.faults:
+                self.faults.mark(req.request_id, req.messages)
+            state = self.models.thinker.prepare(prompt, wants_rows=req.wants_audio)
+            if req.wants_audio:
+                self._start_speech(req, voice, prompt, tk_params)
+            self.thinker.send(Message(Command.ADD, req.request_id, self._stage_request(
+                req.request_id, th_params, state, n_prompt)))
+        except BaseException:
+            self.abort(req.request_id)  # never leave a half-started request holding its admission
+            raise
         return self._events(stream)
 
-    def abort(self, request_id: str) -> None:
-        """Free the request in every stage; its stream ends with finish_reason "abort"."""
+    def abort(self, request_id: str, error: str | None = None) -> None:
+        """Free the request in every stage; its stream ends with finish_reason "abort" (and `error`,
+        the reason, when the server rather than the client ended it)."""
         stream = self._streams.get(request_id)
         for stage in self.stages:
             stage.send(Message(Command.ABORT, request_id))
         if stream is not None:
-            self._close(stream, "abort")
+            self._close(stream, "abort", error)
+
+    def abort_all(self, error: str) -> None:
+        for rid in list(self._streams):
+            self.abort(rid, error)
+
+    def stages_for(self, wants_audio: bool) -> tuple[str, ...]:
+        return tuple(s.name for s in self.stages) if wants_audio else ("thinker",)
+
+    def check_admission(self, wants_audio: bool = True) -> None:
+        """Raise EngineOverloaded if a new request would be refused now (e.g. to refuse a session at connect)."""
+        self.admission.check(self.stages_for(wants_audio))
+
+    def _overflow(self, stream: _Stream) -> None:
+        log.warning("%s: output buffer over %d bytes (the client is not reading); aborting",
+                    stream.request.request_id, stream.max_buffered_bytes)
+        self.abort(stream.request.request_id, "output buffer full: the client is not reading")
 
     async def _events(self, stream: _Stream) -> AsyncIterator[Event]:
         rid, index, text, pending = stream.request.request_id, 0, "", []
         try:
             while True:
-                kind, *data = await stream.queue.get()
+                kind, *data = await stream.get()
                 if kind == "tokens":
                     stream.token_ids.extend(data[0])
                     pending.extend(data[0])
@@ -283,6 +364,7 @@ class OmniEngine(EngineBase):
             return
         stream.closed = True
         self._streams.pop(stream.request.request_id, None)
+        self.admission.release(stream.stages)
         usage = Usage(stream.num_prompt_tokens, stream.num_completion_tokens, stream.num_audio_frames)
         stream.push(("finished", Finished(stream.request.request_id, reason or stream.finish_reason, usage,
                                           error)))

@@ -43,6 +43,9 @@ class ReferenceEngine(EngineBase):
     def abort(self, request_id: str) -> None:
         """generate() cannot be interrupted; the request runs to its end."""
 
+    def abort_all(self, error: str) -> None:
+        """As `abort`: nothing to interrupt."""
+
     async def submit(self, req: OmniRequest) -> AsyncIterator[Event]:
         voice = self._check_voice(req)
         prompt = await asyncio.to_thread(self.models.encoder.encode, req.messages)

@@ -52,6 +52,14 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
     def add(self, req: StageRequest) -> None:
         self.waiting.append(req)
 
@@ -137,6 +145,12 @@ class ChunkScheduler:
 
     @property
     def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    num_waiting = 0  # a request waits only for its next codec window, never for a slot
+
+    @property
+    def num_running(self) -> int:
         return len(self.requests)
 
     def add(self, req: StageRequest) -> None:

@@ -70,6 +70,7 @@ class Stage:
         self.on_input_done = on_input_done
         self.requests: dict[str, StageRequest] = {}
         self.num_steps = 0
+        self.batch_size_counts = [0] * (scheduler.max_num_seqs + 1)  # steps per batch size, for /metrics
         self._inbox: queue.SimpleQueue[Message | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name=f"omnirt-{name}", daemon=True)
 
@@ -112,21 +113,40 @@ class Stage:
             self._step(batch)
 
     def _step(self, batch: Batch) -> None:
-        try:
-            outputs = self.runner.run(batch)
-            if self.stream is not None:
-                self.stream.synchronize()  # payloads are complete before another stage reads them
-        except Exception as exc:  # one bad batch fails its requests, never the stage
-            log.exception("%s: step failed", self.name)
-            self._fail(batch.requests, f"{type(exc).__name__} in {self.name} stage")
-            return
-        if not self._drain(block=False):
+        self.batch_size_counts[len(batch.requests)] += 1
+        batch, outputs = self._run_isolating(batch)
+        if not batch.requests or not self._drain(block=False):
             return
         finished = self.scheduler.update(batch, outputs)
         self.num_steps += 1
         for req in finished:
             self.requests.pop(req.request_id, None)
         self.on_step(self, batch, outputs, finished)
+
+    def _run_isolating(self, batch: Batch) -> tuple[Batch, list[StepOutput]]:
+        """Run a batch; if it raises, retry its halves, so that only the requests that fail on their
+        own are failed (with an error event) and the rest of the batch keeps its step."""
+        try:
+            outputs = self.runner.run(batch)
+            if self.stream is not None:
+                self.stream.synchronize()  # payloads are complete before another stage reads them
+            return batch, outputs
+        except Exception as exc:
+            if len(batch.requests) == 1:
+                log.exception("%s: step failed for %s", self.name, batch.requests[0].request_id)
+                self._fail(batch.requests, f"{type(exc).__name__} in {self.name} stage")
+                return Batch([], [], batch.is_prefill), []
+            log.warning("%s: a batch of %d failed (%s); retrying its halves", self.name, len(batch.requests), exc)
+        half = len(batch.requests) // 2
+        parts = [self._run_isolating(Batch(batch.requests[a:b], batch.num_new_tokens[a:b], batch.is_prefill))
+                 for a, b in ((0, half), (half, len(batch.requests)))]
+        return (Batch([r for b, _ in parts for r in b.requests], [n for b, _ in parts for n in b.num_new_tokens],
+                      batch.is_prefill), [o for _, outs in parts for o in outs])
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests here without a slot yet, plus messages not yet applied (read from other threads)."""
+        return self.scheduler.num_waiting + self._inbox.qsize()
 
     def _drain(self, block: bool) -> bool:
         """Apply queued messages; False once stop was asked."""

@@ -1,0 +1,49 @@
+"""May new work start? Chat requests are refused with 429 + Retry-After when the engine's wait queues
+are full and with 503 while draining; a realtime endpoint asks `session_refusal` at connect and
+closes the WebSocket with the code and reason it returns."""
+
+from __future__ import annotations
+
+import math
+
+from app.errors import APIError
+from app.lifecycle import SHUTDOWN_REASON
+from pipeline.admission import EngineOverloaded
+
+WS_TRY_AGAIN_LATER = 1013
+WS_GOING_AWAY = 1001
+
+
+def overloaded_error(exc: EngineOverloaded) -> APIError:
+    return APIError(429, f"The server is at capacity: {exc}.", code="rate_limit_exceeded",
+                    headers={"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))})
+
+
+def draining_error() -> APIError:
+    return APIError(503, f"The {SHUTDOWN_REASON} and accepts no new requests.", code="server_shutting_down",
+                    headers={"Retry-After": "5"})
+
+
+def check_draining(server) -> None:
+    if server.lifecycle.is_draining:
+        raise draining_error()
+
+
+def session_refusal(server, wants_audio: bool = True) -> tuple[int, str] | None:
+    """(close code, reason) if a new realtime session must be refused now, else None."""
+    if server.lifecycle.is_draining:
+        return WS_GOING_AWAY, SHUTDOWN_REASON
+    try:
+        server.engine.check_admission(wants_audio)
+    except EngineOverloaded as exc:
+        return WS_TRY_AGAIN_LATER, f"server at capacity ({exc.stage} stage full); retry in {exc.retry_after_s:.0f} s"
+    return None
+
+
+def check_admission(server, wants_audio: bool = True) -> None:
+    """Raise the HTTP error (503 draining, 429 full) for a new session, as a chat request would get."""
+    check_draining(server)
+    try:
+        server.engine.check_admission(wants_audio)
+    except EngineOverloaded as exc:
+        raise overloaded_error(exc) from exc

@@ -1,0 +1,141 @@
+"""GET /metrics in Prometheus' text format: requests and sessions by state, per-stage queue depths and
+batch sizes (read from the engine at scrape time), audio TTFP and RTF histograms, underruns, errors by
+type, and one structured log line per finished request. One registry per app: no global state."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+
+from app.errors import error_type
+from app.playback import PCM16_24K_BYTES_PER_S, PlaybackClock
+from pipeline.request import AudioChunk, Event, Finished
+
+log = logging.getLogger("omnirt.requests")
+router = APIRouter()
+
+
+class Metrics:
+    def __init__(self, engine):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("omnirt_requests", "Requests by endpoint and final state "
+                                "(stop, length, abort, error, rejected)", ["endpoint", "state"], registry=r)
+        self.active = Gauge("omnirt_requests_active", "Requests being served", ["endpoint"], registry=r)
+        self.sessions = Counter("omnirt_sessions", "Realtime sessions by final state", ["transport", "state"],
+                                registry=r)
+        self.sessions_active = Gauge("omnirt_sessions_active", "Open realtime sessions", ["transport"], registry=r)
+        self.errors = Counter("omnirt_errors", "Errors by type (OpenAI error type or stream error code)", ["type"],
+                              registry=r)
+        self.ttfp = Histogram("omnirt_audio_ttfp_seconds", "Request to first audio packet", registry=r,
+                              buckets=(.05, .1, .2, .3, .5, .75, 1, 1.5, 2, 3, 5, 10, 30))
+        self.rtf = Histogram("omnirt_audio_rtf", "Time to the last audio packet / audio duration", registry=r,
+                             buckets=(.05, .1, .2, .3, .5, .75, 1, 1.5, 2, 5, 10))
+        self.underruns = Counter("omnirt_audio_underruns", "Playback stalls >= 100 ms while audio was owed",
+                                 registry=r)
+        self.http = Counter("omnirt_http_responses", "HTTP responses by status code", ["code"], registry=r)
+        r.register(EngineCollector(engine))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    async def observe(self, events: AsyncIterator[Event], request_id: str, endpoint: str,
+                      started: float) -> AsyncIterator[Event]:
+        """Pass a request's events through, recording TTFP, RTF, underruns and its final state."""
+        clock, state, fin = PlaybackClock(), "abort", None
+        self.active.labels(endpoint).inc()
+        try:
+            async for ev in events:
+                if isinstance(ev, AudioChunk):
+                    clock.on_packet(time.monotonic(), len(ev.pcm16) / PCM16_24K_BYTES_PER_S)
+                elif isinstance(ev, Finished):
+                    fin, state = ev, ev.finish_reason
+                yield ev
+        finally:
+            self.active.labels(endpoint).dec()
+            self._record(clock, state, fin, request_id, endpoint, started)
+            await events.aclose()
+
+    def _record(self, clock: PlaybackClock, state: str, fin: Finished | None, request_id: str, endpoint: str,
+                started: float) -> None:
+        self.requests.labels(endpoint, state).inc()
+        if fin is not None and fin.error:
+            self.errors.labels("generation_failed" if state == "error" else "aborted_by_server").inc()
+        extra = {"request_id": request_id, "finish_reason": state, "error": fin.error if fin else None}
+        if clock.num_packets:
+            ttfp, rtf = clock.first_at - started, (clock.last_at - started) / max(clock.audio_s, 1e-6)
+            self.ttfp.observe(ttfp)
+            self.rtf.observe(rtf)
+            self.underruns.inc(clock.num_underruns)
+            extra.update(ttfp_ms=round(ttfp * 1000, 1), audio_s=round(clock.audio_s, 3), rtf=round(rtf, 3))
+        log.info("request finished", extra=extra)
+
+
+class EngineCollector:
+    """Reads the engine's queues, slots and batch-size counts when scraped (no work on the step loops)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def collect(self):
+        eng = self.engine
+        depth = GaugeMetricFamily("omnirt_stage_queue_depth", "Requests per stage by place", labels=["stage", "queue"])
+        slots = GaugeMetricFamily("omnirt_stage_free_slots", "Free KV slots per stage", labels=["stage"])
+        admission = getattr(eng, "admission", None)  # the reference engine has none
+        for stage in eng.stages:
+            if hasattr(stage, "scheduler"):  # in-process stages; replica pools report on /health
+                depth.add_metric([stage.name, "running"], stage.scheduler.num_running)
+                depth.add_metric([stage.name, "waiting"], stage.num_waiting)
+            if admission is not None:
+                depth.add_metric([stage.name, "admission_waiting"], admission.num_waiting(stage.name))
+        for name, n in eng.num_free_slots().items():
+            slots.add_metric([name], n)
+        yield depth
+        yield slots
+        yield _batch_histogram([s for s in eng.stages if hasattr(s, "batch_size_counts")])
+        refused = GaugeMetricFamily("omnirt_admission_refused", "Requests refused because a stage was full "
+                                    "(since start)")
+        refused.add_metric([], admission.num_refused if admission is not None else 0)
+        yield refused
+
+
+def _batch_histogram(stages) -> HistogramMetricFamily:
+    h = HistogramMetricFamily("omnirt_stage_batch_size", "Requests per step, by stage", labels=["stage"])
+    for stage in stages:
+        counts = list(stage.batch_size_counts)
+        bounds = [2**i for i in range(len(counts).bit_length()) if 2**i < len(counts) - 1] + [len(counts) - 1]
+        buckets = [(str(float(b)), sum(counts[:b + 1])) for b in bounds] + [("+Inf", sum(counts))]
+        h.add_metric([stage.name], buckets, sum_value=sum(size * n for size, n in enumerate(counts)))
+    return h
+
+
+class StatusCounter:
+    """Counts every HTTP response by status, and errors by OpenAI type (pure ASGI, sees 401/413 too)."""
+
+    def __init__(self, app, metrics: Metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def counting_send(message):
+            if message["type"] == "http.response.start":
+                code = message["status"]
+                self.metrics.http.labels(str(code)).inc()
+                if code >= 400:
+                    self.metrics.errors.labels(error_type(code)).inc()
+            await send(message)
+
+        return await self.app(scope, receive, counting_send)
+
+
+@router.get("/metrics", include_in_schema=False)
+async def metrics(request: Request):
+    return Response(request.app.state.server.metrics.render(), media_type="text/plain; version=0.0.4")

@@ -1,0 +1,158 @@
+"""Property-based fuzzing of POST /v1/chat/completions (hypothesis) and of every operation in the app's
+OpenAPI schema (schemathesis), against a real server: zero 5xx, errors always in OpenAI's shape and
+without stack traces, and the server serves a normal request afterwards. Valid requests do run the
+model; the fuzz server's profile caps context lengths so that each one stays cheap."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+
+import httpx
+import numpy as np
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from app.audio import encode_wav
+from tests.conftest import ServerProcess
+
+NUM_CASES = int(os.environ.get("OMNIRT_FUZZ_CASES", "1500"))
+NUM_SCHEMA_CASES = int(os.environ.get("OMNIRT_SCHEMA_CASES", "300"))
+CHEAP = json.dumps({"0": {"max_model_len": 160, "default_sampling_params": {"max_tokens": 8}},
+                    "1": {"max_model_len": 192, "default_sampling_params": {"max_tokens": 16}}})
+WAV = base64.b64encode(encode_wav((np.sin(np.arange(8000) / 9) * 9000).astype("<i2").tobytes(), 16000)).decode()
+TALLY = {"cases": 0, "2xx": 0, "4xx": 0, "5xx": 0}
+
+
+@pytest.fixture(scope="module")
+def fuzz_server():
+    srv = ServerProcess(["--stage-overrides", CHEAP, "--max-audio-seconds", "5"])
+    yield srv
+    srv.stop()
+
+
+leaf = (st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True, allow_infinity=True)
+        | st.text(max_size=12))
+junk = st.recursive(leaf, lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=6), c, max_size=3),
+                    max_leaves=8)
+
+
+def sometimes_junk(strategy):
+    """Mostly the well-formed value, one draw in eight anything at all."""
+    return st.sampled_from(range(8)).flatmap(lambda i: junk if i == 7 else strategy)
+
+
+small_ints = st.sampled_from([-(2**63), -1, 0, 1, 2, 5, 8, 2**31, 2**63, 2**64]) | st.integers(-3, 12)
+audio_part = st.fixed_dictionaries({"type": st.just("input_audio"), "input_audio": st.fixed_dictionaries({
+    "data": st.sampled_from([WAV, "", "@@@", "UklGRg=="]) | st.binary(max_size=48).map(lambda b: base64.b64encode(
+        b).decode()), "format": st.sampled_from(["wav", "flac", "mp3", "pcm16"]) | st.text(max_size=4)})})
+text_part = st.fixed_dictionaries({"type": st.just("text"), "text": sometimes_junk(st.text(max_size=40))})
+message = sometimes_junk(st.fixed_dictionaries(
+    {"role": st.sampled_from(["user"] * 4 + ["system", "developer", "assistant", "tool", "robot"]),
+     "content": st.none() | st.text(max_size=60) | st.lists(sometimes_junk(text_part | audio_part), max_size=3)},
+    optional={"audio": junk, "name": st.text(max_size=5)}))
+chat_body = st.fixed_dictionaries(
+    {"model": sometimes_junk(st.sampled_from(["tiny"] * 8 + ["gpt-4o", ""])),
+     "messages": sometimes_junk(st.lists(message, min_size=1, max_size=3))},
+    optional={
+        "modalities": sometimes_junk(st.sampled_from([["text"], ["text", "audio"], ["audio"]])
+                                     | st.lists(st.sampled_from(["text", "audio", "video"]), max_size=3)),
+        "audio": sometimes_junk(st.fixed_dictionaries({"voice": st.sampled_from(["ethan", "chelsie", "NOBODY", ""]),
+                                                       "format": st.sampled_from(["wav", "pcm16", "mp3"])})),
+        "stream": sometimes_junk(st.booleans()),
+        "stream_options": sometimes_junk(st.fixed_dictionaries({"include_usage": st.booleans()})),
+        "max_tokens": sometimes_junk(small_ints), "max_completion_tokens": sometimes_junk(small_ints),
+        "temperature": sometimes_junk(st.floats(allow_nan=True, allow_infinity=True)),
+        "top_p": sometimes_junk(st.floats(-1, 2)), "seed": sometimes_junk(small_ints),
+        "n": sometimes_junk(st.sampled_from([1, 1, 1, 0, 2])),
+        "talker_sampling": sometimes_junk(st.dictionaries(
+            st.sampled_from(["max_tokens", "min_tokens", "temperature", "top_k", "top_p", "seed",
+                             "repetition_penalty", "bogus"]), small_ints | st.floats(allow_nan=True) | junk,
+            max_size=3)),
+        "initial_codec_chunk_frames": sometimes_junk(st.integers(-2, 70)),
+    })
+
+
+def check_response(r: httpx.Response) -> None:
+    TALLY["cases"] += 1
+    TALLY[f"{r.status_code // 100}xx"] = TALLY.get(f"{r.status_code // 100}xx", 0) + 1
+    assert r.status_code < 500, r.text[:500]
+    assert "Traceback" not in r.text and 'File "' not in r.text
+    if r.status_code >= 400:
+        err = r.json()["error"]
+        assert isinstance(err["message"], str) and err["type"]
+    elif r.headers.get("content-type", "").startswith("text/event-stream"):
+        for line in r.text.splitlines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                json.loads(line[6:])
+
+
+def test_fuzz_chat_bodies(fuzz_server):
+    client = httpx.Client(base_url=fuzz_server.url, timeout=60)
+
+    @settings(max_examples=NUM_CASES, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(body=sometimes_junk(chat_body), raw=st.sampled_from([False, False, False, True]))
+    @example(body={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "seed": 2**64}, raw=False)
+    @example(body={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": 1e-320}, raw=False)
+    @example(body={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "modalities": ["audio"],
+                   "audio": {"voice": "ethan"}, "talker_sampling": {"temperature": 2**64}}, raw=False)
+    @example(body={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "modalities": ["audio"],
+                   "audio": {"voice": "ethan"}, "talker_sampling": {"temperature": 1e-320}}, raw=False)
+    @example(body={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "modalities": ["audio"],
+                   "audio": {"voice": "ethan"}, "talker_sampling": {"repetition_penalty": 1e-320}}, raw=False)
+    @example(body={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "modalities": ["audio"],
+                   "audio": {"voice": "ethan"}, "talker_sampling": {"temperature": float("inf")}}, raw=True)
+    @example(body={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "modalities": ["audio"],
+                   "audio": {"voice": "ethan"}, "talker_sampling": {"seed": -(2**70)}}, raw=False)
+    def run(body, raw):
+        if raw:  # as bytes: sometimes not even JSON (NaN/Infinity, truncated)
+            content = json.dumps(body).encode()[: len(json.dumps(body)) - (len(json.dumps(body)) % 3 == 0)]
+            r = client.post("/v1/chat/completions", content=content, headers={"content-type": "application/json"})
+        else:
+            r = client.post("/v1/chat/completions", json=json.loads(json.dumps(body)) if _finite(body) else None)
+        check_response(r)
+
+    run()
+    print(f"chat fuzz: {TALLY}")
+    _assert_alive(fuzz_server)
+
+
+def _finite(body) -> bool:
+    try:
+        json.dumps(body, allow_nan=False)
+        return True
+    except ValueError:
+        return False
+
+
+def _assert_alive(srv: ServerProcess) -> None:
+    assert srv.proc.poll() is None
+    r = httpx.post(f"{srv.url}/v1/chat/completions", timeout=60,
+                   json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] is not None
+    h = srv.wait_idle()
+    assert h["free_slots"] == h["slots"]
+
+
+def test_schemathesis_no_server_errors(fuzz_server):
+    """Every operation of /openapi.json, with schemathesis' generated cases (valid and not)."""
+    api = schemathesis.openapi.from_url(f"{fuzz_server.url}/openapi.json")
+    operations = [result.ok() for result in api.get_all_operations()]
+    assert {op.path for op in operations} >= {"/v1/chat/completions", "/v1/models", "/health"}
+    for op in operations:
+        @settings(max_examples=NUM_SCHEMA_CASES, deadline=None, database=None, derandomize=True,
+                  suppress_health_check=list(HealthCheck))
+        @given(case=op.as_strategy())
+        def run(case):
+            r = case.call(base_url=fuzz_server.url, timeout=60)
+            TALLY["schema_cases"] = TALLY.get("schema_cases", 0) + 1
+            assert r.status_code < 500, f"{case.method} {case.path}: {r.status_code} {r.text[:300]}"
+            assert "Traceback" not in r.text
+
+        run()
+    print(f"schemathesis: {TALLY}")
+    _assert_alive(fuzz_server)

@@ -1,0 +1,119 @@
+"""Overload, slow readers and disconnect storms against a real server with small stages
+(2 slots + 2 waiting per stage), a 2 s slow-client timeout and a 256 KiB output buffer per request."""
+
+from __future__ import annotations
+
+import json
+import random
+import socket
+import statistics
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from tests.conftest import ServerProcess
+from tests.sse_client import audio_body, stream_chat
+
+SMALL = json.dumps({str(i): {"max_num_seqs": 2, "max_waiting": 2} for i in range(3)})
+
+
+@pytest.fixture(scope="module")
+def small_server():
+    srv = ServerProcess(["--stage-overrides", SMALL, "--slow-client-timeout", "2",
+                         "--max-output-buffer-bytes", str(256 * 1024)])
+    yield srv
+    srv.stop()
+
+
+def metric(url: str, name: str, **labels) -> float:
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    total = 0.0
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith(name) and (not want or f"{{{want}}}" in line or f"{want}," in line or f",{want}" in line):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_overload_gets_429_and_admitted_keep_their_latency(small_server):
+    url, body = small_server.url, audio_body(max_tokens=16, frames=40)
+    with ThreadPoolExecutor(4) as pool:  # baseline: the server full (4 admitted), nobody refused
+        base = list(pool.map(lambda _: stream_chat(url, body), range(4)))
+    assert all(r.is_complete for r in base)
+    rejected_before = metric(url, "omnirt_requests_total", endpoint="chat", state="rejected")
+    with ThreadPoolExecutor(16) as pool:  # 4 fit, then a flood of 60 more while they run
+        admitted = [pool.submit(stream_chat, url, body) for _ in range(4)]
+        time.sleep(0.3)
+        flood = list(pool.map(lambda _: stream_chat(url, body), range(60)))
+        admitted = [f.result() for f in admitted]
+    refused = [r for r in flood if r.status == 429]
+    assert len(refused) >= 40, [r.status for r in flood]
+    assert all(r.status == 200 and r.is_complete for r in flood if r.status != 429)
+    for r in refused:
+        err = json.loads(r.body)["error"]
+        assert err["type"] == "rate_limit_error" and err["code"] == "rate_limit_exceeded"
+        assert int(r.headers["retry-after"]) >= 1
+    assert all(r.is_complete for r in admitted)
+    base_ttfp = statistics.median(r.ttfp_s for r in base)
+    over_ttfp = statistics.median(r.ttfp_s for r in admitted)
+    print(f"overload: {len(refused)}/{len(flood)} refused; TTFP p50 {base_ttfp:.3f} s alone, {over_ttfp:.3f} s flooded")
+    assert over_ttfp < 3 * base_ttfp + 1.0, (base_ttfp, over_ttfp)  # refusals cost the running ones little
+    assert metric(url, "omnirt_requests_total", endpoint="chat", state="rejected") - rejected_before == len(refused)
+    assert metric(url, "omnirt_http_responses_total", code="429") >= len(refused)
+    h = small_server.wait_idle()
+    assert h["free_slots"] == h["slots"]
+
+
+def _slow_reader(url: str, body: dict) -> tuple[socket.socket, int]:
+    """A raw HTTP client with an 8 KiB receive buffer that sends the request and then reads nothing."""
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8192)
+    sock.connect((host, int(port)))
+    data = json.dumps(body).encode()
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data)
+    return sock, len(data)
+
+
+def test_slow_reader_is_disconnected_without_slowing_others(small_server):
+    url = small_server.url
+    sock, _ = _slow_reader(url, audio_body(max_tokens=60, frames=1500))  # ~120 s of audio, ~7.7 MB of SSE
+    time.sleep(1.0)
+    normal = stream_chat(url, audio_body(max_tokens=16, frames=40))
+    assert normal.is_complete and normal.ttfp_s < 10
+    h = small_server.wait_idle(timeout=60)  # the unread request was aborted, its slots freed
+    assert h["free_slots"] == h["slots"] and h["active_requests"] == 0
+    sock.settimeout(30)
+    received, started = 0, time.monotonic()
+    while chunk := sock.recv(1 << 16):  # what the kernel buffered, then EOF: the server hung up
+        received += len(chunk)
+    sock.close()
+    assert received < 6 * 2**20 and time.monotonic() - started < 30  # the whole response is ~7.7 MB
+    assert metric(url, "omnirt_requests_total", endpoint="chat", state="abort") >= 1
+
+
+def test_http_disconnect_storm_frees_every_slot(small_server):
+    """Hundreds of streaming clients hang up at random points (before the headers, mid text, mid audio)."""
+    url, rng, lock = small_server.url, random.Random(1), threading.Lock()
+
+    def one(i: int) -> None:
+        with lock:
+            cut = rng.choice([0, 1, 3, 8])
+        try:
+            with httpx.stream("POST", f"{url}/v1/chat/completions", json=audio_body(16, 60), timeout=5) as r:
+                for n, _ in enumerate(r.iter_lines()):
+                    if n >= cut:
+                        break
+        except httpx.HTTPError:
+            pass
+
+    started = time.monotonic()
+    with ThreadPoolExecutor(12) as pool:
+        list(pool.map(one, range(400)))
+    assert time.monotonic() - started < 240
+    h = small_server.wait_idle(timeout=30)
+    assert h["free_slots"] == h["slots"] and h["active_requests"] == 0
+    assert stream_chat(url, audio_body(8, 20)).is_complete  # and it still serves

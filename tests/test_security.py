@@ -1,0 +1,142 @@
+"""API keys (HTTP and WebSocket handshakes), CORS closed by default, body and audio limits, the loopback
+default, /metrics and structured request logs."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from starlette.applications import Starlette
+from starlette.routing import WebSocketRoute
+from starlette.testclient import TestClient
+from starlette.websockets import WebSocketDisconnect
+
+from app.audio import encode_wav
+from app.cli import build_parser
+from app.security import ApiKeyAuth, is_authorized
+from tests.conftest import ServerProcess
+
+KEY = "sk-omnirt-test"
+ORIGIN = "http://allowed.example"
+MSG = [{"role": "user", "content": "Hi"}]
+
+
+@pytest.fixture(scope="module")
+def secure_server():
+    srv = ServerProcess(["--api-key", KEY, "--cors-origins", ORIGIN, "--max-audio-seconds", "2",
+                         "--max-body-bytes", "2000000", "--log-level", "info", "--log-format", "json"])
+    yield srv
+    srv.stop()
+
+
+def test_binds_loopback_by_default():
+    assert build_parser().parse_args(["serve"]).host == "127.0.0.1"
+
+
+def test_api_key_required_on_http(secure_server):
+    url = f"{secure_server.url}/v1/chat/completions"
+    body = {"model": "tiny", "messages": MSG, "max_tokens": 2}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {KEY}"}):
+        r = httpx.post(url, json=body, headers=headers, timeout=30)
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+        err = r.json()["error"]
+        assert err["code"] == "invalid_api_key" and err["type"] == "authentication_error" and KEY not in r.text
+    assert httpx.get(f"{secure_server.url}/v1/models", timeout=10).status_code == 401
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{secure_server.url}/v1", api_key="wrong", max_retries=0).models.list()
+    client = openai.OpenAI(base_url=f"{secure_server.url}/v1", api_key=KEY, max_retries=0, timeout=60)
+    assert client.chat.completions.create(model="tiny", messages=MSG, max_tokens=3).choices[0].message.content
+    assert httpx.get(f"{secure_server.url}/health", timeout=10).status_code == 200  # probes stay open
+
+
+def test_api_key_refuses_websocket_handshake(secure_server):
+    import websocket  # websocket-client, a real WebSocket client
+
+    ws_url = secure_server.url.replace("http", "ws") + "/v1/realtime"
+    with pytest.raises(websocket.WebSocketBadStatusException) as exc:
+        websocket.create_connection(ws_url, timeout=10)
+    assert exc.value.status_code == 403
+
+
+async def _echo(ws):
+    await ws.accept(subprotocol="realtime" if "realtime" in ws.scope.get("subprotocols", []) else None)
+    await ws.send_text("ok")
+    await ws.close()
+
+
+@pytest.mark.parametrize("how", ["header", "subprotocol", "none", "wrong"])
+def test_api_key_helper_on_websocket_routes(how):
+    """The shared middleware on a WebSocket route: Bearer header, or OpenAI's browser subprotocol."""
+    app = ApiKeyAuth(Starlette(routes=[WebSocketRoute("/v1/realtime", _echo)]), (KEY,))
+    kw = {"header": {"headers": {"Authorization": f"Bearer {KEY}"}},
+          "subprotocol": {"subprotocols": ["realtime", f"openai-insecure-api-key.{KEY}"]},
+          "none": {}, "wrong": {"headers": {"Authorization": "Bearer nope"}}}[how]
+    with TestClient(app) as client:
+        if how in ("header", "subprotocol"):
+            with client.websocket_connect("/v1/realtime", **kw) as ws:
+                assert ws.receive_text() == "ok"
+        else:
+            with pytest.raises(WebSocketDisconnect) as exc, client.websocket_connect("/v1/realtime", **kw):
+                pass
+            assert exc.value.code == 1008
+
+
+def test_is_authorized_scope_rules():
+    scope = {"path": "/v1/chat/completions", "headers": [(b"authorization", f"Bearer {KEY}".encode())]}
+    assert is_authorized(scope, (KEY,)) and is_authorized({**scope, "headers": []}, ())
+    assert not is_authorized({**scope, "headers": []}, (KEY,))
+    assert is_authorized({"path": "/health", "headers": []}, (KEY,))
+
+
+def _preflight(url: str, origin: str) -> httpx.Response:
+    return httpx.options(f"{url}/v1/chat/completions", timeout=10, headers={
+        "Origin": origin, "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type"})
+
+
+def test_cors_closed_by_default_and_opt_in(server, secure_server):
+    assert "access-control-allow-origin" not in _preflight(server.url, ORIGIN).headers
+    r = httpx.get(f"{server.url}/v1/models", headers={"Origin": ORIGIN}, timeout=10)
+    assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+    assert _preflight(secure_server.url, ORIGIN).headers.get("access-control-allow-origin") == ORIGIN
+    assert "access-control-allow-origin" not in _preflight(secure_server.url, "http://evil.example").headers
+
+
+def test_chunked_body_over_limit_is_413(secure_server):
+    def chunks():
+        yield b'{"model": "tiny", "messages": [{"role": "user", "content": "'
+        for _ in range(40):
+            yield b"x" * 100_000
+        yield b'"}]}'
+
+    r = httpx.post(f"{secure_server.url}/v1/chat/completions", content=chunks(), timeout=30,
+                   headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "payload_too_large"
+
+
+def test_audio_duration_limit(secure_server):
+    wav = encode_wav((np.zeros(24000 * 3)).astype("<i2").tobytes(), 24000)
+    part = {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav).decode(), "format": "wav"}}
+    r = httpx.post(f"{secure_server.url}/v1/chat/completions", timeout=30, headers={"Authorization": f"Bearer {KEY}"},
+                   json={"model": "tiny", "messages": [{"role": "user", "content": [part]}]})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "audio_too_long"
+
+
+def test_metrics_and_structured_request_logs(secure_server):
+    r = httpx.post(f"{secure_server.url}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
+                   json={"model": "tiny", "messages": MSG, "max_tokens": 8, "modalities": ["text", "audio"],
+                         "audio": {"voice": "ethan", "format": "wav"}})
+    rid = r.json()["id"]
+    text = httpx.get(f"{secure_server.url}/metrics", timeout=10).text
+    for name in ("omnirt_requests_total", "omnirt_requests_active", "omnirt_stage_queue_depth",
+                 "omnirt_stage_batch_size_bucket", "omnirt_audio_ttfp_seconds_bucket", "omnirt_audio_rtf_bucket",
+                 "omnirt_audio_underruns_total", "omnirt_errors_total", "omnirt_sessions_active"):
+        assert name in text, name
+    assert 'omnirt_errors_total{type="authentication_error"}' in text
+    lines = [json.loads(line) for line in secure_server.log.read_text().splitlines() if line.startswith("{")]
+    done = [rec for rec in lines if rec.get("request_id") == rid]
+    assert done and done[-1]["msg"] == "request finished" and done[-1]["ttfp_ms"] > 0 and done[-1]["rtf"] > 0
