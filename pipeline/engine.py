@@ -10,9 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import math
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
 
 import numpy as np
 import torch
@@ -22,6 +20,7 @@ from pipeline.config import EngineConfig
 from pipeline.connector import CodecStream, Command, Message
 from pipeline.faults import FaultInjector, FaultSpec
 from pipeline.models import OmniModels, TalkerState
+from pipeline.output import RequestOutput
 from pipeline.replicas import make_stage, replica_status
 from pipeline.request import (
     FINISH_REASONS,
@@ -34,7 +33,7 @@ from pipeline.request import (
     TextDelta,
     Usage,
 )
-from pipeline.sampling import SamplingParams
+from pipeline.sampling import SamplingError, SamplingParams, numerically_safe
 from pipeline.scheduler import Batch, StepOutput
 from pipeline.stage import Stage
 
@@ -47,68 +46,6 @@ class RequestError(ValueError):
     def __init__(self, message: str, param: str | None = None, code: str = "invalid_request"):
         super().__init__(message)
         self.param, self.code = param, code
-
-
-@dataclass(slots=True)
-class _Stream:
-    """Engine-side record of one request: the queue its events go to, filled from stage threads.
-    The queue is bounded in bytes: a consumer that stops reading gets its request aborted."""
-
-    request: OmniRequest
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
-    num_prompt_tokens: int
-    stages: tuple[str, ...]  # the stages it was admitted to
-    max_buffered_bytes: int
-    on_overflow: Callable[[_Stream], None]  # called on the event loop once the bound is crossed
-    finish_reason: str = "stop"
-    num_completion_tokens: int = 0
-    num_audio_frames: int = 0
-    closed: bool = False
-    num_buffered_bytes: int = 0
-    token_ids: list[int] = field(default_factory=list)
-    async_output: bool = True
-
-    def push(self, item: tuple) -> None:
-        if self.async_output:
-            self.loop.call_soon_threadsafe(self._put, item)
-        else:  # ablation: the stage thread waits until the event loop has taken the output
-            asyncio.run_coroutine_threadsafe(self._put_async(item), self.loop).result()
-
-    async def _put_async(self, item: tuple) -> None:
-        self._put(item)
-
-    def _put(self, item: tuple) -> None:
-        self.queue.put_nowait(item)
-        self.num_buffered_bytes += _num_bytes(item)
-        if self.num_buffered_bytes > self.max_buffered_bytes and not self.closed:
-            self.on_overflow(self)
-
-    async def get(self) -> tuple:
-        item = await self.queue.get()
-        self.num_buffered_bytes -= _num_bytes(item)
-        return item
-
-
-def _num_bytes(item: tuple) -> int:
-    return 64 + (len(item[1]) if item[0] == "audio" else 0)
-
-
-def _numerically_safe(params: SamplingParams) -> SamplingParams:
-    """Refuse values that would overflow inside a step (and so fail it): float fields as finite floats,
-    the seed in torch.Generator's range; temperatures below 1e-5 are greedy, as in vLLM."""
-    try:
-        floats = {k: float(getattr(params, k)) for k in ("temperature", "top_p", "repetition_penalty")}
-    except (OverflowError, TypeError, ValueError) as exc:
-        raise RequestError(f"bad sampling parameters: {exc}", "sampling") from exc
-    if not all(map(math.isfinite, floats.values())) or not 1e-5 <= floats["repetition_penalty"] <= 1e5:
-        raise RequestError("temperature, top_p and repetition_penalty must be finite; repetition_penalty "
-                           "in [1e-5, 1e5]", "sampling")
-    if params.seed is not None and not -(2**63) <= params.seed < 2**64:
-        raise RequestError(f"seed must be in [-2**63, 2**64), got {params.seed}", "seed")
-    if 0 < floats["temperature"] < 1e-5:
-        floats["temperature"] = 0.0
-    return params.merged(**floats)
 
 
 class EngineBase:
@@ -145,13 +82,17 @@ class EngineBase:
             params = SamplingParams(**cfg.default_sampling_params).merged(**overrides)
         except (AssertionError, TypeError) as exc:
             raise RequestError(f"bad sampling parameters: {exc}", "sampling") from exc
-        return _numerically_safe(params).merged(max_tokens=min(params.max_tokens, room))
+        try:
+            params = numerically_safe(params)
+        except SamplingError as exc:
+            raise RequestError(str(exc), exc.param) from exc
+        return params.merged(max_tokens=min(params.max_tokens, room))
 
 
 class OmniEngine(EngineBase):
     def __init__(self, cfg: EngineConfig, models: OmniModels):
         super().__init__(cfg, models)
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, RequestOutput] = {}
         self._ids = itertools.count()
         self.admission = Admission({s.name: StageLimit(s.max_num_seqs, s.max_waiting) for s in cfg.stages},
                                    cfg.retry_after_s)
@@ -212,7 +153,7 @@ class OmniEngine(EngineBase):
         th_params = self._params("thinker", req.thinker_sampling, n_prompt)
         tk_params = self._params("talker", req.talker_sampling, n_prompt + 9) if req.wants_audio else None
         stages = self.stages_for(req.wants_audio)
-        stream = _Stream(req, asyncio.get_running_loop(), asyncio.Queue(), n_prompt, stages,
+        stream = RequestOutput(req, asyncio.get_running_loop(), asyncio.Queue(), n_prompt, stages,
                          self.cfg.max_output_buffer_bytes, self._overflow, async_output=self.cfg.async_output)
         if req.request_id in self._streams:
             raise RequestError(f"request id {req.request_id!r} is already running", "request_id")
@@ -251,12 +192,12 @@ class OmniEngine(EngineBase):
         """Raise EngineOverloaded if a new request would be refused now (e.g. to refuse a session at connect)."""
         self.admission.check(self.stages_for(wants_audio))
 
-    def _overflow(self, stream: _Stream) -> None:
+    def _overflow(self, stream: RequestOutput) -> None:
         log.warning("%s: output buffer over %d bytes (the client is not reading); aborting",
                     stream.request.request_id, stream.max_buffered_bytes)
         self.abort(stream.request.request_id, "output buffer full: the client is not reading")
 
-    async def _events(self, stream: _Stream) -> AsyncIterator[Event]:
+    async def _events(self, stream: RequestOutput) -> AsyncIterator[Event]:
         rid, index, text, pending = stream.request.request_id, 0, "", []
         try:
             while True:
@@ -359,7 +300,7 @@ class OmniEngine(EngineBase):
             return True
         return False
 
-    def _close(self, stream: _Stream, reason: str | None = None, error: str | None = None) -> None:
+    def _close(self, stream: RequestOutput, reason: str | None = None, error: str | None = None) -> None:
         if stream.closed:
             return
         stream.closed = True

@@ -8,6 +8,7 @@ own generator, so a seed reproduces whatever batch the request lands in.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -38,6 +39,29 @@ class SamplingParams:
     def merged(self, **overrides) -> SamplingParams:
         """These params with the non-None overrides applied."""
         return replace(self, **{k: v for k, v in overrides.items() if v is not None})
+
+
+class SamplingError(ValueError):
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+def numerically_safe(params: SamplingParams) -> SamplingParams:
+    """Refuse values that would overflow inside a step (and so fail it): float fields as finite floats,
+    the seed in torch.Generator's range; temperatures below 1e-5 are greedy, as in vLLM."""
+    try:
+        floats = {k: float(getattr(params, k)) for k in ("temperature", "top_p", "repetition_penalty")}
+    except (OverflowError, TypeError, ValueError) as exc:
+        raise SamplingError(f"bad sampling parameters: {exc}", "sampling") from exc
+    if not all(map(math.isfinite, floats.values())) or not 1e-5 <= floats["repetition_penalty"] <= 1e5:
+        raise SamplingError("temperature, top_p and repetition_penalty must be finite; repetition_penalty "
+                           "in [1e-5, 1e5]", "sampling")
+    if params.seed is not None and not -(2**63) <= params.seed < 2**64:
+        raise SamplingError(f"seed must be in [-2**63, 2**64), got {params.seed}", "seed")
+    if 0 < floats["temperature"] < 1e-5:
+        floats["temperature"] = 0.0
+    return params.merged(**floats)
 
 
 class Sampler:
