@@ -82,6 +82,7 @@ class ServerProcess:
             self.proc.wait(timeout=15)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+            self.proc.wait(timeout=15)
 
 
 @pytest.fixture(scope="session")

@@ -189,7 +189,9 @@ async def test_bad_offers_get_http_errors(server):
 
 @pytest.fixture(scope="module")
 def one_session_server():
-    srv = ServerProcess(["--realtime-max-sessions", "1", "--webrtc-connect-timeout-s", "5", "--log-level", "info"])
+    # a short drain: SIGTERM mid-answer must not wait for the answer to end (the default is 30 s)
+    srv = ServerProcess(["--realtime-max-sessions", "1", "--webrtc-connect-timeout-s", "5", "--log-level", "info",
+                         "--shutdown-timeout", "3"])
     yield srv
     srv.stop()
 
