@@ -264,5 +264,5 @@ async def test_too_many_calls_then_shutdown_closes_the_call(one_session_server):
     finally:
         await call.close()
     log = srv.log.read_text()
-    assert "closing (server shutdown)" in log and re.search(r"webrtc rtc_\w+: closed", log)
+    assert "closing (server shutting down)" in log and re.search(r"webrtc rtc_\w+: closed", log)
     assert "Application shutdown complete" in log and "Traceback" not in log
