@@ -156,6 +156,9 @@ class Response:
         self.status, self.reason = _STATUS[fin.finish_reason]
         if fin.finish_reason == "error":
             self.error = {"type": "server_error", "code": "generation_failed", "message": fin.error or "failed"}
+        elif fin.error:  # the server ended it (shutdown, unread output): not the client's cancel
+            self.status, self.reason = "failed", None
+            self.error = {"type": "server_error", "code": "request_aborted", "message": fin.error}
         u = fin.usage
         out = u.completion_tokens + u.audio_frames
         self.usage = {"total_tokens": u.prompt_tokens + out, "input_tokens": u.prompt_tokens, "output_tokens": out,

@@ -61,7 +61,9 @@ class SessionRegistry:
 
     async def _end(self, session: RealtimeSession, entry: _Entry, reason: str) -> None:
         log.info("ending the session: %s", reason, extra={"session_id": session.id})
-        with contextlib.suppress(TimeoutError):
+        with contextlib.suppress(TimeoutError):  # a response the drain ended says so first (response.done)
+            if session.response is not None:
+                await asyncio.wait_for(session.response.wait(), NOTICE_TIMEOUT_S)
             await asyncio.wait_for(session.send_error(ProtocolError(reason, "server_shutting_down",
                                                                     error_type="server_error")), NOTICE_TIMEOUT_S)
         await entry.end(reason)

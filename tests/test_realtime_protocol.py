@@ -11,7 +11,7 @@ import pytest
 import websockets
 
 from tests.conftest import ServerProcess
-from tests.realtime_helpers import collect_until
+from tests.realtime_helpers import collect_until, recv, recv_type, ws_url
 
 
 @pytest.fixture(scope="module")
@@ -21,20 +21,6 @@ def limited():
                          "--realtime-max-input-buffer-s", "3", "--realtime-idle-timeout-s", "5"])
     yield srv
     srv.stop()
-
-
-def ws_url(srv, model: str = "tiny") -> str:
-    return f"ws://127.0.0.1:{srv.port}/v1/realtime?model={model}"
-
-
-async def recv(ws, timeout: float = 60.0) -> dict:
-    return json.loads(await asyncio.wait_for(ws.recv(), timeout))
-
-
-async def recv_type(ws, kind: str, timeout: float = 60.0) -> dict:
-    while (ev := await recv(ws, timeout))["type"] != kind:
-        pass
-    return ev
 
 
 async def test_beta_client_gets_beta_events(server):
