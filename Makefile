@@ -44,7 +44,8 @@ soak: $(STAMP) sysdeps
 	  -p no:cacheprovider -o timeout=1800 tests/test_soak.py tests/test_realtime_soak.py
 
 fuzz: $(STAMP)
-	OMNIRT_FUZZ_CASES=20000 OMNIRT_SCHEMA_CASES=3000 $(BIN)/python -m pytest -q -s -p no:cacheprovider -o timeout=3600 tests/test_fuzz.py
+	OMNIRT_FUZZ_CASES=20000 OMNIRT_SCHEMA_CASES=3000 OMNIRT_RT_FUZZ_CASES=50000 $(BIN)/python -m pytest -q -s \
+	  -p no:cacheprovider -o timeout=3600 tests/test_fuzz.py tests/test_realtime_fuzz.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check app pipeline loadtest tests
