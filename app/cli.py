@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -142,6 +144,7 @@ def serve(args: argparse.Namespace) -> None:
         slow_client_timeout_s=args.slow_client_timeout, shutdown_timeout_s=args.shutdown_timeout,
         realtime=limits, ice_addresses=_ice_addresses(args), webrtc_connect_timeout_s=args.webrtc_connect_timeout_s)
     app = create_app(engine, settings)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: every thread's stack to stderr
     # frames a bit over the realtime event limit still arrive, so that they get an `error` event
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             ws_max_size=limits.max_event_bytes + 2**20,

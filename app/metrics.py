@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from app.errors import error_type
 from app.playback import PCM16_24K_BYTES_PER_S, PlaybackClock
@@ -102,6 +102,7 @@ class EngineCollector:
         yield depth
         yield slots
         yield _batch_histogram([s for s in eng.stages if hasattr(s, "batch_size_counts")])
+        yield _step_seconds([s for s in eng.stages if hasattr(s, "busy_s")])
         refused = GaugeMetricFamily("omnirt_admission_refused", "Requests refused because a stage was full "
                                     "(since start)")
         refused.add_metric([], admission.num_refused if admission is not None else 0)
@@ -116,6 +117,16 @@ def _batch_histogram(stages) -> HistogramMetricFamily:
         buckets = [(str(float(b)), sum(counts[:b + 1])) for b in bounds] + [("+Inf", sum(counts))]
         h.add_metric([stage.name], buckets, sum_value=sum(size * n for size, n in enumerate(counts)))
     return h
+
+
+def _step_seconds(stages) -> CounterMetricFamily:
+    """Where a stage's step time goes: host work (Python, launches) vs waiting for the device."""
+    c = CounterMetricFamily("omnirt_stage_step_seconds", "Seconds inside steps, by stage and part",
+                            labels=["stage", "part"])
+    for stage in stages:
+        c.add_metric([stage.name, "host"], stage.busy_s - stage.device_wait_s)
+        c.add_metric([stage.name, "device_wait"], stage.device_wait_s)
+    return c
 
 
 class StatusCounter:

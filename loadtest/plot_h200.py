@@ -1,5 +1,15 @@
-"""Plot the single-H200 figures in docs/benchmarks/h200-2026-11-29.json (eager vs CUDA graphs)."""
+"""Plot the single-H200 ablation beside vLLM-Omni's published three-GPU steps.
+
+    python -m loadtest.plot_h200 docs/benchmarks/h200-ablation
+
+reads the `omnirt bench` JSON files of that folder (one server per variant, prompt 160) and writes
+`h200-ablation.png` there: req/s, mean audio TTFP and mean RTF at concurrency 64, one bar per variant.
+"""
+
+from __future__ import annotations
+
 import json
+import sys
 from pathlib import Path
 
 import matplotlib
@@ -7,22 +17,34 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-data = json.loads(Path("docs/benchmarks/h200-2026-11-29.json").read_text())
-runs = [r for r in data["runs"] if "error" not in r]
-fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-for variant in dict.fromkeys(r["variant"] for r in runs):
-    pts = [r for r in runs if r["variant"] == variant]
-    c = [r["concurrency"] for r in pts]
-    axes[0].plot(c, [r["req_per_s"] for r in pts], "o-", label=variant)
-    axes[1].plot(c, [r.get("ttfp_s", r.get("ttfp_mean_s")) for r in pts], "o-", label=variant)
-    axes[2].plot(c, [r.get("rtf", r.get("rtf_mean")) for r in pts], "o-", label=variant)
-for ax, label in zip(axes, ("requests / s", "mean audio TTFP (s)", "mean RTF")):
-    ax.set_xlabel("concurrency")
-    ax.set_ylabel(label)
-    ax.set_xscale("log", base=2)
-    ax.grid(alpha=0.3)
-axes[2].axhline(1.0, color="gray", lw=0.8)
-axes[0].legend(fontsize=8)
-fig.suptitle("Qwen3-Omni-30B-A3B (dummy weights), one H200: 145 frames (11.6 s) per reply")
-fig.tight_layout()
-fig.savefig("docs/benchmarks/h200-2026-11-29.png", dpi=110)
+# one server per variant, each with one layer switched off (not cumulative like the blog's steps)
+VARIANTS = [("no CUDA graphs", "h200-eager"), ("no async chunk", "h200-no-async-chunk"),
+            ("no async output", "h200-no-async-output"), ("all on", "h200-graphs")]
+METRICS = [("req_per_s", "requests / s"), ("ttfp_mean_ms", "mean audio TTFP (ms)"), ("rtf_mean", "mean RTF")]
+PUBLISHED = (11.7, 632, 0.47)  # vLLM-Omni's blog, 3 GPUs, c=64, every layer on
+TARGET = (20, 300, 0.28)  # issue 7, one H200
+
+
+def at_concurrency(path: Path, c: int) -> dict:
+    return next(r for r in json.loads(path.read_text())["results"] if r["concurrency"] == c)
+
+
+def main(folder: str) -> None:
+    root = Path(folder)
+    ours = [at_concurrency(root / f"{name}.json", 64) for _, name in VARIANTS]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for i, (ax, (key, label)) in enumerate(zip(axes, METRICS)):
+        ax.bar([v[0] for v in VARIANTS], [r[key] for r in ours], color="tab:blue", label="omnirt, one H200")
+        ax.axhline(PUBLISHED[i], color="tab:orange", ls="--", label="vLLM-Omni, 3 GPUs (published)")
+        ax.axhline(TARGET[i], color="tab:green", ls=":", label="target")
+        ax.set_ylabel(label)
+        ax.tick_params(axis="x", labelsize=8)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle("Qwen3-Omni-30B-A3B, concurrency 64, 11.6 s of audio per reply: one layer off at a time")
+    fig.tight_layout()
+    fig.savefig(root / "h200-ablation.png", dpi=110)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "docs/benchmarks/h200-ablation")

@@ -82,9 +82,11 @@ class GraphCache:
     def _capture_all(self, make_inputs: Callable[[Hashable], dict[str, torch.Tensor]]) -> None:
         from tqdm import tqdm
 
+        # A capture stream of this cache's own: library workspaces (cuBLAS) are keyed by stream, and graphs of
+        # two stages replayed at once on their stage streams must not share one (a race that hung the H200).
+        stream = self.platform.new_stream()
         for key in tqdm(sorted(self.keys, reverse=True), desc=f"capturing {self.name} graphs", unit="graph"):
             inputs = make_inputs(key)
-            stream = self.platform.new_stream()
             stream.wait_stream(self.platform.current_stream())
             with self.platform.stream_context(stream):
                 for _ in range(2):  # warm-up: lazy init, autotuning, allocator
@@ -93,7 +95,7 @@ class GraphCache:
             graph = self.platform.new_graph()
             if self._pool is None:
                 self._pool = self.platform.graph_pool_handle()
-            with self.platform.graph_context(graph, self._pool):
+            with self.platform.graph_context(graph, self._pool, stream):
                 outputs = self.fn(key, **inputs)
             self._graphs[key] = _Captured(graph, inputs, outputs)
         self.platform.synchronize()

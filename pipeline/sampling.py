@@ -94,10 +94,7 @@ class Sampler:
         penalties = [p.repetition_penalty for p in params]
         if any(r != 1.0 for r in penalties) and any(histories):
             width = max(len(h) for h in histories) or 1
-            hist = torch.full((len(histories), width), -1, dtype=torch.long)
-            for i, h in enumerate(histories):
-                hist[i, : len(h)] = torch.tensor(h, dtype=torch.long)
-            hist = hist.to(device)
+            hist = torch.tensor([h + [-1] * (width - len(h)) for h in histories], dtype=torch.long, device=device)
             seen = torch.zeros_like(logits, dtype=torch.bool)
             seen.scatter_(1, hist.clamp_min(0), hist >= 0)
             pen = torch.tensor(penalties, device=device)[:, None]

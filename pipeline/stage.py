@@ -12,6 +12,7 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -71,6 +72,8 @@ class Stage:
         self.requests: dict[str, StageRequest] = {}
         self.num_steps = 0
         self.batch_size_counts = [0] * (scheduler.max_num_seqs + 1)  # steps per batch size, for /metrics
+        self.busy_s = 0.0  # seconds inside steps (host work + waiting for the device), for /metrics
+        self.device_wait_s = 0.0  # the part of busy_s spent waiting for the device
         self._inbox: queue.SimpleQueue[Message | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name=f"omnirt-{name}", daemon=True)
 
@@ -114,7 +117,9 @@ class Stage:
 
     def _step(self, batch: Batch) -> None:
         self.batch_size_counts[len(batch.requests)] += 1
+        started = time.perf_counter()
         batch, outputs = self._run_isolating(batch)
+        self.busy_s += time.perf_counter() - started
         if not batch.requests or not self._drain(block=False):
             return
         finished = self.scheduler.update(batch, outputs)
@@ -129,7 +134,9 @@ class Stage:
         try:
             outputs = self.runner.run(batch)
             if self.stream is not None:
+                started = time.perf_counter()
                 self.stream.synchronize()  # payloads are complete before another stage reads them
+                self.device_wait_s += time.perf_counter() - started
             return batch, outputs
         except Exception as exc:
             if len(batch.requests) == 1:

@@ -28,6 +28,8 @@ class _ReplayGraph:
 
 
 class _FakeGraphPlatform(Platform):
+    capture_streams: list = []  # the stream of every capture, in order (reset by the test that reads it)
+
     def __init__(self):
         super().__init__("cuda", "cpu", "gloo", supports_graphs=True)
 
@@ -37,7 +39,8 @@ class _FakeGraphPlatform(Platform):
     def graph_pool_handle(self):
         return object()
 
-    def graph_context(self, graph, pool):
+    def graph_context(self, graph, pool, stream=None):
+        self.capture_streams.append(stream)
         return contextlib.nullcontext()
 
     def new_stream(self):
@@ -83,6 +86,18 @@ def test_replay_pads_to_the_bucket_and_slices():
     captured = cache._graphs[(4, 16)]
     assert captured.inputs["slots"].tolist() == [0, 1, 2, 9]  # padded with the scratch slot
     assert cache.num_replays == 1 and cache.num_eager == 0
+
+
+def test_each_cache_captures_on_a_stream_of_its_own():
+    """Graphs of two stages replay concurrently; stream-keyed library workspaces must not be shared."""
+    platform = _FakeGraphPlatform()
+    platform.capture_streams.clear()
+    for _ in range(2):
+        step, _ = _step_calls()
+        GraphCache("t", step, platform, enabled=True, batch_sizes=[1, 2]).capture(
+            lambda key: {"x": torch.zeros(key[0]), "slots": torch.zeros(key[0], dtype=torch.long)})
+    first, second = platform.capture_streams[:2], platform.capture_streams[2:]
+    assert first[0] is first[1] and second[0] is second[1] and first[0] is not second[0] and first[0] is not None
 
 
 def test_eager_outside_the_buckets_and_when_disabled():

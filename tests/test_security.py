@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import re
 import time
 
 import httpx
@@ -135,12 +136,15 @@ def test_metrics_and_structured_request_logs(secure_server):
                    json={"model": "tiny", "messages": MSG, "max_tokens": 8, "modalities": ["text", "audio"],
                          "audio": {"voice": "ethan", "format": "wav"}})
     rid = r.json()["id"]
+    assert httpx.get(f"{secure_server.url}/v1/models", timeout=10).status_code == 401  # counted by type below
     text = httpx.get(f"{secure_server.url}/metrics", timeout=10).text
     for name in ("omnirt_requests_total", "omnirt_requests_active", "omnirt_stage_queue_depth",
                  "omnirt_stage_batch_size_bucket", "omnirt_audio_ttfp_seconds_bucket", "omnirt_audio_rtf_bucket",
                  "omnirt_audio_underruns_total", "omnirt_errors_total", "omnirt_sessions_active"):
         assert name in text, name
     assert 'omnirt_errors_total{type="authentication_error"}' in text
+    step_s = re.search(r'omnirt_stage_step_seconds_total\{part="host",stage="thinker"\} (\S+)', text)
+    assert step_s and float(step_s.group(1)) > 0  # the request's steps were timed
     lines = [json.loads(line) for line in secure_server.log.read_text().splitlines() if line.startswith("{")]
     done = [rec for rec in lines if rec.get("request_id") == rid]
     assert done and done[-1]["msg"] == "request finished" and done[-1]["ttfp_ms"] > 0 and done[-1]["rtf"] > 0

@@ -15,7 +15,8 @@ engine = load_engine(build_parser().parse_args(["serve", *sys.argv[1:]]))
 print(f"engine ready {time.perf_counter() - t0:.1f}s", flush=True)
 
 
-async def one(i: int, frames: int) -> None:
+async def one(i: int, frames: int) -> tuple[float, float, float]:
+    """One request; returns (TTFP, total seconds, audio seconds)."""
     t = time.perf_counter()
     req = OmniRequest(f"d{i}", [{"role": "user", "content": "hello " * 150}], ("text", "audio"),
                       thinker_sampling={"max_tokens": 40, "min_tokens": 40, "temperature": 0.0},
@@ -29,20 +30,64 @@ async def one(i: int, frames: int) -> None:
         elif isinstance(ev, AudioChunk):
             first_audio = first_audio or now
             n += ev.num_samples
-        elif isinstance(ev, Finished):
-            print(f"req {i}: ttft {first_text:.3f} ttfp {first_audio} total {now:.2f} audio {n / 24000:.2f}s "
+        elif isinstance(ev, Finished) and (ev.error or os.environ.get("DIAG_VERBOSE")):
+            print(f"req {i}: ttft {first_text} ttfp {first_audio} total {now:.2f} audio {n / 24000:.2f}s "
                   f"{ev.finish_reason} {ev.error}", flush=True)
+    return first_audio or float("nan"), time.perf_counter() - t, n / 24000
+
+
+def stage_stats() -> dict[str, tuple[int, int, float, float]]:
+    """Per stage: steps, rows stepped, busy seconds, device-wait seconds (cumulative)."""
+    return {s.name: (s.num_steps, sum(b * n for b, n in enumerate(s.batch_size_counts)), s.busy_s, s.device_wait_s)
+            for s in engine.stages}
+
+
+def print_stage_delta(before: dict, after: dict) -> None:
+    for name, (steps, rows, busy, wait) in after.items():
+        s0, r0, b0, w0 = before[name]
+        n = max(steps - s0, 1)
+        print(f"  {name}: {steps - s0} steps, mean batch {(rows - r0) / n:.1f}, {1e3 * (busy - b0) / n:.1f} ms/step "
+              f"({1e3 * (wait - w0) / n:.1f} waiting for the device), busy {busy - b0:.1f}s", flush=True)
 
 
 async def main() -> None:
-    await one(0, 20)
-    for c in (1, 16, 64):
-        t = time.perf_counter()
-        await asyncio.gather(*(one(100 * c + i, 145) for i in range(c)))
+    print("warm-up: ttfp %.3fs total %.2fs audio %.2fs" % await one(0, 20), flush=True)
+    for c in [int(x) for x in os.environ.get("DIAG_CONC", "1 16 64").split()]:
+        t, before = time.perf_counter(), stage_stats()
+        res = await asyncio.gather(*(one(100 * c + i, 145) for i in range(c)))
         wall = time.perf_counter() - t
-        print(f"c={c}: {c} requests in {wall:.2f}s = {c / wall:.2f} req/s", flush=True)
+        ttfp = sorted(r[0] for r in res)
+        rtf = sum(r[1] / max(r[2], 1e-9) for r in res) / c
+        print(f"c={c}: {c / wall:.2f} req/s, TTFP mean {sum(ttfp) / c:.3f}s p50 {ttfp[c // 2]:.3f}s "
+              f"max {ttfp[-1]:.3f}s, RTF {rtf:.3f}, wall {wall:.1f}s", flush=True)
+        print_stage_delta(before, stage_stats())
 
 
-asyncio.run(main())
+async def profiled(c: int) -> None:
+    """One more round at concurrency c under torch.profiler: the top ops by device and by host time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        await asyncio.gather(*(one(900 + i, 145) for i in range(c)))
+        wall = time.perf_counter() - t
+    table = prof.key_averages()
+    device_s = sum(e.self_device_time_total for e in table) / 1e6
+    with open(os.path.join(os.environ.get("OUT", "/tmp"), f"profile-c{c}.txt"), "w") as f:
+        f.write(f"wall {wall:.2f}s, device time (sum over kernels, all streams) {device_s:.2f}s\n\n")
+        f.write(table.table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=70))
+        f.write("\n\n")
+        f.write(table.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=70))
+    print(f"profiled c={c}: wall {wall:.2f}s, kernel time {device_s:.2f}s ({100 * device_s / wall:.0f}% of wall)",
+          flush=True)
+
+
+async def main_and_profile() -> None:
+    await main()
+    if os.environ.get("DIAG_PROFILE"):
+        await profiled(int(os.environ["DIAG_PROFILE"]))
+
+
+asyncio.run(main_and_profile())
 faulthandler.cancel_dump_traceback_later()
 engine.stop()

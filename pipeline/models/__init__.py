@@ -60,7 +60,8 @@ def load_models(cfg: EngineConfig, platform: Platform) -> OmniModels:
     dtype = getattr(torch, cfg.dtype)
     device = platform.device(0)
     moe = cfg.moe_backend if cfg.moe_backend != "auto" else ("grouped_mm" if platform.supports_graphs else "eager")
-    graph_moe = "batched_mm" if moe == "grouped_mm" else None  # grouped_mm's group sizes cannot be captured
+    # grouped_mm captures in bf16; other dtypes fall back to a kernel that reads group sizes on the host
+    graph_moe = "batched_mm" if moe == "grouped_mm" and dtype != torch.bfloat16 else None
     hf, tokenizer, _ = load_hf_model(cfg.model, cfg.load_format, dtype, device, moe)
     log.info("weights: %.2f GiB on %s (%s, experts: %s)", platform.memory_allocated(device) / 2**30, device,
              cfg.dtype, moe)

@@ -35,9 +35,9 @@ def run_decoder(stack: torch.nn.Module, embeds: torch.Tensor, position_ids: torc
 
 @contextlib.contextmanager
 def experts_implementation(stack: torch.nn.Module, name: str | None):
-    """Run a MoE stack with another transformers experts implementation for a while: grouped_mm for
-    prefill (reads each active expert once), batched_mm inside captured decode graphs (grouped_mm's
-    group sizes are host data, which a graph would freeze at capture time)."""
+    """Run a MoE stack with another transformers experts implementation for a while: batched_mm inside
+    captured decode graphs when grouped_mm cannot be captured (outside bf16 its fallback reads the group
+    sizes on the host), grouped_mm for everything else (it reads each active expert once)."""
     config = stack.config
     saved = config._experts_implementation
     if name is not None:
