@@ -5,6 +5,7 @@ output buffer per request."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import random
 import socket
@@ -148,3 +149,47 @@ async def test_realtime_connect_refused_when_full_and_running_sessions_go_on(sma
         await recv_type(again, "session.created")
     h = srv.wait_idle()
     assert h["free_slots"] == h["slots"]
+
+
+async def test_realtime_disconnect_storm_frees_every_slot(small_server):
+    """Realtime clients vanish at random points (right after connecting, right after `response.create`,
+    after the first or third audio delta), half with a close frame and half by dropping the TCP
+    connection: every slot comes back, no session stays open, and a new session gets a whole answer."""
+    srv, rng = small_server, random.Random(2)
+    plans = [(rng.choice([0, 1, 2, 4]), rng.random() < 0.5) for _ in range(120)]
+    limit, cuts = asyncio.Semaphore(4), collections.Counter()
+
+    async def one(num_deltas: int, abrupt: bool) -> None:
+        async with limit:
+            ws = await websockets.connect(ws_url(srv), max_size=None)
+            try:
+                if (await recv(ws))["type"] == "session.created" and num_deltas:
+                    await ask(ws, "Tell me a story.", max_output_tokens=8, talker_sampling={"min_tokens": 40,
+                                                                                            "max_tokens": 40})
+                    seen = 0
+                    while seen < num_deltas - 1 and (ev := await recv(ws))["type"] != "response.done":
+                        seen += ev["type"] == "response.output_audio.delta"
+                    cuts["mid_audio" if seen else "before_audio"] += 1
+            except websockets.ConnectionClosed:
+                cuts["refused"] += 1  # at connect (1013) while the others hold every slot: allowed
+            finally:
+                if abrupt:
+                    ws.transport.abort()  # no close frame: the TCP connection just ends
+                else:
+                    await ws.close()
+
+    started = time.monotonic()
+    await asyncio.gather(*(one(*plan) for plan in plans))
+    assert time.monotonic() - started < 240 and cuts["mid_audio"] >= 20, cuts
+    print(f"realtime disconnect storm: {dict(cuts)}")
+    h = await asyncio.to_thread(srv.wait_idle, 30)
+    assert h["free_slots"] == h["slots"] and h["active_requests"] == 0
+    deadline = time.monotonic() + 15
+    while srv.metric("omnirt_sessions_active", transport="websocket") and time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
+    assert srv.metric("omnirt_sessions_active", transport="websocket") == 0
+    async with websockets.connect(ws_url(srv), max_size=None) as ws:
+        await recv_type(ws, "session.created")
+        await ask(ws, "Hello!", max_output_tokens=4, talker_sampling={"min_tokens": 20, "max_tokens": 20})
+        events = await until_done(ws)
+    assert lost_audio(events, events[-1]["response"]["id"]) is None
