@@ -5,14 +5,15 @@ in rotation: a text item + `response.create`; an audio item (`input_audio_buffer
 and starts the response itself). Every finished response must carry its whole audio (`lost_audio`: the
 deltas' PCM == every codec frame its usage counts, all inside the content part); no `error` event; the
 server's memory must plateau (tests/soak_helpers.py); every session ends counted in /metrics and all
-slots are free at the end. CI runs 6 clients for 30 s; `make soak` runs 64 for 600 s
-(OMNIRT_RT_SOAK_N, OMNIRT_RT_SOAK_S)."""
+slots are free at the end. CI runs 6 clients for 30 s; `make soak` runs 64 for 600 s (OMNIRT_RT_SOAK_N,
+OMNIRT_RT_SOAK_S). In process, no session object outlives its connection."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
 import collections
+import gc
 import json
 import os
 import time
@@ -20,7 +21,12 @@ from dataclasses import dataclass, field
 
 import pytest
 import websockets
+from starlette.testclient import TestClient
 
+from app.input_audio import InputAudio
+from app.response import Response
+from app.server import ServerSettings, create_app
+from app.session import RealtimeSession
 from tests.conftest import ServerProcess
 from tests.realtime_helpers import ask, b64_chunks, espeak_utterance, lost_audio, recv_type, until_done, ws_url
 from tests.soak_helpers import MAX_GROWTH_MB, RssSampler, report
@@ -141,3 +147,28 @@ def test_lost_audio_notices_a_missing_or_misplaced_delta():
     assert lost_audio([part, *deltas, end, done], "r") is None
     assert "samples for 5 frames" in lost_audio([part, deltas[1], end, done], "r")
     assert "outside" in lost_audio([part, deltas[0], end, deltas[1], done], "r")
+
+
+def test_no_session_outlives_its_connection(engine, speech):
+    """In process: 12 sessions, each with a spoken turn, open and close; afterwards no RealtimeSession,
+    InputAudio (with its VAD) or Response object is left (a leak per session would keep them)."""
+    app = create_app(engine, ServerSettings())
+    with TestClient(app) as client:
+        for _ in range(12):
+            with client.websocket_connect("/v1/realtime") as ws:
+                ws.receive_json()
+                ws.send_json({"type": "session.update", "session": {"audio": {"input": {"turn_detection": None}}}})
+                for chunk in speech:
+                    ws.send_json({"type": "input_audio_buffer.append", "audio": chunk})
+                ws.send_json({"type": "input_audio_buffer.commit"})
+                ws.send_json({"type": "response.create", "response": {"max_output_tokens": 2,
+                                                                      "talker_sampling": {"max_tokens": 8}}})
+                while ws.receive_json()["type"] != "response.done":
+                    pass
+        deadline = time.monotonic() + 10
+        while app.state.realtime.sessions and time.monotonic() < deadline:
+            time.sleep(0.05)
+    gc.collect()
+    alive = collections.Counter(type(o).__name__ for o in gc.get_objects()
+                                if isinstance(o, RealtimeSession | InputAudio | Response))
+    assert not alive and not app.state.realtime.sessions, alive
