@@ -169,6 +169,6 @@ def test_no_session_outlives_its_connection(engine, speech):
         while app.state.realtime.sessions and time.monotonic() < deadline:
             time.sleep(0.05)
     gc.collect()
-    alive = collections.Counter(type(o).__name__ for o in gc.get_objects()
-                                if isinstance(o, RealtimeSession | InputAudio | Response))
+    kinds = (RealtimeSession, InputAudio, Response)
+    alive = collections.Counter(type(o).__name__ for o in gc.get_objects() if type(o) in kinds)
     assert not alive and not app.state.realtime.sessions, alive
