@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from collections.abc import Callable
 
 import uvicorn
@@ -68,7 +69,7 @@ class DrainingServer(uvicorn.Server):
             pass  # not serving yet: nothing to drain
         super().handle_exit(sig, frame)
 
-    async def shutdown(self, sockets=None) -> None:
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         """Stop listening at once, let the drain run to its end (a second signal cuts it short), then
         uvicorn's shutdown."""
         for server in self.servers:
