@@ -37,12 +37,15 @@ LOADTEST_TIME  ?= 60s
 loadtest: $(STAMP)
 	$(BIN)/python -m loadtest.run --users $(LOADTEST_USERS) --spawn-rate 4 --run-time $(LOADTEST_TIME)
 
-# The full soak (CI runs 8 clients for 30 s) and a longer fuzz run; figures go to tests/artifacts/.
-soak: $(STAMP)
-	OMNIRT_SOAK_N=64 OMNIRT_SOAK_S=600 $(BIN)/python -m pytest -q -s -p no:cacheprovider -o timeout=1800 tests/test_soak.py
+# The full soaks, chat and Realtime (CI runs 8 chat clients / 6 Realtime clients for 30 s), and a longer
+# fuzz run; figures go to tests/artifacts/.
+soak: $(STAMP) sysdeps
+	OMNIRT_SOAK_N=64 OMNIRT_SOAK_S=600 OMNIRT_RT_SOAK_N=64 OMNIRT_RT_SOAK_S=600 $(BIN)/python -m pytest -q -s \
+	  -p no:cacheprovider -o timeout=1800 tests/test_soak.py tests/test_realtime_soak.py
 
 fuzz: $(STAMP)
-	OMNIRT_FUZZ_CASES=20000 OMNIRT_SCHEMA_CASES=3000 $(BIN)/python -m pytest -q -s -p no:cacheprovider -o timeout=3600 tests/test_fuzz.py
+	OMNIRT_FUZZ_CASES=20000 OMNIRT_SCHEMA_CASES=3000 OMNIRT_RT_FUZZ_CASES=50000 $(BIN)/python -m pytest -q -s \
+	  -p no:cacheprovider -o timeout=3600 tests/test_fuzz.py tests/test_realtime_fuzz.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check app pipeline loadtest tests

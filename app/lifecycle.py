@@ -1,12 +1,14 @@
-"""Graceful shutdown. On SIGTERM/SIGINT the server stops accepting connections (uvicorn), new requests on
-open connections get 503, running responses may finish until `deadline_s`; then every remaining one is
+"""Graceful shutdown. On SIGTERM/SIGINT the server stops accepting connections, new requests on open
+connections get 503, running responses may finish until `deadline_s`; then every remaining one is
 ended with the reason "server shutting down" (an error event on SSE; registered hooks close realtime
-sessions with that reason), and uvicorn closes what is left after a short grace."""
+sessions with that reason, e.g. WebSocket close 1001), and only then does uvicorn's own shutdown run
+(it would close WebSockets at once with 1012), closing what is left after a short grace."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from collections.abc import Callable
 
 import uvicorn
@@ -19,6 +21,7 @@ class Lifecycle:
     def __init__(self, engine, deadline_s: float):
         self.engine, self.deadline_s = engine, deadline_s
         self.is_draining = False
+        self.is_drained = False  # the deadline hooks have run
         self._hooks: list[Callable[[str], object]] = []
         self._task: asyncio.Task | None = None
 
@@ -43,10 +46,13 @@ class Lifecycle:
         if self.engine.num_active_requests:
             log.warning("drain deadline: ending %d requests", self.engine.num_active_requests)
         self.engine.abort_all(SHUTDOWN_REASON)
-        for hook in self._hooks:
-            result = hook(SHUTDOWN_REASON)
-            if asyncio.iscoroutine(result):
-                await result
+        try:
+            for hook in self._hooks:
+                result = hook(SHUTDOWN_REASON)
+                if asyncio.iscoroutine(result):
+                    await result
+        finally:
+            self.is_drained = True
 
 
 class DrainingServer(uvicorn.Server):
@@ -62,3 +68,13 @@ class DrainingServer(uvicorn.Server):
         except RuntimeError:
             pass  # not serving yet: nothing to drain
         super().handle_exit(sig, frame)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        """Stop listening at once, let the drain run to its end (a second signal cuts it short), then
+        uvicorn's shutdown."""
+        for server in self.servers:
+            server.close()
+        self.lifecycle.begin_drain()
+        while not (self.lifecycle.is_drained or self.force_exit):
+            await asyncio.sleep(0.05)
+        await super().shutdown(sockets)

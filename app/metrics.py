@@ -28,8 +28,9 @@ class Metrics:
         self.requests = Counter("omnirt_requests", "Requests by endpoint and final state "
                                 "(stop, length, abort, error, rejected)", ["endpoint", "state"], registry=r)
         self.active = Gauge("omnirt_requests_active", "Requests being served", ["endpoint"], registry=r)
-        self.sessions = Counter("omnirt_sessions", "Realtime sessions by final state", ["transport", "state"],
-                                registry=r)
+        self.sessions = Counter("omnirt_sessions", "Realtime sessions by transport and how they ended: closed "
+                                "(by the client), timeout, shutdown (by the server's drain), failed, refused (at "
+                                "connect)", ["transport", "state"], registry=r)
         self.sessions_active = Gauge("omnirt_sessions_active", "Open realtime sessions", ["transport"], registry=r)
         self.errors = Counter("omnirt_errors", "Errors by type (OpenAI error type or stream error code)", ["type"],
                               registry=r)
@@ -45,9 +46,10 @@ class Metrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-    async def observe(self, events: AsyncIterator[Event], request_id: str, endpoint: str,
-                      started: float) -> AsyncIterator[Event]:
-        """Pass a request's events through, recording TTFP, RTF, underruns and its final state."""
+    async def observe(self, events: AsyncIterator[Event], request_id: str, endpoint: str, started: float,
+                      session_id: str | None = None) -> AsyncIterator[Event]:
+        """Pass a request's events through, recording TTFP, RTF, underruns and its final state (logged with
+        the request id, and the session id of a Realtime response)."""
         clock, state, fin = PlaybackClock(), "abort", None
         self.active.labels(endpoint).inc()
         try:
@@ -59,15 +61,16 @@ class Metrics:
                 yield ev
         finally:
             self.active.labels(endpoint).dec()
-            self._record(clock, state, fin, request_id, endpoint, started)
+            self._record(clock, state, fin, endpoint, started,
+                         {"request_id": request_id, "session_id": session_id})
             await events.aclose()
 
-    def _record(self, clock: PlaybackClock, state: str, fin: Finished | None, request_id: str, endpoint: str,
-                started: float) -> None:
+    def _record(self, clock: PlaybackClock, state: str, fin: Finished | None, endpoint: str, started: float,
+                ids: dict) -> None:
         self.requests.labels(endpoint, state).inc()
         if fin is not None and fin.error:
             self.errors.labels("generation_failed" if state == "error" else "aborted_by_server").inc()
-        extra = {"request_id": request_id, "finish_reason": state, "error": fin.error if fin else None}
+        extra = {**ids, "finish_reason": state, "error": fin.error if fin else None}
         if clock.num_packets:
             ttfp, rtf = clock.first_at - started, (clock.last_at - started) / max(clock.audio_s, 1e-6)
             self.ttfp.observe(ttfp)

@@ -3,49 +3,42 @@
 One reader loop (client events, size limit, idle timeout) and one writer task (the session's
 outbox -> text frames) per connection. A client that sends `OpenAI-Beta: realtime=v1` (or offers the
 `openai-beta.realtime-v1` subprotocol, as browsers must) gets the beta event names and session shape.
-Refusals at connect are an `error` event followed by a close code: 1008 for an unknown model,
-1013 when `max_sessions` are open. The idle timeout sends an `error` event, then closes with 1000.
+Refusals at connect are an `error` event followed by a close code whose reason says why: 1008 for an
+unknown model, 1013 when `max_sessions` are open or the engine's wait queues are full, 1001 while the
+server drains. The idle timeout sends an `error` event, then closes with 1000. On shutdown, once the
+running responses have finished (or the drain deadline passed), each session gets an `error` event
+(`server_shutting_down`) and a close 1001 "server shutting down". Log lines carry the session id.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 
 from fastapi import APIRouter, FastAPI, WebSocket
 from starlette.websockets import WebSocketDisconnect, WebSocketState
 
-from app.admission import session_refusal
+from app.admission import WS_GOING_AWAY, WS_TRY_AGAIN_LATER, session_refusal
+from app.lifecycle import SHUTDOWN_REASON
 from app.realtime_events import ProtocolError, error_event
 from app.session import RealtimeLimits, RealtimeSession
+from app.session_registry import SessionRegistry
 
 log = logging.getLogger(__name__)
 router = APIRouter()
-CLOSE_POLICY, CLOSE_TRY_AGAIN = 1008, 1013
-
-
-class SessionRegistry:
-    """The app's open Realtime sessions: admission against `max_sessions`, close-all on shutdown."""
-
-    def __init__(self, limits: RealtimeLimits):
-        self.limits = limits
-        self.sessions: set[RealtimeSession] = set()
-
-    def try_add(self, session: RealtimeSession) -> bool:
-        if len(self.sessions) >= self.limits.max_sessions:
-            return False
-        self.sessions.add(session)
-        return True
-
-    async def close_all(self) -> None:
-        await asyncio.gather(*(s.close() for s in list(self.sessions)), return_exceptions=True)
+CLOSE_POLICY, CLOSE_TRY_AGAIN, CLOSE_GOING_AWAY = 1008, WS_TRY_AGAIN_LATER, WS_GOING_AWAY
+MAX_CLOSE_REASON = 123  # bytes a close frame's reason may hold (the reasons here are ASCII)
+TRANSPORT = "websocket"
 
 
 def install(app: FastAPI, limits: RealtimeLimits) -> None:
-    app.state.realtime = SessionRegistry(limits)
-    app.router.on_shutdown.append(app.state.realtime.close_all)
+    server = app.state.server
+    app.state.realtime = registry = SessionRegistry(limits, server.metrics)
+    server.lifecycle.on_deadline(registry.end_all)  # after running responses finished, or at the deadline
+    app.router.on_shutdown.append(functools.partial(registry.end_all, SHUTDOWN_REASON))  # whatever is left
     app.include_router(router)
 
 
@@ -62,71 +55,104 @@ async def realtime(ws: WebSocket) -> None:
     await ws.accept(subprotocol="realtime" if "realtime" in offered else None)
     model = ws.query_params.get("model") or server.model_names[0]
     if model not in server.model_names:
-        return await _refuse(ws, ProtocolError(f"the model {model!r} does not exist; served: "
-                                               f"{', '.join(server.model_names)}", "model_not_found", "model"),
-                             CLOSE_POLICY)
+        return await _refuse(ws, registry, ProtocolError(f"the model {model!r} does not exist; served: "
+                                                         f"{', '.join(server.model_names)}", "model_not_found",
+                                                         "model"), CLOSE_POLICY)
     refusal = session_refusal(server)  # engine at capacity, or the server is draining
     if refusal is not None:
         code, reason = refusal
-        return await _refuse(ws, ProtocolError(reason, "server_busy" if code == CLOSE_TRY_AGAIN else
-                                               "server_shutting_down", error_type="server_error"), code)
+        return await _refuse(ws, registry, ProtocolError(reason, "server_busy" if code == CLOSE_TRY_AGAIN else
+                                                         "server_shutting_down", error_type="server_error"), code)
     session = RealtimeSession(server.engine, model, registry.limits, beta=_is_beta(ws),
-                              instructions=server.system_prompt or "")
-    if not registry.try_add(session):
-        return await _refuse(ws, ProtocolError(f"the server has {registry.limits.max_sessions} realtime sessions "
-                                               "open; try again later", "session_limit_reached",
-                                               error_type="server_error"), CLOSE_TRY_AGAIN)
-    log.info("realtime %s: open (model %s, beta %s)", session.id, model, session.beta)
-    writer = asyncio.create_task(_write(ws, session))
+                              instructions=server.system_prompt or "", metrics=server.metrics)
+    conn = _Connection(ws, session)
+    if not registry.try_add(session, TRANSPORT, conn.end):
+        return await _refuse(ws, None, ProtocolError(f"the server has {registry.limits.max_sessions} realtime "
+                                                     "sessions open; try again later", "session_limit_reached",
+                                                     error_type="server_error"), CLOSE_TRY_AGAIN)
+    conn.log.info("realtime session open (model %s, beta %s)", model, session.beta)
     try:
-        await session.start()
-        close_code = await _read(ws, session, registry.limits)
+        await conn.serve(registry.limits)
     finally:
-        registry.sessions.discard(session)
-        await session.close()
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(writer, timeout=5)
-        writer.cancel()
-        log.info("realtime %s: closed", session.id)
-    if close_code is not None and ws.application_state is WebSocketState.CONNECTED:
-        with contextlib.suppress(Exception):
-            await ws.close(close_code)
+        registry.remove(session, conn.state)
+        conn.log.info("realtime session closed (%s)", conn.state)
 
 
-async def _read(ws: WebSocket, session: RealtimeSession, limits: RealtimeLimits) -> int | None:
-    """Client events until the client goes (None) or the session idles out (a close code)."""
-    while True:
+class _Connection:
+    """One WebSocket and its session: a reader loop (client events, size limit, idle timeout), a writer
+    task (the session's outbox -> text frames), and `end(reason)` for the server to close it (1001)."""
+
+    def __init__(self, ws: WebSocket, session: RealtimeSession):
+        self.ws, self.session = ws, session
+        self.log = logging.LoggerAdapter(log, {"session_id": session.id})
+        self.writer: asyncio.Task | None = None
+        self.state = "closed"  # how it ended, for /metrics: closed (by the client), timeout, shutdown
+
+    async def serve(self, limits: RealtimeLimits) -> None:
+        self.writer = asyncio.create_task(self._write())
+        close_code = None
         try:
-            msg = await asyncio.wait_for(ws.receive(), timeout=limits.idle_timeout_s)
-        except TimeoutError:
-            if session.is_busy:
+            await self.session.start()
+            close_code = await self._read(limits)
+        finally:
+            await self._drain()
+        if close_code is not None and self.ws.application_state is WebSocketState.CONNECTED:
+            self.state = "timeout"
+            with contextlib.suppress(Exception):
+                await self.ws.close(close_code)
+
+    async def end(self, reason: str) -> None:
+        """The server ends the session: what is queued goes out, then the close (1001) says why."""
+        self.state = "shutdown"
+        await self._drain()
+        with contextlib.suppress(Exception):
+            await self.ws.close(CLOSE_GOING_AWAY, reason=reason[:MAX_CLOSE_REASON])
+
+    async def _drain(self) -> None:
+        """Close the session (its response is aborted in every stage) and let the writer send the rest."""
+        await self.session.close()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(asyncio.shield(self.writer), timeout=5)
+        self.writer.cancel()
+
+    async def _read(self, limits: RealtimeLimits) -> int | None:
+        """Client events until the client goes (None) or the session idles out (a close code)."""
+        ws, session = self.ws, self.session
+        while True:
+            try:
+                msg = await asyncio.wait_for(ws.receive(), timeout=limits.idle_timeout_s)
+            except TimeoutError:
+                if session.is_busy:
+                    continue
+                await session.send_error(ProtocolError(f"no client event for {limits.idle_timeout_s:g} s: closing "
+                                                       "the session", "session_idle_timeout"))
+                return 1000
+            except (WebSocketDisconnect, RuntimeError):  # RuntimeError: `end` closed it meanwhile
+                return None
+            if msg["type"] == "websocket.disconnect":
+                return None
+            data = msg.get("text") if msg.get("text") is not None else msg.get("bytes")
+            if data is None:
                 continue
-            await session.send_error(ProtocolError(f"no client event for {limits.idle_timeout_s:g} s: closing the "
-                                                   "session", "session_idle_timeout"))
-            return 1000
-        except WebSocketDisconnect:
-            return None
-        if msg["type"] == "websocket.disconnect":
-            return None
-        data = msg.get("text") if msg.get("text") is not None else msg.get("bytes")
-        if data is None:
-            continue
-        if len(data) > limits.max_event_bytes:
-            await session.send_error(ProtocolError(f"the event is {len(data)} bytes; the limit is "
-                                                   f"{limits.max_event_bytes}", "event_too_large"))
-            continue
-        await session.handle_text(data)
+            if len(data) > limits.max_event_bytes:
+                await session.send_error(ProtocolError(f"the event is {len(data)} bytes; the limit is "
+                                                       f"{limits.max_event_bytes}", "event_too_large"))
+                continue
+            await session.handle_text(data)
+
+    async def _write(self) -> None:
+        while (event := await self.session.outbox.get()) is not None:
+            try:
+                await self.ws.send_text(json.dumps(event))
+            except Exception:  # the client is gone: keep draining so that producers never block
+                continue
 
 
-async def _write(ws: WebSocket, session: RealtimeSession) -> None:
-    while (event := await session.outbox.get()) is not None:
-        try:
-            await ws.send_text(json.dumps(event))
-        except Exception:  # the client is gone: keep draining so that producers never block
-            continue
-
-
-async def _refuse(ws: WebSocket, exc: ProtocolError, code: int) -> None:
+async def _refuse(ws: WebSocket, registry: SessionRegistry | None, exc: ProtocolError, code: int) -> None:
+    """An `error` event, then the close code with the reason (counted as refused unless already counted)."""
+    if registry is not None:
+        registry.refused(TRANSPORT)
+    log.info("realtime session refused (%d): %s", code, exc.message)
     with contextlib.suppress(Exception):
         await ws.send_text(json.dumps(error_event(exc)))
-        await ws.close(code, reason=exc.code)
+        await ws.close(code, reason=exc.message[:MAX_CLOSE_REASON])

@@ -201,12 +201,12 @@ def _voice(flat: dict, audio_out: dict, where: str, voices: list[str]) -> str | 
 
 def _format(beta: Any, ga: Any, where: str) -> AudioFormat | None:
     if beta is not None:
-        if beta not in FORMATS:
+        if not isinstance(beta, str) or beta not in FORMATS:
             raise ProtocolError(f"`{where}` must be one of {', '.join(FORMATS)}", "invalid_value", where)
         return FORMATS[beta]
     if ga is None:
         return None
-    if not isinstance(ga, dict) or ga.get("type") not in FORMATS_BY_MIME:
+    if not isinstance(ga, dict) or not isinstance(ga.get("type"), str) or ga["type"] not in FORMATS_BY_MIME:
         raise ProtocolError(f"audio format must be {{type: {' | '.join(FORMATS_BY_MIME)}}}", "invalid_value", where)
     fmt = FORMATS_BY_MIME[ga["type"]]
     if ga.get("rate") not in (None, fmt.sample_rate):

@@ -13,16 +13,19 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
+import time
 from typing import Any, Protocol
 
 import numpy as np
 
 from app.audio import pcm16_to_float
 from app.conversation import Content, Item, item_object
+from app.metrics import Metrics
 from app.outbox import Outbox
 from app.realtime_config import ResponseOptions, format_object
 from app.realtime_events import ProtocolError, error_event, new_id
 from app.wire_audio import PCM16, StreamResampler, encode
+from pipeline.admission import EngineOverloaded
 from pipeline.engine import OmniEngine, RequestError
 from pipeline.request import AudioChunk, Finished, OmniRequest, TextDelta
 
@@ -47,9 +50,12 @@ class AudioSink(Protocol):
 
 class Response:
     def __init__(self, engine: OmniEngine, outbox: Outbox, response_id: str, item: Item, opts: ResponseOptions,
-                 beta: bool, previous_item_id: str | None = None, audio_sink: AudioSink | None = None):
+                 beta: bool, previous_item_id: str | None = None, audio_sink: AudioSink | None = None,
+                 metrics: Metrics | None = None, session_id: str | None = None):
         self.engine, self.outbox, self.id, self.item, self.opts = engine, outbox, response_id, item, opts
         self.beta, self.previous_item_id, self.audio_sink = beta, previous_item_id, audio_sink
+        self.metrics, self.session_id = metrics, session_id
+        self._ids = {"request_id": response_id, "session_id": session_id}  # for log lines
         self.status, self.reason, self.error = "in_progress", None, None
         self.cancel_reason: str | None = None
         self.usage: dict[str, Any] | None = None
@@ -92,21 +98,29 @@ class Response:
 
     async def _run(self, messages: list[dict]) -> None:
         await self._emit("response.created", response=self.object())
+        started = time.monotonic()
         try:
             events = await self.engine.submit(self._request(messages))
         except RequestError as exc:
             return await self._fail(ProtocolError(str(exc), exc.code, exc.param))
+        except EngineOverloaded as exc:  # a session is admitted at connect; each response again here
+            if self.metrics is not None:
+                self.metrics.requests.labels("realtime", "rejected").inc()
+            return await self._fail(ProtocolError(f"the server is at capacity: {exc}", "rate_limit_exceeded",
+                                                  error_type="server_error"))
         except Exception:
-            log.exception("response %s: the engine refused it", self.id)
+            log.exception("response %s: the engine refused it", self.id, extra=self._ids)
             return await self._fail(ProtocolError("the response could not start", "internal_error",
                                                   error_type="server_error"))
         if self.cancel_reason:  # cancelled while the prompt was being encoded
             self.engine.abort(self.id)
+        if self.metrics is not None:
+            events = self.metrics.observe(events, self.id, "realtime", started, self.session_id)
         await self._open_item()
         try:
             await self._stream(events)
         except Exception:  # a bug here must not leave the session with a response that never ends
-            log.exception("response %s: streaming failed", self.id)
+            log.exception("response %s: streaming failed", self.id, extra=self._ids)
             self.status, self.error = "failed", {"type": "server_error", "code": "internal_error",
                                                  "message": "streaming the response failed"}
         await self._close_item()
@@ -142,6 +156,9 @@ class Response:
         self.status, self.reason = _STATUS[fin.finish_reason]
         if fin.finish_reason == "error":
             self.error = {"type": "server_error", "code": "generation_failed", "message": fin.error or "failed"}
+        elif fin.error:  # the server ended it (shutdown, unread output): not the client's cancel
+            self.status, self.reason = "failed", None
+            self.error = {"type": "server_error", "code": "request_aborted", "message": fin.error}
         u = fin.usage
         out = u.completion_tokens + u.audio_frames
         self.usage = {"total_tokens": u.prompt_tokens + out, "input_tokens": u.prompt_tokens, "output_tokens": out,

@@ -3,7 +3,7 @@ server VAD, and at most one response at a time, driven by OpenAI Realtime client
 
 The transport interface (WebSocket now, WebRTC later, both unchanged):
 
-    session = RealtimeSession(engine, model, limits, beta=False, instructions=..., audio_sink=None)
+    session = RealtimeSession(engine, model, limits, beta=False, instructions=..., audio_sink=None, metrics=None)
     await session.start()                     # queues `session.created`
     await session.handle_text(raw)            # a client event as JSON text: any error becomes an `error` event
     await session.handle_event(event_dict)    # the same, already parsed
@@ -17,6 +17,8 @@ PCM16 to that sink: WebRTC plays it on its media track, reports `played_ms(item_
 barge-in the session clears the sink and truncates the assistant item at the played position
 itself (and emits `output_audio_buffer.cleared`), as OpenAI does for WebRTC. Every queue is bounded:
 the outbox (producers wait), the input buffer (`input_audio_buffer_full` error), the sink (its own).
+With `metrics`, each response is counted like a chat request (endpoint "realtime") and logs a
+"request finished" line with its response id and the session id.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import numpy as np
 
 from app.conversation import Content, Conversation, Item, decode_audio_b64, item_object, parse_item
 from app.input_audio import BufferFull, InputAudio, TurnEnded, TurnStarted
+from app.metrics import Metrics
 from app.outbox import Outbox
 from app.realtime_config import ResponseOptions, SessionConfig, apply_session_update, response_options, session_object
 from app.realtime_events import ProtocolError, error_event, new_id, parse_client_event, validate_client_event
@@ -56,9 +59,10 @@ class RealtimeLimits:
 
 class RealtimeSession:
     def __init__(self, engine: OmniEngine, model: str, limits: RealtimeLimits, *, beta: bool = False,
-                 instructions: str = "", audio_sink: AudioSink | None = None):
+                 instructions: str = "", audio_sink: AudioSink | None = None, metrics: Metrics | None = None):
         self.id = new_id("sess")
         self.engine, self.limits, self.beta, self.audio_sink = engine, limits, beta, audio_sink
+        self.metrics = metrics
         self.config = SessionConfig(model=model, voice=engine.cfg.default_voice, instructions=instructions,
                                     wants_audio=engine.models.talker is not None)
         self.conversation = Conversation()
@@ -103,7 +107,7 @@ class RealtimeSession:
             client_id = event.get("event_id")
             await self.send_error(exc, client_id if isinstance(client_id, str) else None)
         except Exception:  # a bug must cost one event, not the session
-            log.exception("realtime %s: %s failed", self.id, event.get("type"))
+            log.exception("realtime %s: %s failed", self.id, event.get("type"), extra={"session_id": self.id})
             await self.send_error(ProtocolError("the server failed to apply the event", "internal_error",
                                                 error_type="server_error"))
 
@@ -224,7 +228,7 @@ class RealtimeSession:
         item = Item(new_id("item"), "assistant")
         previous = self.conversation.add(item) if opts.in_conversation else None
         self.response = Response(self.engine, self.outbox, new_id("resp"), item, opts, self.beta, previous,
-                                 self.audio_sink)
+                                 self.audio_sink, self.metrics, self.id)
         self._has_spoken |= opts.wants_audio
         self.response.start(messages)
 

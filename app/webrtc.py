@@ -9,15 +9,17 @@ ways on the data channel `oai-events`, exactly as over the WebSocket.
 The app owns the calls (`app.state.webrtc`): a call ends when its connection fails or closes, its
 data channel closes, no microphone audio arrives for `MEDIA_TIMEOUT_S`, it does not connect within
 `connect_timeout_s`, the client posts
-`/v1/realtime/calls/{id}/hangup`, or the server shuts down (all calls closed with `gather`). Ending
-a call closes the session (which aborts its response in every engine stage), stops the track, and
-cancels the call's tasks. WebRTC calls count against the Realtime `max_sessions` limit.
+`/v1/realtime/calls/{id}/hangup`, or the server shuts down (all calls closed with `gather`, after an
+`error` event that says why). Ending a call closes the session (which aborts its response in every
+engine stage), stops the track, and cancels the call's tasks. WebRTC calls count against the Realtime
+`max_sessions` limit and in the session metrics (transport "webrtc"); log lines carry the session id.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import ipaddress
 import json
 import logging
@@ -33,6 +35,7 @@ from fastapi.responses import JSONResponse, Response
 
 from app.admission import check_admission
 from app.errors import APIError
+from app.lifecycle import SHUTDOWN_REASON
 from app.realtime_events import ProtocolError, new_id
 from app.session import RealtimeSession
 from app.vad import SAMPLE_RATE as INPUT_RATE
@@ -41,6 +44,7 @@ from app.webrtc_track import PacedAudioTrack
 log = logging.getLogger(__name__)
 router = APIRouter()
 CHANNEL = "oai-events"
+TRANSPORT = "webrtc"
 MAX_SDP_BYTES = 64 * 1024
 INPUT_CHUNK_SAMPLES = INPUT_RATE * 40 // 1000  # mic audio reaches the session every 40 ms
 MEDIA_TIMEOUT_S = 10.0  # no microphone frame for this long: the client is gone (ICE consent would take ~30 s)
@@ -67,7 +71,8 @@ class CallRegistry:
     calls: dict[str, Call] = field(default_factory=dict)
 
     async def close_all(self) -> None:
-        await asyncio.gather(*(c.end("server shutdown") for c in list(self.calls.values())), return_exceptions=True)
+        await asyncio.gather(*(c.end(SHUTDOWN_REASON, "shutdown") for c in list(self.calls.values())),
+                             return_exceptions=True)
 
 
 class Call:
@@ -81,7 +86,9 @@ class Call:
         self.pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))  # never a public STUN server
         self.track = PacedAudioTrack(self.send)
         self.session = RealtimeSession(server.engine, model, self.limits, beta=beta,
-                                       instructions=server.system_prompt or "", audio_sink=self.track)
+                                       instructions=server.system_prompt or "", audio_sink=self.track,
+                                       metrics=server.metrics)
+        self.log = logging.LoggerAdapter(log, {"session_id": self.session.id})
         self.channel = None
         self.channel_open = asyncio.Event()
         self.inbox: asyncio.Queue[str | bytes] = asyncio.Queue(self.limits.max_queued_events)
@@ -109,14 +116,14 @@ class Call:
     # ---- events of the peer connection ---------------------------------------------------------------
 
     def _on_track(self, track: MediaStreamTrack) -> None:
-        log.info("webrtc %s: %s track", self.id, track.kind)
+        self.log.info("webrtc %s: %s track", self.id, track.kind)
         if track.kind == "audio" and self.track not in (s.track for s in self.pc.getSenders()):
             self.pc.addTrack(self.track)
             self._spawn(self._listen(track))
 
     def _on_datachannel(self, channel) -> None:
         if channel.label != CHANNEL or self.channel is not None:
-            log.info("webrtc %s: ignoring data channel %r", self.id, channel.label)
+            self.log.info("webrtc %s: ignoring data channel %r", self.id, channel.label)
             return
         self.channel = channel
         channel.on("open", self.channel_open.set)
@@ -137,9 +144,9 @@ class Call:
 
     def _on_state(self) -> None:
         state = self.pc.connectionState
-        log.info("webrtc %s: connection %s", self.id, state)
+        self.log.info("webrtc %s: connection %s", self.id, state)
         if state in ("failed", "closed"):
-            self.end(f"connection {state}")
+            self.end(f"connection {state}", "failed" if state == "failed" else "closed")
 
     # ---- the call's tasks ----------------------------------------------------------------------------
 
@@ -153,7 +160,7 @@ class Call:
             except MediaStreamError:
                 return
             except TimeoutError:
-                self.end(f"no audio from the client for {MEDIA_TIMEOUT_S:g} s")
+                self.end(f"no audio from the client for {MEDIA_TIMEOUT_S:g} s", "timeout")
                 return
             pending += [f.to_ndarray().reshape(-1) for f in resampler.resample(frame)]
             if sum(p.size for p in pending) >= INPUT_CHUNK_SAMPLES:
@@ -181,7 +188,7 @@ class Call:
     async def _watchdog(self) -> None:
         await asyncio.sleep(self.registry.connect_timeout_s)
         if self.pc.connectionState != "connected":
-            self.end(f"not connected after {self.registry.connect_timeout_s:g} s")
+            self.end(f"not connected after {self.registry.connect_timeout_s:g} s", "timeout")
 
     def send(self, event: dict) -> None:
         """A server event on the data channel (dropped while it is not open: the client is not there)."""
@@ -197,16 +204,17 @@ class Call:
 
     # ---- the end -------------------------------------------------------------------------------------
 
-    def end(self, reason: str) -> asyncio.Task:
-        """Close the call once, in a task of its own (callers may be the call's own tasks)."""
+    def end(self, reason: str, state: str = "closed") -> asyncio.Task:
+        """Close the call once, in a task of its own (callers may be the call's own tasks); `state` is how it
+        ended, for /metrics: closed, timeout, failed, shutdown."""
         if self.closing is None:
-            self.closing = asyncio.create_task(self._close(reason), name=f"webrtc-close-{self.id}")
+            self.closing = asyncio.create_task(self._close(reason, state), name=f"webrtc-close-{self.id}")
         return self.closing
 
-    async def _close(self, reason: str) -> None:
-        log.info("webrtc %s: closing (%s)", self.id, reason)
+    async def _close(self, reason: str, state: str) -> None:
+        self.log.info("webrtc %s: closing (%s)", self.id, reason)
         self.registry.calls.pop(self.id, None)
-        self.sessions.sessions.discard(self.session)
+        self.sessions.remove(self.session, state)
         self.track.stop()
         await self.session.close()  # aborts the response in every engine stage; the outbox ends
         for task in self.tasks:
@@ -216,7 +224,7 @@ class Call:
                 await asyncio.wait_for(self.writer, 2)
         await asyncio.gather(*self.tasks, return_exceptions=True)
         await self.pc.close()
-        log.info("webrtc %s: closed", self.id)
+        self.log.info("webrtc %s: closed", self.id)
 
 
 # ---- routes --------------------------------------------------------------------------------------------
@@ -255,12 +263,16 @@ async def _call(request: Request, beta: bool, status: int) -> Response:
     if model not in server.model_names:
         raise APIError(404, f"the model {model!r} does not exist; served: {', '.join(server.model_names)}",
                        "model", "model_not_found")
-    if len(sessions.sessions) >= sessions.limits.max_sessions:
-        raise APIError(429, f"the server has {sessions.limits.max_sessions} realtime sessions open; try again "
-                       "later", None, "session_limit_reached", headers={"Retry-After": "5"})
-    check_admission(server)  # 429 when the engine's wait queues are full, 503 while draining
+    try:
+        if sessions.is_full:
+            raise APIError(429, f"the server has {sessions.limits.max_sessions} realtime sessions open; try again "
+                           "later", None, "session_limit_reached", headers={"Retry-After": "5"})
+        check_admission(server)  # 429 when the engine's wait queues are full, 503 while draining
+    except APIError:
+        sessions.refused(TRANSPORT)
+        raise
     call = Call(request, beta, model)
-    sessions.try_add(call.session)  # room was checked above, with no await in between
+    sessions.try_add(call.session, TRANSPORT, functools.partial(call.end, state="shutdown"))  # room checked above
     request.app.state.webrtc.calls[call.id] = call
     try:
         answer = await call.answer(offer)
@@ -268,11 +280,11 @@ async def _call(request: Request, beta: bool, status: int) -> Response:
         call.end("signalling cancelled")
         raise
     except Exception as exc:  # aiortc raises ValueError and friends for offers it cannot use
-        await call.end("bad offer")
-        log.info("webrtc %s: refused the offer: %r", call.id, exc)
+        await call.end("bad offer", "failed")
+        call.log.info("webrtc %s: refused the offer: %r", call.id, exc)
         raise APIError(400, f"the SDP offer cannot be used: {exc or type(exc).__name__}", "sdp",
                        "invalid_sdp") from exc
-    log.info("webrtc %s: answered (model %s, beta %s, session %s); candidates offered %s, answered %s", call.id,
+    call.log.info("webrtc %s: answered (model %s, beta %s, session %s); candidates offered %s, answered %s", call.id,
              model, beta, call.session.id, _candidates(offer), _candidates(answer))
     return Response(answer, status, media_type="application/sdp",
                     headers={"Location": f"/v1/realtime/calls/{call.id}"})

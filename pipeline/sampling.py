@@ -49,7 +49,7 @@ class SamplingError(ValueError):
 
 def numerically_safe(params: SamplingParams) -> SamplingParams:
     """Refuse values that would overflow inside a step (and so fail it): float fields as finite floats,
-    the seed in torch.Generator's range; temperatures below 1e-5 are greedy, as in vLLM."""
+    integer fields as integers, the seed in torch.Generator's range; temperatures below 1e-5 are greedy, as in vLLM."""
     try:
         floats = {k: float(getattr(params, k)) for k in ("temperature", "top_p", "repetition_penalty")}
     except (OverflowError, TypeError, ValueError) as exc:
@@ -57,6 +57,10 @@ def numerically_safe(params: SamplingParams) -> SamplingParams:
     if not all(map(math.isfinite, floats.values())) or not 1e-5 <= floats["repetition_penalty"] <= 1e5:
         raise SamplingError("temperature, top_p and repetition_penalty must be finite; repetition_penalty "
                            "in [1e-5, 1e5]", "sampling")
+    for name in ("top_k", "max_tokens", "min_tokens", "seed"):
+        value = getattr(params, name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise SamplingError(f"{name} must be an integer, got {value!r}", name)
     if params.seed is not None and not -(2**63) <= params.seed < 2**64:
         raise SamplingError(f"seed must be in [-2**63, 2**64), got {params.seed}", "seed")
     if 0 < floats["temperature"] < 1e-5:

@@ -67,6 +67,16 @@ class ServerProcess:
     def health(self) -> dict:
         return httpx.get(f"{self.url}/health", timeout=5).json()
 
+    def metric(self, name: str, **labels) -> float:
+        """The sum of the /metrics samples of `name` whose labels include `labels`."""
+        want = [f'{k}="{v}"' for k, v in labels.items()]
+        total = 0.0
+        for line in httpx.get(f"{self.url}/metrics", timeout=10).text.splitlines():
+            head, _, value = line.rpartition(" ")
+            if head.split("{")[0] == name and all(w in head for w in want):
+                total += float(value)
+        return total
+
     def wait_idle(self, timeout: float = 20.0) -> dict:
         """Poll until every stage has all its slots free again."""
         deadline = time.time() + timeout

@@ -1,9 +1,11 @@
-"""Shared pieces of the Realtime tests: a real espeak-ng utterance, and event collection with timeouts."""
+"""Shared pieces of the Realtime tests: a real espeak-ng utterance, event collection with timeouts (SDK and
+raw WebSocket), and the check that a response's audio deltas are all there."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import shutil
 import subprocess
 from pathlib import Path
@@ -13,6 +15,7 @@ import pytest
 import soundfile
 
 from app.audio import float_to_pcm16, resample
+from tests.sse_client import pcm_samples_for_frames
 
 UTTERANCE = "Hello there. Could you please tell me a short story about a friendly dragon?"
 LEAD_S, TAIL_S = 1.0, 1.5
@@ -55,3 +58,53 @@ def response_done(events: list, response_id: str | None = None):
         if ev.type == "response.done" and (response_id is None or ev.response.id == response_id):
             return ev
     raise AssertionError("no response.done")
+
+
+def ws_url(srv, model: str = "tiny") -> str:
+    return f"ws://127.0.0.1:{srv.port}/v1/realtime?model={model}"
+
+
+async def recv(ws, timeout: float = 60.0) -> dict:
+    """The next event on a raw WebSocket (`websockets` client), parsed."""
+    return json.loads(await asyncio.wait_for(ws.recv(), timeout))
+
+
+async def recv_type(ws, kind: str, timeout: float = 60.0) -> dict:
+    while (ev := await recv(ws, timeout))["type"] != kind:
+        pass
+    return ev
+
+
+def lost_audio(events: list[dict], response_id: str) -> str | None:
+    """Why the PCM16 24 kHz audio of a finished response is not whole, or None when it is: its deltas all
+    come between `content_part.added` and `output_audio.done`, and together hold exactly the samples of
+    every codec frame its `response.done` usage counts (a lost or duplicated delta changes the length)."""
+    mine = [e for e in events if e.get("response_id") == response_id or
+            e["type"] == "response.done" and e["response"]["id"] == response_id]
+    kinds = [e["type"] for e in mine]
+    if "response.done" not in kinds or "response.output_audio.done" not in kinds:
+        return f"unfinished: {kinds[-3:]}"
+    first, last = kinds.index("response.content_part.added"), kinds.index("response.output_audio.done")
+    deltas = [i for i, k in enumerate(kinds) if k == "response.output_audio.delta"]
+    if deltas and not first < deltas[0] <= deltas[-1] < last:
+        return "audio deltas outside the content part"
+    num_samples = sum(len(base64.b64decode(mine[i]["delta"])) for i in deltas) // 2
+    frames = mine[-1]["response"]["usage"]["output_token_details"]["audio_tokens"]
+    if not frames or num_samples != pcm_samples_for_frames(frames):
+        return f"{num_samples} samples for {frames} frames (expected {pcm_samples_for_frames(frames or 0)})"
+    return None
+
+
+async def ask(ws, text: str, **response) -> None:
+    """A user text item, then `response.create` with `response` (raw WebSocket)."""
+    await ws.send(json.dumps({"type": "conversation.item.create", "item": {
+        "type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}}))
+    await ws.send(json.dumps({"type": "response.create", "response": response}))
+
+
+async def until_done(ws, timeout: float = 120.0) -> list[dict]:
+    """Events up to and including the next `response.done`."""
+    events = [await recv(ws, timeout)]
+    while events[-1]["type"] != "response.done":
+        events.append(await recv(ws, timeout))
+    return events

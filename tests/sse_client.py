@@ -39,7 +39,13 @@ class StreamResult:
     def is_complete(self) -> bool:
         """[DONE] arrived and the PCM holds every codec frame the usage reports (no packet lost)."""
         return (self.done and self.audio_frames is not None and self.audio_frames > 0
-                and len(self.pcm) // 2 == self.audio_frames * 1920 - 555)
+                and len(self.pcm) // 2 == pcm_samples_for_frames(self.audio_frames))
+
+
+def pcm_samples_for_frames(frames: int) -> int:
+    """24 kHz samples the tiny model's Code2Wav makes of `frames` codec frames (1920 per frame, less the
+    vocoder's edge trim): what a complete stream of them adds up to."""
+    return frames * 1920 - 555
 
 
 def stream_chat(url: str, body: dict, headers: dict | None = None, timeout: float = 120) -> StreamResult:

@@ -18,11 +18,10 @@ from hypothesis import strategies as st
 
 from app.audio import encode_wav
 from tests.conftest import ServerProcess
+from tests.fuzz_helpers import CHEAP, junk, small_ints, sometimes_junk
 
 NUM_CASES = int(os.environ.get("OMNIRT_FUZZ_CASES", "1500"))
 NUM_SCHEMA_CASES = int(os.environ.get("OMNIRT_SCHEMA_CASES", "300"))
-CHEAP = json.dumps({"0": {"max_model_len": 160, "default_sampling_params": {"max_tokens": 8}},
-                    "1": {"max_model_len": 192, "default_sampling_params": {"max_tokens": 16}}})
 WAV = base64.b64encode(encode_wav((np.sin(np.arange(8000) / 9) * 9000).astype("<i2").tobytes(), 16000)).decode()
 TALLY = {"cases": 0, "2xx": 0, "4xx": 0, "5xx": 0}
 
@@ -34,18 +33,6 @@ def fuzz_server():
     srv.stop()
 
 
-leaf = (st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True, allow_infinity=True)
-        | st.text(max_size=12))
-junk = st.recursive(leaf, lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=6), c, max_size=3),
-                    max_leaves=8)
-
-
-def sometimes_junk(strategy):
-    """Mostly the well-formed value, one draw in eight anything at all."""
-    return st.sampled_from(range(8)).flatmap(lambda i: junk if i == 7 else strategy)
-
-
-small_ints = st.sampled_from([-(2**63), -1, 0, 1, 2, 5, 8, 2**31, 2**63, 2**64]) | st.integers(-3, 12)
 audio_part = st.fixed_dictionaries({"type": st.just("input_audio"), "input_audio": st.fixed_dictionaries({
     "data": st.sampled_from([WAV, "", "@@@", "UklGRg=="]) | st.binary(max_size=48).map(lambda b: base64.b64encode(
         b).decode()), "format": st.sampled_from(["wav", "flac", "mp3", "pcm16"]) | st.text(max_size=4)})})

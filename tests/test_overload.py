@@ -1,8 +1,11 @@
-"""Overload, slow readers and disconnect storms against a real server with small stages
-(2 slots + 2 waiting per stage), a 2 s slow-client timeout and a 256 KiB output buffer per request."""
+"""Overload (chat 429s, Realtime connect refusals), slow readers and disconnect storms against a real
+server with small stages (2 slots + 2 waiting per stage), a 2 s slow-client timeout and a 256 KiB
+output buffer per request."""
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import json
 import random
 import socket
@@ -13,8 +16,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+import websockets
 
 from tests.conftest import ServerProcess
+from tests.realtime_helpers import ask, lost_audio, recv, recv_type, until_done, ws_url
 from tests.sse_client import audio_body, stream_chat
 
 SMALL = json.dumps({str(i): {"max_num_seqs": 2, "max_waiting": 2} for i in range(3)})
@@ -28,21 +33,12 @@ def small_server():
     srv.stop()
 
 
-def metric(url: str, name: str, **labels) -> float:
-    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
-    total = 0.0
-    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
-        if line.startswith(name) and (not want or f"{{{want}}}" in line or f"{want}," in line or f",{want}" in line):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
 def test_overload_gets_429_and_admitted_keep_their_latency(small_server):
     url, body = small_server.url, audio_body(max_tokens=16, frames=40)
     with ThreadPoolExecutor(4) as pool:  # baseline: the server full (4 admitted), nobody refused
         base = list(pool.map(lambda _: stream_chat(url, body), range(4)))
     assert all(r.is_complete for r in base)
-    rejected_before = metric(url, "omnirt_requests_total", endpoint="chat", state="rejected")
+    rejected_before = small_server.metric("omnirt_requests_total", endpoint="chat", state="rejected")
     with ThreadPoolExecutor(16) as pool:  # 4 fit, then a flood of 60 more while they run
         admitted = [pool.submit(stream_chat, url, body) for _ in range(4)]
         time.sleep(0.3)
@@ -60,8 +56,9 @@ def test_overload_gets_429_and_admitted_keep_their_latency(small_server):
     over_ttfp = statistics.median(r.ttfp_s for r in admitted)
     print(f"overload: {len(refused)}/{len(flood)} refused; TTFP p50 {base_ttfp:.3f} s alone, {over_ttfp:.3f} s flooded")
     assert over_ttfp < 3 * base_ttfp + 1.0, (base_ttfp, over_ttfp)  # refusals cost the running ones little
-    assert metric(url, "omnirt_requests_total", endpoint="chat", state="rejected") - rejected_before == len(refused)
-    assert metric(url, "omnirt_http_responses_total", code="429") >= len(refused)
+    rejected = small_server.metric("omnirt_requests_total", endpoint="chat", state="rejected")
+    assert rejected - rejected_before == len(refused)
+    assert small_server.metric("omnirt_http_responses_total", code="429") >= len(refused)
     h = small_server.wait_idle()
     assert h["free_slots"] == h["slots"]
 
@@ -92,7 +89,7 @@ def test_slow_reader_is_disconnected_without_slowing_others(small_server):
         received += len(chunk)
     sock.close()
     assert received < 6 * 2**20 and time.monotonic() - started < 30  # the whole response is ~7.7 MB
-    assert metric(url, "omnirt_requests_total", endpoint="chat", state="abort") >= 1
+    assert small_server.metric("omnirt_requests_total", endpoint="chat", state="abort") >= 1
 
 
 def test_http_disconnect_storm_frees_every_slot(small_server):
@@ -117,3 +114,82 @@ def test_http_disconnect_storm_frees_every_slot(small_server):
     h = small_server.wait_idle(timeout=30)
     assert h["free_slots"] == h["slots"] and h["active_requests"] == 0
     assert stream_chat(url, audio_body(8, 20)).is_complete  # and it still serves
+
+
+async def test_realtime_connect_refused_when_full_and_running_sessions_go_on(small_server):
+    """4 sessions each run a response (every stage full: 2 slots + 2 waiting); a 5th connect is refused
+    with 1013 and a reason, counted in /metrics; the 4 responses stream on, whole; then it connects."""
+    srv = small_server
+    refused_before = srv.metric("omnirt_sessions_total", transport="websocket", state="refused")
+    sessions = [await websockets.connect(ws_url(srv), max_size=None) for _ in range(4)]
+    try:
+        for ws in sessions:
+            await recv_type(ws, "session.created")
+            await ask(ws, "Tell me a story.", max_output_tokens=4, talker_sampling={"min_tokens": 40, "max_tokens": 40})
+        deadline = time.monotonic() + 30
+        while (await asyncio.to_thread(srv.health))["active_requests"] < 4 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        async with websockets.connect(ws_url(srv)) as late:
+            err = await recv(late)
+            assert err["type"] == "error" and err["error"]["code"] == "server_busy"
+            with pytest.raises(websockets.ConnectionClosed) as closed:
+                await recv(late)
+        assert closed.value.rcvd.code == 1013 and "capacity" in closed.value.rcvd.reason, closed.value.rcvd
+        assert srv.metric("omnirt_sessions_total", transport="websocket", state="refused") == refused_before + 1
+        assert srv.metric("omnirt_sessions_active", transport="websocket") == 4
+        for ws in sessions:
+            events = await until_done(ws)
+            done = events[-1]["response"]
+            assert done["status"] in ("completed", "incomplete"), done["status_details"]
+            assert lost_audio(events, done["id"]) is None, lost_audio(events, done["id"])
+    finally:
+        for ws in sessions:
+            await ws.close()
+    async with websockets.connect(ws_url(srv)) as again:  # room again: the refused client retries
+        await recv_type(again, "session.created")
+    h = srv.wait_idle()
+    assert h["free_slots"] == h["slots"]
+
+
+async def test_realtime_disconnect_storm_frees_every_slot(small_server):
+    """Realtime clients vanish at random points (right after connecting, right after `response.create`,
+    after the first or third audio delta), half with a close frame and half by dropping the TCP
+    connection: every slot comes back, no session stays open, and a new session gets a whole answer."""
+    srv, rng = small_server, random.Random(2)
+    plans = [(rng.choice([0, 1, 2, 4]), rng.random() < 0.5) for _ in range(120)]
+    limit, cuts = asyncio.Semaphore(4), collections.Counter()
+
+    async def one(num_deltas: int, abrupt: bool) -> None:
+        async with limit:
+            ws = await websockets.connect(ws_url(srv), max_size=None)
+            try:
+                if (await recv(ws))["type"] == "session.created" and num_deltas:
+                    await ask(ws, "Tell me a story.", max_output_tokens=8, talker_sampling={"min_tokens": 40,
+                                                                                            "max_tokens": 40})
+                    seen = 0
+                    while seen < num_deltas - 1 and (ev := await recv(ws))["type"] != "response.done":
+                        seen += ev["type"] == "response.output_audio.delta"
+                    cuts["mid_audio" if seen else "before_audio"] += 1
+            except websockets.ConnectionClosed:
+                cuts["refused"] += 1  # at connect (1013) while the others hold every slot: allowed
+            finally:
+                if abrupt:
+                    ws.transport.abort()  # no close frame: the TCP connection just ends
+                else:
+                    await ws.close()
+
+    started = time.monotonic()
+    await asyncio.gather(*(one(*plan) for plan in plans))
+    assert time.monotonic() - started < 240 and cuts["mid_audio"] >= 20, cuts
+    print(f"realtime disconnect storm: {dict(cuts)}")
+    h = await asyncio.to_thread(srv.wait_idle, 30)
+    assert h["free_slots"] == h["slots"] and h["active_requests"] == 0
+    deadline = time.monotonic() + 15
+    while srv.metric("omnirt_sessions_active", transport="websocket") and time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
+    assert srv.metric("omnirt_sessions_active", transport="websocket") == 0
+    async with websockets.connect(ws_url(srv), max_size=None) as ws:
+        await recv_type(ws, "session.created")
+        await ask(ws, "Hello!", max_output_tokens=4, talker_sampling={"min_tokens": 20, "max_tokens": 20})
+        events = await until_done(ws)
+    assert lost_audio(events, events[-1]["response"]["id"]) is None

@@ -1,16 +1,19 @@
 """API keys (HTTP and WebSocket handshakes), CORS closed by default, body and audio limits, the loopback
-default, /metrics and structured request logs."""
+default, /metrics and structured request logs (chat requests and Realtime sessions)."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import re
+import time
 
 import httpx
 import numpy as np
 import openai
 import pytest
+import websockets
 from starlette.applications import Starlette
 from starlette.routing import WebSocketRoute
 from starlette.testclient import TestClient
@@ -20,6 +23,7 @@ from app.audio import encode_wav
 from app.cli import build_parser
 from app.security import ApiKeyAuth, is_authorized
 from tests.conftest import ServerProcess
+from tests.realtime_helpers import ask, recv_type, ws_url
 
 KEY = "sk-omnirt-test"
 ORIGIN = "http://allowed.example"
@@ -144,3 +148,27 @@ def test_metrics_and_structured_request_logs(secure_server):
     lines = [json.loads(line) for line in secure_server.log.read_text().splitlines() if line.startswith("{")]
     done = [rec for rec in lines if rec.get("request_id") == rid]
     assert done and done[-1]["msg"] == "request finished" and done[-1]["ttfp_ms"] > 0 and done[-1]["rtf"] > 0
+
+
+async def test_realtime_sessions_in_metrics_and_logs(secure_server):
+    """A WebSocket session counts in omnirt_sessions_active while open and in omnirt_sessions_total once
+    closed; its log lines, and its response's "request finished" line, carry the session id."""
+    srv = secure_server
+    closed_before = srv.metric("omnirt_sessions_total", transport="websocket", state="closed")
+    async with websockets.connect(ws_url(srv), additional_headers={"Authorization": f"Bearer {KEY}"}) as ws:
+        session_id = (await recv_type(ws, "session.created"))["session"]["id"]
+        assert srv.metric("omnirt_sessions_active", transport="websocket") == 1
+        await ask(ws, "Hi", max_output_tokens=3, talker_sampling={"max_tokens": 12})
+        response_id = (await recv_type(ws, "response.done"))["response"]["id"]
+    deadline = time.monotonic() + 10
+    while srv.metric("omnirt_sessions_active", transport="websocket") and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    assert srv.metric("omnirt_sessions_active", transport="websocket") == 0
+    assert srv.metric("omnirt_sessions_total", transport="websocket", state="closed") == closed_before + 1
+    assert srv.metric("omnirt_requests_total", endpoint="realtime") >= 1
+    lines = [json.loads(line) for line in srv.log.read_text().splitlines() if line.startswith("{")]
+    mine = [rec for rec in lines if rec.get("session_id") == session_id]
+    assert [rec["msg"] for rec in mine if rec["msg"].startswith("realtime session")] == [
+        "realtime session open (model tiny, beta False)", "realtime session closed (closed)"]
+    done = [rec for rec in mine if rec["msg"] == "request finished"]
+    assert len(done) == 1 and done[0]["request_id"] == response_id and done[0]["ttfp_ms"] > 0

@@ -1,15 +1,24 @@
-"""SIGTERM during active streams: the server stops admitting, lets a short response finish, ends a long
-one at the deadline with an in-stream error that says why, and exits."""
+"""SIGTERM during active streams and Realtime sessions: the server stops admitting, lets a short response
+finish, ends a long one at the deadline with an in-stream error that says why, closes Realtime sessions
+with 1001 and that reason, and exits."""
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import pytest
+import websockets
+from starlette.testclient import TestClient
+from starlette.websockets import WebSocketDisconnect
 
+from app.lifecycle import SHUTDOWN_REASON
+from app.server import ServerSettings, create_app
 from tests.conftest import ServerProcess
+from tests.realtime_helpers import ask, lost_audio, recv, recv_type, ws_url
 from tests.sse_client import audio_body, stream_chat
 
 
@@ -40,3 +49,60 @@ def test_sigterm_drains_then_closes_with_a_reason():
         assert "Traceback" not in srv.log.read_text()
     finally:
         srv.stop()
+
+
+async def _until_closed(ws) -> tuple[list[dict], float]:
+    """Every event up to the close, and when the close came."""
+    events = []
+    with pytest.raises(websockets.ConnectionClosed):
+        while True:
+            events.append(await recv(ws, timeout=60))
+    return events, time.monotonic()
+
+
+async def test_sigterm_closes_realtime_sessions_with_a_reason_after_the_drain():
+    """A short response finishes whole; a long one is ended at the 4 s deadline (`failed`, "server shutting
+    down"); then each session gets an `error` event and a close 1001 with the reason, and the server exits."""
+    srv = ServerProcess(["--shutdown-timeout", "4"])
+    try:
+        short, long = [await websockets.connect(ws_url(srv), max_size=None) for _ in range(2)]
+        for ws, frames in ((short, 40), (long, 4000)):
+            await recv_type(ws, "session.created")
+            await ask(ws, "Hello!", max_output_tokens=4, talker_sampling={"min_tokens": frames, "max_tokens": frames})
+        while (await asyncio.to_thread(srv.health))["active_requests"] < 2:
+            await asyncio.sleep(0.05)
+        sent = time.monotonic()
+        srv.proc.send_signal(signal.SIGTERM)
+        (short_events, short_at), (long_events, long_at) = await asyncio.gather(_until_closed(short),
+                                                                                _until_closed(long))
+        for ws, events, status in ((short, short_events, "completed"), (long, long_events, "failed")):
+            done = next(e["response"] for e in events if e["type"] == "response.done")
+            assert done["status"] in ((status, "incomplete") if status == "completed" else (status,)), done
+            assert events[-1]["type"] == "error" and events[-1]["error"]["code"] == "server_shutting_down"
+            assert ws.close_code == 1001 and ws.close_reason == SHUTDOWN_REASON
+        assert lost_audio(short_events, done_id(short_events)) is None
+        assert next(e for e in long_events if e["type"] == "response.done")["response"]["status_details"][
+            "error"]["message"] == SHUTDOWN_REASON
+        assert 3.5 < long_at - sent < 4 + 10 and abs(short_at - long_at) < 2  # closed together, at the drain's end
+        assert await asyncio.to_thread(srv.proc.wait, 30) in (0, -signal.SIGTERM)
+        assert "Traceback" not in srv.log.read_text()
+    finally:
+        srv.stop()
+
+
+def done_id(events: list[dict]) -> str:
+    return next(e["response"]["id"] for e in events if e["type"] == "response.done")
+
+
+def test_realtime_connect_while_draining_is_refused_with_1001(engine):
+    """In process: a session that connects while the server drains gets an `error` event and 1001, counted."""
+    app = create_app(engine, ServerSettings())
+    app.state.server.lifecycle.is_draining = True
+    with TestClient(app) as client, client.websocket_connect("/v1/realtime") as ws:
+        err = ws.receive_json()
+        assert err["type"] == "error" and err["error"]["code"] == "server_shutting_down"
+        with pytest.raises(WebSocketDisconnect) as closed:
+            ws.receive_json()
+    assert closed.value.code == 1001 and closed.value.reason == SHUTDOWN_REASON
+    text = app.state.server.metrics.render().decode()
+    assert 'omnirt_sessions_total{state="refused",transport="websocket"} 1.0' in text

@@ -254,6 +254,8 @@ async def test_too_many_calls_then_shutdown_closes_the_call(one_session_server):
         await call.wait_for(of_type("session.created"), 30)
         with pytest.raises(AssertionError, match="429.*session_limit_reached"):
             await connect(srv.url)
+        assert srv.metric("omnirt_sessions_total", transport="webrtc", state="refused") >= 1
+        assert srv.metric("omnirt_sessions_active", transport="webrtc") == 1
         await long_answer(call)
         await asyncio.to_thread(srv.stop)  # SIGTERM mid-answer
         assert srv.proc.returncode in (0, -15)  # uvicorn re-raises SIGTERM once shut down
@@ -264,5 +266,6 @@ async def test_too_many_calls_then_shutdown_closes_the_call(one_session_server):
     finally:
         await call.close()
     log = srv.log.read_text()
-    assert "closing (server shutdown)" in log and re.search(r"webrtc rtc_\w+: closed", log)
+    assert re.search(r"closing \(server shutting down\) \[session_id=sess_\w+\]", log)  # text log format
+    assert re.search(r"webrtc rtc_\w+: closed", log)
     assert "Application shutdown complete" in log and "Traceback" not in log

@@ -12,6 +12,7 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import _get_feat
 from pipeline.request import Message
 
 INPUT_SAMPLE_RATE = 16000
+N_FFT = 400  # the STFT window; its reflect padding needs more input than half of it
 
 
 @dataclass(slots=True)
@@ -33,7 +34,7 @@ class PromptEncoder:
         self.tokenizer = tokenizer
         self.n_window = n_window
         self.features = WhisperFeatureExtractor(feature_size=num_mel_bins, sampling_rate=INPUT_SAMPLE_RATE,
-                                                hop_length=160, n_fft=400, return_attention_mask=True)
+                                                hop_length=160, n_fft=N_FFT, return_attention_mask=True)
 
     def encode(self, messages: list[Message]) -> EncodedPrompt:
         audios = [p["audio"] for m in messages if not isinstance(m["content"], str)
@@ -41,7 +42,7 @@ class PromptEncoder:
         feats = mask = None
         audio_tokens: list[int] = []
         if audios:
-            out = self.features([np.asarray(a, dtype=np.float32) for a in audios], sampling_rate=INPUT_SAMPLE_RATE,
+            out = self.features([_at_least_one_window(a) for a in audios], sampling_rate=INPUT_SAMPLE_RATE,
                                 return_attention_mask=True, padding="longest", truncation=False,
                                 return_tensors="pt")
             feats, mask = out.input_features, out.attention_mask
@@ -63,3 +64,9 @@ class PromptEncoder:
             out.append(f"<|im_start|>{m['role']}\n{content}<|im_end|>\n")
         out.append("<|im_start|>assistant\n")
         return "".join(out)
+
+
+def _at_least_one_window(audio) -> np.ndarray:
+    """Audio shorter than one STFT window (25 ms), zero-padded to it: the feature extractor fails on less."""
+    audio = np.asarray(audio, dtype=np.float32)
+    return np.pad(audio, (0, max(0, N_FFT - audio.size)))
