@@ -62,7 +62,8 @@ class ServerProcess:
                     return
             except httpx.HTTPError:
                 time.sleep(0.3)
-        raise RuntimeError("server did not start")
+        self.stop()  # a server that never answered must not outlive the test
+        raise RuntimeError(f"server did not start in 120 s: {self.log.read_text()[-2000:]}")
 
     def health(self) -> dict:
         return httpx.get(f"{self.url}/health", timeout=5).json()
