@@ -49,6 +49,7 @@ MAX_SDP_BYTES = 64 * 1024
 INPUT_CHUNK_SAMPLES = INPUT_RATE * 40 // 1000  # mic audio reaches the session every 40 ms
 MEDIA_TIMEOUT_S = 10.0  # no microphone frame for this long: the client is gone (ICE consent would take ~30 s)
 MAX_CHANNEL_BUFFER_BYTES = 2**20
+CLOSE_STEP_TIMEOUT_S = 2.0  # each step of closing a call; a peer that never finishes closing holds up nothing
 
 
 def offer_host_addresses(addresses: tuple[str, ...]) -> None:
@@ -216,15 +217,25 @@ class Call:
         self.registry.calls.pop(self.id, None)
         self.sessions.remove(self.session, state)
         self.track.stop()
-        await self.session.close()  # aborts the response in every engine stage; the outbox ends
+        await self._bounded("session close", self.session.close())  # aborts the response in every stage
         for task in self.tasks:
             task.cancel()
         if self.writer is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.writer, 2)
-        await asyncio.gather(*self.tasks, return_exceptions=True)
-        await self.pc.close()
+            await self._bounded("event writer", self.writer)
+        await self._bounded("call tasks", asyncio.gather(*self.tasks, return_exceptions=True))
+        await self._bounded("peer connection close", self.pc.close())
         self.log.info("webrtc %s: closed", self.id)
+
+    async def _bounded(self, what: str, step) -> None:
+        """Await one closing step for at most CLOSE_STEP_TIMEOUT_S, then give up on it (cancelled, not
+        awaited: aiortc's close can wait on a peer forever, and the shutdown must not)."""
+        task = asyncio.ensure_future(step)
+        await asyncio.wait({task}, timeout=CLOSE_STEP_TIMEOUT_S)
+        if not task.done():
+            task.cancel()
+            self.log.warning("webrtc %s: %s did not finish within %g s", self.id, what, CLOSE_STEP_TIMEOUT_S)
+        elif not task.cancelled() and task.exception() is not None:
+            self.log.warning("webrtc %s: %s failed: %r", self.id, what, task.exception())
 
 
 # ---- routes --------------------------------------------------------------------------------------------
