@@ -9,7 +9,9 @@ import sys
 
 import openai
 import pytest
-from conftest import ROOT, ServerProcess
+
+from tests.conftest import ROOT, ServerProcess
+from tests.sse_client import pcm_samples_for_frames
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -24,10 +26,13 @@ def test_serve_multi_replica_profile_with_stage_override():
         assert all(r["kind"] == "process" and r["state"] == "up" and r["pid"]
                    for r in replicas["talker"] + replicas["code2wav"])
         client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        # the profile samples the talker (T=0.9, top_k 50): random weights can end after a frame or two
         r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi!"}], max_tokens=8,
-                                           modalities=["text", "audio"], audio={"voice": "ethan", "format": "wav"})
+                                           modalities=["text", "audio"], audio={"voice": "ethan", "format": "wav"},
+                                           extra_body={"talker_sampling": {"min_tokens": 6}})
         wav = base64.b64decode(r.choices[0].message.audio.data)
-        assert wav[:4] == b"RIFF" and len(wav) > 44 + 2 * 1920
+        frames = r.usage.completion_tokens_details.audio_tokens
+        assert wav[:4] == b"RIFF" and frames >= 6 and len(wav) == 44 + 2 * pcm_samples_for_frames(frames)
         after = srv.wait_idle()
         assert sum(x["steps"] for x in after["replicas"]["talker"]) > 0
         assert after["free_slots"] == after["slots"] and after["slots"]["talker"] == 3 * 4  # 3 replicas x 4 seqs
