@@ -91,9 +91,9 @@ def create_app(engine: OmniEngine, settings: ServerSettings) -> FastAPI:
     app.include_router(chat.router)
     realtime.install(app, settings.realtime)
     if importlib.util.find_spec("aiortc") is not None:  # the `webrtc` extra
-        from app import webrtc
+        from app import webrtc_routes
 
-        webrtc.install(app, settings.ice_addresses, settings.webrtc_connect_timeout_s)
+        webrtc_routes.install(app, settings.ice_addresses, settings.webrtc_connect_timeout_s)
     app.include_router(metrics.router)
     if WEB_DIR.is_dir():
         app.mount("/", StaticFiles(directory=WEB_DIR, html=True), name="web")
