@@ -8,7 +8,7 @@ import math
 
 from app.errors import APIError
 from app.lifecycle import SHUTDOWN_REASON
-from pipeline.admission import EngineOverloaded
+from pipeline.api import EngineOverloaded
 
 WS_TRY_AGAIN_LATER = 1013
 WS_GOING_AWAY = 1001

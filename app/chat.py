@@ -22,9 +22,7 @@ from app.admission import check_draining, overloaded_error
 from app.audio import encode_wav
 from app.chat_protocol import ChatRequest, to_engine_messages
 from app.errors import APIError
-from pipeline.admission import EngineOverloaded
-from pipeline.engine import RequestError
-from pipeline.request import AudioChunk, Finished, OmniRequest, TextDelta, collect_reply
+from pipeline.api import AudioChunk, EngineOverloaded, Finished, OmniRequest, RequestError, TextDelta, collect_reply
 
 router = APIRouter()
 AUDIO_TTL_S = 3600
@@ -39,7 +37,7 @@ def _engine_request(body: ChatRequest, request: Request) -> OmniRequest:
     if wants_audio and body.audio is None:
         raise APIError(400, "audio output needs the `audio` parameter ({voice, format})", "audio",
                        "missing_audio_params")
-    messages = to_engine_messages(body.messages, server.engine.models.input_sample_rate, server.max_audio_s)
+    messages = to_engine_messages(body.messages, server.engine.info().input_sample_rate, server.max_audio_s)
     if server.system_prompt and not any(m["role"] == "system" for m in messages):
         messages.insert(0, {"role": "system", "content": server.system_prompt})
     return OmniRequest(

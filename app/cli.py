@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import faulthandler
 import json
 import logging
@@ -11,9 +10,9 @@ import os
 import signal
 import socket
 import sys
-from pathlib import Path
 
-DEPLOY_DIR = Path(__file__).resolve().parents[1] / "deploy"
+from pipeline.api import EngineOptions, EngineStartError, start_engine
+
 log = logging.getLogger("omnirt")
 
 
@@ -37,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stage threads wait for the consumer of each output (ablation)")
     s.add_argument("--engine", choices=["omnirt", "reference"], default="omnirt",
                    help="reference: transformers' own generate(), one request at a time (the baseline)")
+    s.add_argument("--engine-process", choices=["auto", "core", "inproc"], default="auto",
+                   help="core: the engine in a process of its own (auto: always); inproc: in the API process")
     s.add_argument("--platform", default=None, help="override platform detection (cuda/rocm/npu/xpu/cpu)")
     s.add_argument("--distributed", choices=["none", "ray"], default=None,
                    help="where stage replicas run: local worker processes (none) or Ray actors (needs omnirt[ray])")
@@ -75,70 +76,37 @@ def add_reliability_args(s: argparse.ArgumentParser) -> None:
                    help="disconnect a client that takes no streamed data for this many seconds")
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, running responses may finish within this many seconds")
-    s.add_argument("--fault-inject", default=env("OMNIRT_FAULT_INJECT"), help=argparse.SUPPRESS)  # tests only
 
 
-def load_engine(args: argparse.Namespace):
-    """Profile -> platform merge -> models -> started engine. Shared by serve and the benchmarks."""
-    from pipeline.config import load_profile
-    from pipeline.engine import OmniEngine
-    from pipeline.models import load_models
-    from pipeline.platform import detect_platform, get_platform, set_num_threads
-    from pipeline.ray_replica import require_ray
-
-    if args.threads:
-        set_num_threads(args.threads)
-    platform = get_platform(args.platform) if args.platform else detect_platform()
-    profile = args.deploy_config or DEPLOY_DIR / ("tiny.yaml" if args.model == "tiny" else "qwen3_omni_moe.yaml")
-    overrides = {"model": args.model, "load_format": args.load_format, "dtype": args.dtype,
-                 "async_output": False if args.no_async_output else None, "moe_backend": args.moe_backend,
-                 "distributed": args.distributed,
-                 "max_output_buffer_bytes": getattr(args, "max_output_buffer_bytes", None),
-                 "fault_injection": getattr(args, "fault_inject", None)}
-    stage_overrides = dict(args.stage_overrides or {})
-    if args.enforce_eager:
-        for sid in ("0", "1", "2"):
-            stage_overrides[sid] = {**stage_overrides.get(sid, {}), "enforce_eager": True}
-    cfg = load_profile(profile, platform.name, overrides, stage_overrides)
-    if args.no_async_chunk:
-        cfg = dataclasses.replace(cfg, connector=dataclasses.replace(cfg.connector, async_chunk=False))
-    if cfg.distributed == "ray":
-        require_ray()  # fail before loading weights when the extra is missing
-    log.info("platform %s, profile %s, model %s (%s, %s)", platform.name, profile, cfg.model, cfg.load_format,
-             cfg.dtype)
-    for s in cfg.stages:
-        log.info("stage %d %-8s max_num_seqs=%d max_model_len=%d eager=%s devices=%s", s.stage_id, s.name,
-                 s.max_num_seqs, s.max_model_len, s.enforce_eager, s.devices)
-    models = load_models(cfg, platform)
-    if args.engine == "reference":
-        from pipeline.reference import ReferenceEngine
-
-        engine = ReferenceEngine(cfg, models)
-    else:
-        engine = OmniEngine(cfg, models)
-    engine.start()
-    return engine
+def engine_options(args: argparse.Namespace) -> EngineOptions:
+    """The engine's flags as plain values: they cross to the engine core process."""
+    return EngineOptions(
+        model=args.model, deploy_config=str(args.deploy_config) if args.deploy_config else None,
+        load_format=args.load_format, dtype=args.dtype, stage_overrides=dict(args.stage_overrides or {}),
+        moe_backend=args.moe_backend, enforce_eager=args.enforce_eager, async_chunk=not args.no_async_chunk,
+        async_output=not args.no_async_output, engine=args.engine, platform=args.platform,
+        distributed=args.distributed, threads=args.threads, max_output_buffer_bytes=args.max_output_buffer_bytes,
+        process=args.engine_process, log_level=args.log_level, log_format=args.log_format)
 
 
 def serve(args: argparse.Namespace) -> None:
     import uvicorn
 
     from app.lifecycle import DrainingServer
+    from app.logs import setup
     from app.server import ServerSettings, create_app
     from app.session import RealtimeLimits
-    from pipeline.config import ProfileError
-    from pipeline.models import ModelNotFoundError
-    from pipeline.ray_replica import RayUnavailableError
 
     try:
-        engine = load_engine(args)
-    except (ProfileError, ModelNotFoundError, RayUnavailableError) as exc:
+        engine = start_engine(engine_options(args), log_setup=setup)
+    except EngineStartError as exc:
         sys.exit(f"omnirt: {exc}")
+    info = engine.info()
     name = args.served_model_name or args.model
     limits = RealtimeLimits(args.realtime_max_sessions, args.realtime_max_event_bytes,
                             args.realtime_max_input_buffer_s, args.realtime_idle_timeout_s)
     settings = ServerSettings(
-        model_names=(name,), system_prompt=engine.cfg.system_prompt, max_body_bytes=args.max_body_bytes,
+        model_names=(name,), system_prompt=info.system_prompt, max_body_bytes=args.max_body_bytes,
         max_audio_s=args.max_audio_seconds, api_keys=tuple(args.api_key),
         cors_origins=tuple(o.strip() for o in args.cors_origins.split(",") if o.strip()),
         slow_client_timeout_s=args.slow_client_timeout, shutdown_timeout_s=args.shutdown_timeout,
@@ -149,12 +117,15 @@ def serve(args: argparse.Namespace) -> None:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             ws_max_size=limits.max_event_bytes + 2**20,
                             timeout_graceful_shutdown=args.shutdown_timeout + 5)
-    print(f"omnirt ready: http://{args.host}:{args.port}/  (model {name!r}, voices {', '.join(engine.voices)}"
+    print(f"omnirt ready: http://{args.host}:{args.port}/  (model {name!r}, voices {', '.join(info.voices)}"
           f"{', API key required' if settings.api_keys else ''})", flush=True)
     try:
-        DrainingServer(config, app.state.server.lifecycle).run()
+        DrainingServer(config, app.state.server.lifecycle, on_stopped=engine.stop).run()
     finally:
         engine.stop()
+    health = engine.health()
+    if not health.is_alive:
+        sys.exit(f"omnirt: {health.reason}")
 
 
 def _ice_addresses(args: argparse.Namespace) -> tuple[str, ...]:
@@ -166,10 +137,8 @@ def _ice_addresses(args: argparse.Namespace) -> tuple[str, ...]:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["bench"]:
-        from loadtest.bench import main as bench
-
-        return bench(argv[1:])
+    if argv[:1] == ["bench"]:  # the benchmark client is its own program (`omnirt-bench`); app/ never imports it
+        os.execv(sys.executable, [sys.executable, "-m", "loadtest.bench", *argv[1:]])
     args = build_parser().parse_args(argv)
     from app.logs import setup
 

@@ -24,6 +24,15 @@ class Lifecycle:
         self.is_drained = False  # the deadline hooks have run
         self._hooks: list[Callable[[str], object]] = []
         self._task: asyncio.Task | None = None
+        self.on_exit: Callable[[], None] = lambda: None  # ask the server to stop (set by DrainingServer)
+
+    async def exit_when_engine_dies(self) -> None:
+        """A dead engine core cannot serve anything more: the streams have ended with an error; stop the
+        server (it exits non-zero)."""
+        reason = await self.engine.wait_dead()
+        log.error("the engine is gone (%s); the server stops", reason)
+        self.begin_drain()
+        self.on_exit()
 
     def on_deadline(self, hook: Callable[[str], object]) -> None:
         """`hook(reason)` runs when the drain deadline passes (e.g. close realtime sessions); may be async."""
@@ -56,11 +65,17 @@ class Lifecycle:
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn's server, telling the app's Lifecycle when a shutdown signal arrives."""
+    """uvicorn's server, telling the app's Lifecycle when a shutdown signal arrives. `on_stopped` (stop the
+    engine) runs inside the shutdown: uvicorn re-raises a captured SIGTERM once serving ends, which would
+    kill the process before code after `run()` stops the engine core and its workers."""
 
-    def __init__(self, config: uvicorn.Config, lifecycle: Lifecycle):
+    def __init__(self, config: uvicorn.Config, lifecycle: Lifecycle, on_stopped: Callable[[], None] = lambda: None):
         super().__init__(config)
-        self.lifecycle = lifecycle
+        self.lifecycle, self.on_stopped = lifecycle, on_stopped
+        lifecycle.on_exit = self._exit
+
+    def _exit(self) -> None:
+        self.should_exit = True
 
     def handle_exit(self, sig, frame) -> None:
         try:
@@ -77,4 +92,7 @@ class DrainingServer(uvicorn.Server):
         self.lifecycle.begin_drain()
         while not (self.lifecycle.is_drained or self.force_exit):
             await asyncio.sleep(0.05)
-        await super().shutdown(sockets)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            await asyncio.to_thread(self.on_stopped)

@@ -15,7 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 from app.errors import error_type
 from app.playback import PCM16_24K_BYTES_PER_S, PlaybackClock
-from pipeline.request import AudioChunk, Event, Finished
+from pipeline.api import AudioChunk, Event, Finished, StageStats
 
 log = logging.getLogger("omnirt.requests")
 router = APIRouter()
@@ -81,45 +81,42 @@ class Metrics:
 
 
 class EngineCollector:
-    """Reads the engine's queues, slots and batch-size counts when scraped (no work on the step loops)."""
+    """Reads the engine's stats snapshot when scraped (no work on the step loops)."""
 
     def __init__(self, engine):
         self.engine = engine
 
     def collect(self):
-        eng = self.engine
+        stats = self.engine.stats()
         depth = GaugeMetricFamily("omnirt_stage_queue_depth", "Requests per stage by place", labels=["stage", "queue"])
         slots = GaugeMetricFamily("omnirt_stage_free_slots", "Free KV slots per stage", labels=["stage"])
-        admission = getattr(eng, "admission", None)  # the reference engine has none
-        for stage in eng.stages:
-            if hasattr(stage, "scheduler"):  # in-process stages; replica pools report on /health
-                depth.add_metric([stage.name, "running"], stage.scheduler.num_running)
-                depth.add_metric([stage.name, "waiting"], stage.num_waiting)
-            if admission is not None:
-                depth.add_metric([stage.name, "admission_waiting"], admission.num_waiting(stage.name))
-        for name, n in eng.num_free_slots().items():
-            slots.add_metric([name], n)
+        for st in stats.stages:
+            if st.running is not None:  # in-process stages; replica pools report on /health
+                depth.add_metric([st.name, "running"], st.running)
+                depth.add_metric([st.name, "waiting"], st.waiting)
+            depth.add_metric([st.name, "admission_waiting"], st.admission_waiting)
+            slots.add_metric([st.name], st.free_slots)
         yield depth
         yield slots
-        yield _batch_histogram([s for s in eng.stages if hasattr(s, "batch_size_counts")])
-        yield _step_seconds([s for s in eng.stages if hasattr(s, "busy_s")])
+        yield _batch_histogram([st for st in stats.stages if st.batch_size_counts is not None])
+        yield _step_seconds([st for st in stats.stages if st.busy_s is not None])
         refused = GaugeMetricFamily("omnirt_admission_refused", "Requests refused because a stage was full "
                                     "(since start)")
-        refused.add_metric([], admission.num_refused if admission is not None else 0)
+        refused.add_metric([], stats.admission_refused)
         yield refused
 
 
-def _batch_histogram(stages) -> HistogramMetricFamily:
+def _batch_histogram(stages: list[StageStats]) -> HistogramMetricFamily:
     h = HistogramMetricFamily("omnirt_stage_batch_size", "Requests per step, by stage", labels=["stage"])
     for stage in stages:
-        counts = list(stage.batch_size_counts)
+        counts = stage.batch_size_counts
         bounds = [2**i for i in range(len(counts).bit_length()) if 2**i < len(counts) - 1] + [len(counts) - 1]
         buckets = [(str(float(b)), sum(counts[:b + 1])) for b in bounds] + [("+Inf", sum(counts))]
         h.add_metric([stage.name], buckets, sum_value=sum(size * n for size, n in enumerate(counts)))
     return h
 
 
-def _step_seconds(stages) -> CounterMetricFamily:
+def _step_seconds(stages: list[StageStats]) -> CounterMetricFamily:
     """Where a stage's step time goes: host work (Python, launches) vs waiting for the device."""
     c = CounterMetricFamily("omnirt_stage_step_seconds", "Seconds inside steps, by stage and part",
                             labels=["stage", "part"])

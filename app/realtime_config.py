@@ -49,7 +49,7 @@ class ResponseOptions:
     talker_sampling: dict | None = None  # omnirt extension (as in /v1/chat/completions)
 
 
-def apply_session_update(cfg: SessionConfig, update: dict[str, Any], voices: list[str]) -> SessionConfig:
+def apply_session_update(cfg: SessionConfig, update: dict[str, Any], voices: tuple[str, ...]) -> SessionConfig:
     """`session.update`'s `session` over the current config; only the fields present change."""
     _refuse_unsupported(update, "session")
     audio = require(update, "audio", (dict,), "session", {})
@@ -86,7 +86,7 @@ def apply_session_update(cfg: SessionConfig, update: dict[str, Any], voices: lis
     return dataclasses.replace(cfg, **changes)
 
 
-def response_options(cfg: SessionConfig, body: dict[str, Any] | None, voices: list[str]) -> ResponseOptions:
+def response_options(cfg: SessionConfig, body: dict[str, Any] | None, voices: tuple[str, ...]) -> ResponseOptions:
     """`response.create`'s `response` over the session defaults."""
     body = body or {}
     _refuse_unsupported(body, "response", extra={"conversation", "metadata", "talker_sampling", "input"})
@@ -191,7 +191,7 @@ def _modalities(value: Any, where: str) -> bool:
     return "audio" in value
 
 
-def _voice(flat: dict, audio_out: dict, where: str, voices: list[str]) -> str | None:
+def _voice(flat: dict, audio_out: dict, where: str, voices: tuple[str, ...]) -> str | None:
     voice = require(flat, "voice", (str,), where) or require(audio_out, "voice", (str,), f"{where}.audio.output")
     if voice is not None and voice.lower() not in voices:
         raise ProtocolError(f"unknown voice {voice!r}; available: {', '.join(voices)}", "invalid_voice",

@@ -25,9 +25,7 @@ from app.outbox import Outbox
 from app.realtime_config import ResponseOptions, format_object
 from app.realtime_events import ProtocolError, error_event, new_id
 from app.wire_audio import PCM16, StreamResampler, encode
-from pipeline.admission import EngineOverloaded
-from pipeline.engine import OmniEngine, RequestError
-from pipeline.request import AudioChunk, Finished, OmniRequest, TextDelta
+from pipeline.api import AudioChunk, EngineClient, EngineOverloaded, Finished, OmniRequest, RequestError, TextDelta
 
 log = logging.getLogger(__name__)
 OUTPUT_SAMPLE_RATE = 24000
@@ -49,7 +47,7 @@ class AudioSink(Protocol):
 
 
 class Response:
-    def __init__(self, engine: OmniEngine, outbox: Outbox, response_id: str, item: Item, opts: ResponseOptions,
+    def __init__(self, engine: EngineClient, outbox: Outbox, response_id: str, item: Item, opts: ResponseOptions,
                  beta: bool, previous_item_id: str | None = None, audio_sink: AudioSink | None = None,
                  metrics: Metrics | None = None, session_id: str | None = None):
         self.engine, self.outbox, self.id, self.item, self.opts = engine, outbox, response_id, item, opts

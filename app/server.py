@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import importlib.util
 import logging
 import time
@@ -18,7 +20,7 @@ from app.lifecycle import Lifecycle
 from app.limits import BodySizeLimit, SlowClientGuard
 from app.metrics import Metrics, StatusCounter
 from app.session import RealtimeLimits
-from pipeline.engine import OmniEngine
+from pipeline.api import EngineClient
 
 log = logging.getLogger(__name__)
 WEB_DIR = Path(__file__).resolve().parents[1] / "web"
@@ -43,7 +45,7 @@ class ServerSettings:
 class OmniServer:
     """What the routes share: the engine and the settings (read-only after start)."""
 
-    engine: OmniEngine
+    engine: EngineClient
     settings: ServerSettings
     metrics: Metrics
     lifecycle: Lifecycle
@@ -62,9 +64,17 @@ class OmniServer:
         return self.settings.max_audio_s
 
 
-def create_app(engine: OmniEngine, settings: ServerSettings) -> FastAPI:
-    app = FastAPI(title="omnirt", version="0.1.0")
-    app.state.server = OmniServer(engine, settings, Metrics(engine), Lifecycle(engine, settings.shutdown_timeout_s))
+def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
+    lifecycle = Lifecycle(engine, settings.shutdown_timeout_s)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        watch = asyncio.create_task(lifecycle.exit_when_engine_dies())
+        yield
+        watch.cancel()
+
+    app = FastAPI(title="omnirt", version="0.1.0", lifespan=lifespan)
+    app.state.server = OmniServer(engine, settings, Metrics(engine), lifecycle)
     install_error_handlers(app)
 
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
@@ -74,9 +84,14 @@ def create_app(engine: OmniEngine, settings: ServerSettings) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": settings.model_names[0], "active_requests": engine.num_active_requests,
-                "free_slots": engine.num_free_slots(), "slots": engine.num_slots(),
-                "replicas": engine.replica_status()}
+        alive, stats = engine.health(), engine.stats()
+        body = {"status": "ok" if alive.is_alive else "engine_dead", "model": settings.model_names[0],
+                "active_requests": engine.num_active_requests,
+                "free_slots": {s.name: s.free_slots for s in stats.stages if s.slots},
+                "slots": {s.name: s.slots for s in stats.stages if s.slots}, "replicas": stats.replicas}
+        if not alive.is_alive:
+            body["error"] = alive.reason
+        return JSONResponse(body, status_code=200 if alive.is_alive else 503)
 
     @app.get("/v1/models")
     async def models():
@@ -86,7 +101,8 @@ def create_app(engine: OmniEngine, settings: ServerSettings) -> FastAPI:
 
     @app.get("/v1/voices")
     async def voices():
-        return JSONResponse({"voices": engine.voices, "default": engine.cfg.default_voice})
+        info = engine.info()
+        return JSONResponse({"voices": list(info.voices), "default": info.default_voice})
 
     app.include_router(chat.router)
     realtime.install(app, settings.realtime)

@@ -38,7 +38,7 @@ from app.realtime_config import ResponseOptions, SessionConfig, apply_session_up
 from app.realtime_events import ProtocolError, error_event, new_id, parse_client_event, validate_client_event
 from app.response import AudioSink, Response
 from app.vad import SAMPLE_RATE
-from pipeline.engine import OmniEngine
+from pipeline.api import EngineClient
 
 log = logging.getLogger(__name__)
 MIN_COMMIT_MS = 100
@@ -58,13 +58,14 @@ class RealtimeLimits:
 
 
 class RealtimeSession:
-    def __init__(self, engine: OmniEngine, model: str, limits: RealtimeLimits, *, beta: bool = False,
+    def __init__(self, engine: EngineClient, model: str, limits: RealtimeLimits, *, beta: bool = False,
                  instructions: str = "", audio_sink: AudioSink | None = None, metrics: Metrics | None = None):
         self.id = new_id("sess")
         self.engine, self.limits, self.beta, self.audio_sink = engine, limits, beta, audio_sink
         self.metrics = metrics
-        self.config = SessionConfig(model=model, voice=engine.cfg.default_voice, instructions=instructions,
-                                    wants_audio=engine.models.talker is not None)
+        info = engine.info()
+        self.config = SessionConfig(model=model, voice=info.default_voice, instructions=instructions,
+                                    wants_audio=info.has_audio_output)
         self.conversation = Conversation()
         self.outbox = Outbox(limits.max_queued_events, beta)
         self.input: InputAudio | None = None
@@ -129,7 +130,7 @@ class RealtimeSession:
     # ---- session and input audio ----------------------------------------------------------------------
 
     async def _session_update(self, ev: dict) -> None:
-        new = apply_session_update(self.config, ev["session"], self.engine.voices)
+        new = apply_session_update(self.config, ev["session"], self.engine.info().voices)
         if new.voice != self.config.voice and self._has_spoken:
             raise ProtocolError("the voice cannot change once the model has produced audio", "invalid_value",
                                 "session.voice")
@@ -167,7 +168,7 @@ class RealtimeSession:
         await self._add_user_audio(turn.audio, item_id)
         td = self.config.turn_detection
         if td is not None and td.create_response and not self.is_busy:
-            await self._start_response(response_options(self.config, None, self.engine.voices))
+            await self._start_response(response_options(self.config, None, self.engine.info().voices))
 
     async def _commit(self, ev: dict) -> None:
         if self.input.num_samples < MIN_COMMIT_MS * SAMPLE_RATE // 1000:
@@ -221,7 +222,7 @@ class RealtimeSession:
         if self.is_busy:
             raise ProtocolError(f"a response is in progress ({self.response.id}); cancel it or wait for "
                                 "response.done", "conversation_already_has_active_response")
-        await self._start_response(response_options(self.config, ev.get("response"), self.engine.voices))
+        await self._start_response(response_options(self.config, ev.get("response"), self.engine.info().voices))
 
     async def _start_response(self, opts: ResponseOptions) -> None:
         messages = self.conversation.history(opts.instructions)

@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from pipeline.request import OmniRequest, collect_reply
+from pipeline.api import OmniRequest, collect_reply
 
 
 async def run_all(engine, prompts: list[str], tag: str, thinker_tokens: int, frames: int):
@@ -37,9 +37,10 @@ def set_graphs(engine, on: bool) -> None:
 
 
 async def main_async(args) -> dict:
-    from app.cli import build_parser, load_engine
+    from app.cli import build_parser, engine_options
+    from pipeline.core import build_engine
 
-    engine = load_engine(build_parser().parse_args(["serve", *args.serve_args]))
+    engine = build_engine(engine_options(build_parser().parse_args(["serve", *args.serve_args])))
     prompts = [f"Request number {i}: " + "tell me something " * (3 + 5 * i) for i in range(args.num_requests)]
     graphed, t_graph = await run_all(engine, prompts, "graph", args.thinker_tokens, args.frames)
     set_graphs(engine, False)

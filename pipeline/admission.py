@@ -5,25 +5,8 @@ so the requests already running keep their latency and memory stays bounded unde
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
 
-
-class EngineOverloaded(RuntimeError):
-    """Every slot and wait place of a stage is taken; the caller should retry after `retry_after_s`."""
-
-    def __init__(self, stage: str, capacity: int, retry_after_s: float):
-        super().__init__(f"the {stage} stage is full ({capacity} requests running or waiting); retry later")
-        self.stage, self.capacity, self.retry_after_s = stage, capacity, retry_after_s
-
-
-@dataclass(slots=True, frozen=True)
-class StageLimit:
-    max_num_seqs: int
-    max_waiting: int
-
-    @property
-    def capacity(self) -> int:
-        return self.max_num_seqs + self.max_waiting
+from pipeline.api import EngineOverloaded, StageLimit
 
 
 class Admission:

@@ -109,7 +109,6 @@ class EngineConfig:
     stages: tuple[StageConfig, ...] = ()
     max_output_buffer_bytes: int = 8 * 2**20  # events a request may hold unread before it is aborted
     retry_after_s: float = 1.0  # what a refused request is told when the engine is full
-    fault_injection: str | None = None  # tests only: "STAGE[:after=N]", see pipeline/faults.py
 
     def __post_init__(self):
         _check(self.load_format in ("auto", "dummy"), "load_format", "must be 'auto' or 'dummy'")

@@ -15,24 +15,27 @@ from collections.abc import AsyncIterator
 import numpy as np
 import torch
 
-from pipeline.admission import Admission, StageLimit
-from pipeline.config import EngineConfig
-from pipeline.connector import CodecStream, Command, Message
-from pipeline.faults import FaultInjector, FaultSpec
-from pipeline.models import OmniModels, TalkerState
-from pipeline.output import RequestOutput
-from pipeline.replicas import make_stage, replica_status
-from pipeline.request import (
-    FINISH_REASONS,
+from pipeline.admission import Admission
+from pipeline.api import (
     AudioChunk,
+    EngineInfo,
+    EngineStats,
     Event,
     Finished,
     OmniRequest,
-    RequestStatus,
-    StageRequest,
+    RequestError,
+    StageLimit,
+    StageStats,
     TextDelta,
     Usage,
 )
+from pipeline.config import EngineConfig
+from pipeline.connector import CodecStream, Command, Message
+from pipeline.detokenizer import IncrementalDetokenizer
+from pipeline.models import OmniModels, TalkerState
+from pipeline.output import RequestOutput
+from pipeline.replicas import make_stage, replica_status
+from pipeline.request import FINISH_REASONS, RequestStatus, StageRequest
 from pipeline.sampling import SamplingError, SamplingParams, numerically_safe
 from pipeline.scheduler import Batch, StepOutput
 from pipeline.stage import Stage
@@ -40,16 +43,10 @@ from pipeline.stage import Stage
 log = logging.getLogger(__name__)
 
 
-class RequestError(ValueError):
-    """The request cannot be served as asked (bad voice, prompt too long, bad sampling values)."""
-
-    def __init__(self, message: str, param: str | None = None, code: str = "invalid_request"):
-        super().__init__(message)
-        self.param, self.code = param, code
-
-
 class EngineBase:
     """What every engine behind the API shares: config, models, and request validation."""
+
+    kind = "omnirt"
 
     def __init__(self, cfg: EngineConfig, models: OmniModels):
         self.cfg, self.models = cfg, models
@@ -57,6 +54,14 @@ class EngineBase:
     @property
     def voices(self) -> list[str]:
         return sorted(self.models.voices)
+
+    def info(self) -> EngineInfo:
+        limits = {s.name: StageLimit(s.max_num_seqs, s.max_waiting) for s in self.cfg.stages
+                  if s.name == "thinker" or self.models.talker is not None}
+        return EngineInfo(self.cfg.model, tuple(self.voices), self.cfg.default_voice, self.cfg.system_prompt,
+                          self.models.talker is not None, self.models.input_sample_rate,
+                          self.models.output_sample_rate, limits, self.cfg.retry_after_s,
+                          self.cfg.max_output_buffer_bytes, self.kind)
 
     def check_admission(self, wants_audio: bool = True) -> None:
         """Raise EngineOverloaded when new work would have to wait past the stages' bounds (none here)."""
@@ -96,20 +101,12 @@ class OmniEngine(EngineBase):
         self._ids = itertools.count()
         self.admission = Admission({s.name: StageLimit(s.max_num_seqs, s.max_waiting) for s in cfg.stages},
                                    cfg.retry_after_s)
-        self.faults = FaultInjector(FaultSpec.parse(cfg.fault_injection)) if cfg.fault_injection else None
-        self.thinker = self._stage("thinker", self._thinker_step)
+        self.thinker = make_stage("thinker", cfg, models, self._thinker_step)
         self.stages = [self.thinker]
         if models.talker is not None:
-            self.talker = self._stage("talker", self._talker_step)
-            self.code2wav = self._stage("code2wav", self._audio_step)
+            self.talker = make_stage("talker", cfg, models, self._talker_step)
+            self.code2wav = make_stage("code2wav", cfg, models, self._audio_step)
             self.stages += [self.talker, self.code2wav]
-
-    def _stage(self, name: str, on_step):
-        """The stage as the profile places it; the test-only fault injector wraps in-process runners."""
-        stage = make_stage(name, self.cfg, self.models, on_step)
-        if self.faults and isinstance(stage, Stage):
-            stage.runner = self.faults.wrap(name, stage.runner)
-        return stage
 
     # ---- lifecycle ----------------------------------------------------------------------------------
 
@@ -138,6 +135,13 @@ class OmniEngine(EngineBase):
         """Per stage, each replica's state and load (for /health and metrics)."""
         return replica_status(self.stages)
 
+    def stats(self) -> EngineStats:
+        """Queues, slots, batch sizes and step times, read without stopping the step loops."""
+        free, slots = self.num_free_slots(), self.num_slots()
+        stages = [_stage_stats(s, free.get(s.name, 0), slots.get(s.name, 0), self.admission.num_waiting(s.name))
+                  for s in self.stages]
+        return EngineStats(len(self._streams), stages, self.admission.num_refused, self.replica_status())
+
     @property
     def num_active_requests(self) -> int:
         return len(self._streams)
@@ -160,8 +164,6 @@ class OmniEngine(EngineBase):
         self.admission.admit(stages)  # raises EngineOverloaded when a stage's wait queue is full
         self._streams[req.request_id] = stream
         try:
-            if self.faults:
-                self.faults.mark(req.request_id, req.messages)
             state = self.models.thinker.prepare(prompt, wants_rows=req.wants_audio)
             if req.wants_audio:
                 self._start_speech(req, voice, prompt, tk_params)
@@ -198,24 +200,23 @@ class OmniEngine(EngineBase):
         self.abort(stream.request.request_id, "output buffer full: the client is not reading")
 
     async def _events(self, stream: RequestOutput) -> AsyncIterator[Event]:
-        rid, index, text, pending = stream.request.request_id, 0, "", []
+        rid, index, pending = stream.request.request_id, 0, []
+        detok = IncrementalDetokenizer(self.models.tokenizer)
         try:
             while True:
                 kind, *data = await stream.get()
                 if kind == "tokens":
-                    stream.token_ids.extend(data[0])
                     pending.extend(data[0])
-                    full = self.models.decode_text(stream.token_ids)
-                    if full.endswith("\ufffd"):
-                        continue  # an incomplete UTF-8 sequence: wait for the next token
-                    yield TextDelta(rid, full[len(text):], tuple(pending))
-                    text, pending = full, []
+                    text = detok.add(data[0])
+                    if text:  # else an incomplete UTF-8 sequence: wait for the next token
+                        yield TextDelta(rid, text, tuple(pending))
+                        pending = []
                 elif kind == "audio":
                     yield AudioChunk(rid, data[0], index)
                     index += 1
                 else:
                     if pending:  # tokens held back for an incomplete UTF-8 tail
-                        yield TextDelta(rid, self.models.decode_text(stream.token_ids)[len(text):], tuple(pending))
+                        yield TextDelta(rid, detok.flush(), tuple(pending))
                     yield data[0]
                     return
         finally:
@@ -261,7 +262,7 @@ class OmniEngine(EngineBase):
             if stream.request.wants_audio:
                 self.talker.send(Message(Command.INPUT_DONE, req.request_id))
             else:
-                self._close(stream)
+                self._close_soon(stream)
 
     def _talker_step(self, stage: Stage, batch: Batch, outputs: list[StepOutput],
                      finished: list[StageRequest]) -> None:
@@ -285,7 +286,7 @@ class OmniEngine(EngineBase):
         for req in finished:
             stream = self._streams.get(req.request_id)
             if stream is not None and not self._failed(req):
-                self._close(stream)
+                self._close_soon(stream)
 
     def _failed(self, req: StageRequest) -> bool:
         """Aborted or errored: the request ends in every stage, with one Finished event."""
@@ -296,16 +297,30 @@ class OmniEngine(EngineBase):
             for stage in self.stages:
                 stage.send(Message(Command.ABORT, req.request_id))
             if stream is not None:
-                self._close(stream, "error", req.error)
+                self._close_soon(stream, "error", req.error)
             return True
         return False
 
+    def _close_soon(self, stream: RequestOutput, reason: str | None = None, error: str | None = None) -> None:
+        """From a stage thread: close on the event loop, after the outputs already pushed. Request state
+        (the stream table, admission) changes on the loop's thread only, so a finish racing an abort
+        releases admission once."""
+        stream.loop.call_soon_threadsafe(self._close, stream, reason, error)
+
     def _close(self, stream: RequestOutput, reason: str | None = None, error: str | None = None) -> None:
+        """On the event loop only."""
         if stream.closed:
             return
         stream.closed = True
         self._streams.pop(stream.request.request_id, None)
         self.admission.release(stream.stages)
         usage = Usage(stream.num_prompt_tokens, stream.num_completion_tokens, stream.num_audio_frames)
-        stream.push(("finished", Finished(stream.request.request_id, reason or stream.finish_reason, usage,
-                                          error)))
+        stream.put(("finished", Finished(stream.request.request_id, reason or stream.finish_reason, usage, error)))
+
+
+def _stage_stats(stage, free_slots: int, slots: int, admission_waiting: int) -> StageStats:
+    """An in-process stage reports its scheduler and step counters; a replica pool only its slots."""
+    if not isinstance(stage, Stage):
+        return StageStats(stage.name, free_slots, slots, admission_waiting)
+    return StageStats(stage.name, free_slots, slots, admission_waiting, stage.scheduler.num_running,
+                      stage.num_waiting, list(stage.batch_size_counts), stage.busy_s, stage.device_wait_s)

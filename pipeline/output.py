@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from pipeline.request import OmniRequest
+from pipeline.api import OmniRequest
 
 
 @dataclass(slots=True)
@@ -30,19 +30,20 @@ class RequestOutput:
     num_audio_frames: int = 0
     closed: bool = False
     num_buffered_bytes: int = 0
-    token_ids: list[int] = field(default_factory=list)
     async_output: bool = True
 
     def push(self, item: tuple) -> None:
+        """From a stage thread."""
         if self.async_output:
-            self.loop.call_soon_threadsafe(self._put, item)
+            self.loop.call_soon_threadsafe(self.put, item)
         else:  # ablation: the stage thread waits until the event loop has taken the output
             asyncio.run_coroutine_threadsafe(self._put_async(item), self.loop).result()
 
     async def _put_async(self, item: tuple) -> None:
-        self._put(item)
+        self.put(item)
 
-    def _put(self, item: tuple) -> None:
+    def put(self, item: tuple) -> None:
+        """On the event loop."""
         self.queue.put_nowait(item)
         self.num_buffered_bytes += _num_bytes(item)
         if self.num_buffered_bytes > self.max_buffered_bytes and not self.closed:

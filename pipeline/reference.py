@@ -12,13 +12,13 @@ from collections.abc import AsyncIterator
 import numpy as np
 import torch
 
+from pipeline.api import AudioChunk, EngineStats, Event, Finished, OmniRequest, StageStats, TextDelta, Usage
 from pipeline.engine import EngineBase
-from pipeline.request import AudioChunk, Event, Finished, OmniRequest, TextDelta, Usage
 from pipeline.sampling import SamplingParams
 
 
 class ReferenceEngine(EngineBase):
-    stages: list = []
+    kind = "reference"
 
     def __init__(self, cfg, models):
         super().__init__(cfg, models)
@@ -31,16 +31,11 @@ class ReferenceEngine(EngineBase):
     def stop(self) -> None:
         pass
 
-    def num_free_slots(self) -> dict[str, int]:
-        return {"thinker": 1 - self.num_active_requests}
+    def stats(self) -> EngineStats:
+        """One request at a time: one slot."""
+        return EngineStats(self.num_active_requests, [StageStats("thinker", 1 - self.num_active_requests, 1)])
 
-    def num_slots(self) -> dict[str, int]:
-        return {"thinker": 1}
-
-    def replica_status(self) -> dict[str, list[dict]]:
-        return {}
-
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str, error: str | None = None) -> None:
         """generate() cannot be interrupted; the request runs to its end."""
 
     def abort_all(self, error: str) -> None:

@@ -11,7 +11,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.request import AudioChunk, Finished, OmniRequest, TextDelta
+from pipeline.api import AudioChunk, Finished, OmniRequest, TextDelta
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["Tell me a story about a dragon.", "Hello there, how are you?", "Numbers 1 2 3 4 5",

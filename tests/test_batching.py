@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from pipeline.request import AudioChunk, OmniRequest, collect_reply
+from pipeline.api import AudioChunk, OmniRequest, collect_reply
 
 
 async def run(engine, rid: str, text: str, audio: bool):

@@ -13,12 +13,11 @@ import time
 from types import SimpleNamespace
 
 import pytest
+from faults import MARK, inject
 
 from app.admission import session_refusal
 from app.lifecycle import Lifecycle
-from pipeline.admission import EngineOverloaded
-from pipeline.faults import FAULT_MARKER, FaultSpec
-from pipeline.request import AudioChunk, Finished, OmniRequest, TextDelta
+from pipeline.api import AudioChunk, EngineOverloaded, Finished, OmniRequest, TextDelta
 
 
 def make_engine(cfg):
@@ -60,9 +59,11 @@ async def wait_idle(engine, timeout: float = 20.0) -> None:
     raise AssertionError(f"not idle: free {engine.num_free_slots()}, active {engine.num_active_requests}")
 
 
-@pytest.fixture(scope="module", params=["thinker:after=3", "talker:after=4", "code2wav:after=1"])
+@pytest.fixture(scope="module", params=[("thinker", 3), ("talker", 4), ("code2wav", 1)], ids=lambda p: p[0])
 def faulty_engine(request, tiny_config):
-    eng = make_engine(dataclasses.replace(tiny_config, fault_injection=request.param))
+    eng = make_engine(tiny_config)
+    inject(eng, *request.param)
+    eng.fault_stage = request.param[0]
     yield eng
     eng.stop()
 
@@ -75,10 +76,10 @@ async def test_injected_failure_fails_only_that_request(faulty_engine, caplog):
     exactly as they do when run alone."""
     caplog.set_level(logging.WARNING, logger="pipeline.stage")
     alone = [await collect(faulty_engine, request(f"alone-{i}", p)) for i, p in enumerate(PROMPTS)]
-    stage = FaultSpec.parse(faulty_engine.cfg.fault_injection).stage
+    stage = faulty_engine.fault_stage
     for attempt in range(6):  # batching depends on timing: retry until the fault hit a shared batch
         reqs = [request(f"mixed-{attempt}-{i}", p) for i, p in enumerate(PROMPTS)]
-        bad = request(f"bad-{attempt}", f"{FAULT_MARKER} Tell me about the sea.")
+        bad = request(f"{MARK}{attempt}", "Tell me about the sea.")
         results = await asyncio.gather(*(collect(faulty_engine, r) for r in [*reqs[:2], bad, *reqs[2:]]))
         results.insert(0, results.pop(2))
         _, _, fin_bad = results[0]

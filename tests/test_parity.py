@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.request import OmniRequest, collect_reply
+from pipeline.api import OmniRequest, collect_reply
 
 THINKER_TOKENS, TALKER_TOKENS = 12, 40
 

@@ -18,8 +18,7 @@ from app.realtime_events import ProtocolError
 from app.session import RealtimeLimits, RealtimeSession
 from app.vad import VadConfig
 from app.wire_audio import G711_ALAW, G711_ULAW, StreamResampler, decode, encode
-from pipeline.engine import RequestError
-from pipeline.request import OmniRequest
+from pipeline.api import OmniRequest, RequestError
 from tests.realtime_helpers import LEAD_S, espeak_utterance
 
 VOICES = ["chelsie", "ethan"]

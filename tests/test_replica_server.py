@@ -45,4 +45,4 @@ def test_distributed_ray_without_ray_is_a_clear_error(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "ray", None)  # as if the omnirt[ray] extra were not installed
     with pytest.raises(SystemExit, match=r"distributed: ray needs Ray.*pip install 'omnirt\[ray\]'"):
-        main(["serve", "--distributed", "ray", "--threads", "1"])
+        main(["serve", "--distributed", "ray", "--threads", "1", "--engine-process", "inproc"])

@@ -108,3 +108,26 @@ def test_codec_stream_ramp_doubles_up_to_the_chunk_size():
         sizes.append(n)
         s.advance(n)
     assert sizes == [2, 4, 8, 12, 12]
+
+
+def test_incremental_detokenizer_matches_a_full_decode_and_never_splits_a_character():
+    """Token by token, the deltas join to the full decode, and no delta carries U+FFFD for a multi-byte
+    character whose bytes span several tokens; each call decodes a window, not the whole reply."""
+    from transformers import AutoTokenizer
+
+    from pipeline.detokenizer import IncrementalDetokenizer
+    from pipeline.models.tiny import ensure_tiny_model
+
+    tok = AutoTokenizer.from_pretrained(ensure_tiny_model(), local_files_only=True)
+    text = "Grüße aus Köln — 你好，世界! 🎉🎉 naïve café " * 3
+    ids = tok(text, add_special_tokens=False).input_ids
+    assert any("\ufffd" in tok.decode([i]) for i in ids)  # some characters do span tokens
+    calls = []
+    decode = tok.decode
+    tok.decode = lambda window, **kw: calls.append(len(window)) or decode(window, **kw)
+    detok = IncrementalDetokenizer(tok)
+    deltas = [detok.add([i]) for i in ids] + [detok.flush()]
+    assert "".join(deltas) == decode(ids, skip_special_tokens=True) == text
+    assert not any("\ufffd" in d for d in deltas)
+    assert max(calls) < 16  # a short window per step, never the whole reply (len(ids) is far more)
+    assert len(ids) > 60

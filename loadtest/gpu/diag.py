@@ -5,13 +5,14 @@ import os
 import sys
 import time
 
-from app.cli import build_parser, load_engine
-from pipeline.request import AudioChunk, Finished, OmniRequest, TextDelta
+from app.cli import build_parser, engine_options
+from pipeline.api import AudioChunk, Finished, OmniRequest, TextDelta
+from pipeline.core import build_engine
 
 dump = open(os.path.join(os.environ.get("OUT", "/tmp"), "stacks.txt"), "w")
 faulthandler.dump_traceback_later(int(os.environ.get("DIAG_TIMEOUT", "200")), exit=True, file=dump)
 t0 = time.perf_counter()
-engine = load_engine(build_parser().parse_args(["serve", *sys.argv[1:]]))
+engine = build_engine(engine_options(build_parser().parse_args(["serve", *sys.argv[1:]])))
 print(f"engine ready {time.perf_counter() - t0:.1f}s", flush=True)
 
 

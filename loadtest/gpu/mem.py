@@ -4,10 +4,11 @@ import sys
 
 import torch
 
-from app.cli import build_parser, load_engine
+from app.cli import build_parser, engine_options
+from pipeline.core import build_engine
 
 logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
-engine = load_engine(build_parser().parse_args(["serve", *sys.argv[1:]]))
+engine = build_engine(engine_options(build_parser().parse_args(["serve", *sys.argv[1:]])))
 print("after capture GiB", torch.cuda.memory_allocated() / 2**30, "reserved", torch.cuda.memory_reserved() / 2**30)
 print({n: len(g) for n, g in [("thinker", engine.models.thinker.graphs), ("talker", engine.models.talker.decode_graphs),
                               ("predictor", engine.models.talker.predictor_graphs)]})

@@ -9,7 +9,7 @@ import torch
 from transformers import WhisperFeatureExtractor
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import _get_feat_extract_output_lengths
 
-from pipeline.request import Message
+from pipeline.api import Message
 
 INPUT_SAMPLE_RATE = 16000
 N_FFT = 400  # the STFT window; its reflect padding needs more input than half of it

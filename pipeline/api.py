@@ -1,0 +1,249 @@
+"""The engine's one door: the only module `app/` imports from `pipeline/`.
+
+An `EngineClient` takes requests and streams their events back, whether the engine runs in this
+process (`InprocClient`) or in an engine core process of its own (`CoreClient`, the default where
+a device is used). The request, event, info and stats types are msgspec structs, so they cross the
+process boundary as typed messages; importing this module loads neither torch nor the models.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, TypedDict
+
+import msgspec
+import numpy as np
+
+
+class Part(TypedDict, total=False):
+    type: str  # "text" | "audio"
+    text: str
+    audio: np.ndarray  # float32 mono at EngineInfo.input_sample_rate
+
+
+class Message(TypedDict):
+    role: str  # "system" | "user" | "assistant"
+    content: str | list[Part]
+
+
+class OmniRequest(msgspec.Struct, tag=True):
+    """What a client asks of the engine."""
+
+    request_id: str
+    messages: list[dict]  # Message dicts; audio parts hold numpy arrays
+    modalities: tuple[str, ...] = ("text",)
+    voice: str | None = None
+    thinker_sampling: dict[str, Any] = msgspec.field(default_factory=dict)  # overrides of the profile defaults
+    talker_sampling: dict[str, Any] = msgspec.field(default_factory=dict)
+    initial_codec_chunk_frames: int | None = None
+
+    @property
+    def wants_audio(self) -> bool:
+        return "audio" in self.modalities
+
+
+# ---- events: the closed set a request's stream yields ------------------------------------------------
+
+
+class TextDelta(msgspec.Struct, frozen=True, tag=True):
+    request_id: str
+    text: str
+    token_ids: tuple[int, ...]
+
+
+class AudioChunk(msgspec.Struct, frozen=True, tag=True):
+    request_id: str
+    pcm16: bytes  # mono little-endian int16 at EngineInfo.output_sample_rate
+    index: int
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.pcm16) // 2
+
+
+class Usage(msgspec.Struct, frozen=True):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    audio_frames: int = 0
+
+
+class Finished(msgspec.Struct, frozen=True, tag=True):
+    request_id: str
+    finish_reason: str  # "stop" | "length" | "abort" | "error"
+    usage: Usage
+    error: str | None = None
+
+
+Event = TextDelta | AudioChunk | Finished
+
+
+# ---- errors ------------------------------------------------------------------------------------------
+
+
+class RequestError(ValueError):
+    """The request cannot be served as asked (bad voice, prompt too long, bad sampling values)."""
+
+    def __init__(self, message: str, param: str | None = None, code: str = "invalid_request"):
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
+class EngineOverloaded(RuntimeError):
+    """Every slot and wait place of a stage is taken; the caller should retry after `retry_after_s`."""
+
+    def __init__(self, stage: str, capacity: int, retry_after_s: float):
+        super().__init__(f"the {stage} stage is full ({capacity} requests running or waiting); retry later")
+        self.stage, self.capacity, self.retry_after_s = stage, capacity, retry_after_s
+
+
+class EngineDeadError(RuntimeError):
+    """The engine core process is gone; nothing more can be served."""
+
+
+class EngineStartError(RuntimeError):
+    """The engine could not start (bad profile, model not found, a missing extra, a crash while loading)."""
+
+
+# ---- what the engine tells about itself ----------------------------------------------------------------
+
+
+class StageLimit(msgspec.Struct, frozen=True):
+    max_num_seqs: int
+    max_waiting: int
+
+    @property
+    def capacity(self) -> int:
+        return self.max_num_seqs + self.max_waiting
+
+
+class EngineInfo(msgspec.Struct, frozen=True, tag=True):
+    """Static facts, fixed at start-up."""
+
+    model: str
+    voices: tuple[str, ...]
+    default_voice: str
+    system_prompt: str | None
+    has_audio_output: bool
+    input_sample_rate: int
+    output_sample_rate: int
+    stage_limits: dict[str, StageLimit]  # admission per stage, in graph order
+    retry_after_s: float
+    max_output_buffer_bytes: int  # unread output a request may hold before it is aborted
+    kind: str = "omnirt"  # "omnirt" | "reference"
+
+    def stages_for(self, wants_audio: bool) -> tuple[str, ...]:
+        stages = tuple(self.stage_limits)
+        return stages if wants_audio else stages[:1]
+
+
+class StageStats(msgspec.Struct, frozen=True):
+    name: str
+    free_slots: int
+    slots: int
+    admission_waiting: int = 0
+    running: int | None = None  # None: the stage runs in replicas, which report on /health
+    waiting: int | None = None
+    batch_size_counts: list[int] | None = None  # steps per batch size
+    busy_s: float | None = None  # seconds inside steps
+    device_wait_s: float | None = None  # the part of busy_s spent waiting for the device
+
+
+class EngineStats(msgspec.Struct, frozen=True, tag=True):
+    """A snapshot for /metrics and /health."""
+
+    active_requests: int = 0
+    stages: list[StageStats] = msgspec.field(default_factory=list)
+    admission_refused: int = 0
+    replicas: dict[str, list[dict[str, Any]]] = msgspec.field(default_factory=dict)
+
+
+class EngineHealth(msgspec.Struct, frozen=True):
+    is_alive: bool
+    reason: str | None = None  # why not
+
+
+class EngineClient(Protocol):
+    """What `app/` may ask of the engine. `submit` raises RequestError or EngineOverloaded before
+    anything starts; the stream always ends with one `Finished`."""
+
+    def info(self) -> EngineInfo: ...
+
+    async def submit(self, req: OmniRequest) -> AsyncIterator[Event]: ...
+
+    def abort(self, request_id: str, error: str | None = None) -> None: ...
+
+    def abort_all(self, error: str) -> None: ...
+
+    def check_admission(self, wants_audio: bool = True) -> None: ...
+
+    @property
+    def num_active_requests(self) -> int: ...
+
+    def stats(self) -> EngineStats: ...
+
+    def health(self) -> EngineHealth: ...
+
+    async def wait_dead(self) -> str: ...
+
+    def stop(self) -> None: ...
+
+
+# ---- starting an engine ----------------------------------------------------------------------------------
+
+
+@dataclass(slots=True, frozen=True)
+class EngineOptions:
+    """How to build the engine: the command line's engine flags, as plain values (they cross to the core)."""
+
+    model: str = "tiny"
+    deploy_config: str | None = None
+    load_format: str | None = None
+    dtype: str | None = None
+    stage_overrides: dict[str, dict] = field(default_factory=dict)
+    moe_backend: str | None = None
+    enforce_eager: bool = False
+    async_chunk: bool = True
+    async_output: bool = True
+    engine: Literal["omnirt", "reference"] = "omnirt"
+    platform: str | None = None
+    distributed: str | None = None
+    threads: int | None = None
+    max_output_buffer_bytes: int | None = None
+    process: Literal["auto", "core", "inproc"] = "auto"
+    log_level: str = "info"
+    log_format: str = "text"
+
+
+def start_engine(opts: EngineOptions, log_setup: Callable[[str, str], None] | None = None) -> EngineClient:
+    """Build, load and start the engine, in this process or in an engine core process (`opts.process`;
+    auto: a core process). `log_setup(level, format)` configures logging in the core process.
+    Raises EngineStartError with a message for the user."""
+    from pipeline.client import CoreClient, InprocClient
+
+    if opts.process == "inproc":
+        return InprocClient.start(opts)
+    return CoreClient.start(opts, log_setup)
+
+
+@dataclass(slots=True)
+class Reply:
+    """A whole reply gathered from an event stream (non-streaming clients, tests, benchmarks)."""
+
+    text: str
+    token_ids: list[int]
+    pcm16: bytes
+    finished: Finished | None
+
+
+async def collect_reply(events: AsyncIterator[Event]) -> Reply:
+    text, ids, pcm, fin = [], [], bytearray(), None
+    async for ev in events:
+        if isinstance(ev, TextDelta):
+            text.append(ev.text)
+            ids.extend(ev.token_ids)
+        elif isinstance(ev, AudioChunk):
+            pcm += ev.pcm16
+        elif isinstance(ev, Finished):
+            fin = ev
+    return Reply("".join(text), ids, bytes(pcm), fin)

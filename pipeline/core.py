@@ -1,0 +1,220 @@
+"""The engine core: build the engine from `EngineOptions`, and serve it in a process of its own.
+
+The core process owns the stages, their step loops and every tensor; the API process only moves
+bytes. They talk over two ZeroMQ sockets (`pipeline/ipc.py`): requests and aborts in, and out one
+batched `Outputs` message per burst of events plus an `EngineStats` snapshot every `STATS_S`, which
+is also the heartbeat. The core stops when told to, on SIGTERM, or when the API process is gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import signal
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import zmq
+import zmq.asyncio
+
+from pipeline import ipc
+from pipeline.api import EngineOptions, EngineOverloaded, EngineStartError, OmniRequest, RequestError
+
+log = logging.getLogger("omnirt.core")
+DEPLOY_DIR = Path(__file__).resolve().parents[1] / "deploy"
+STATS_S = 0.2  # stats snapshot (and heartbeat) period
+MAX_PENDING_BYTES = 16 * 2**20  # events queued for one send: request tasks wait beyond this
+PARENT_POLL_S = 0.25
+
+
+def build_engine(opts: EngineOptions):
+    """Profile -> platform merge -> models -> started engine. Raises EngineStartError."""
+    from pipeline.config import ProfileError, load_profile
+    from pipeline.models import ModelNotFoundError, load_models
+    from pipeline.platform import detect_platform, get_platform, set_num_threads
+    from pipeline.ray_replica import RayUnavailableError, require_ray
+
+    if opts.threads:
+        set_num_threads(opts.threads)
+    try:
+        platform = get_platform(opts.platform) if opts.platform else detect_platform()
+        profile = opts.deploy_config or DEPLOY_DIR / ("tiny.yaml" if opts.model == "tiny" else "qwen3_omni_moe.yaml")
+        overrides = {"model": opts.model, "load_format": opts.load_format, "dtype": opts.dtype,
+                     "async_output": opts.async_output or None, "moe_backend": opts.moe_backend,
+                     "distributed": opts.distributed, "max_output_buffer_bytes": opts.max_output_buffer_bytes}
+        stage_overrides = dict(opts.stage_overrides)
+        if opts.enforce_eager:
+            for sid in ("0", "1", "2"):
+                stage_overrides[sid] = {**stage_overrides.get(sid, {}), "enforce_eager": True}
+        cfg = load_profile(profile, platform.name, overrides, stage_overrides)
+        if not opts.async_chunk:
+            cfg = dataclasses.replace(cfg, connector=dataclasses.replace(cfg.connector, async_chunk=False))
+        if cfg.distributed == "ray":
+            require_ray()  # fail before loading weights when the extra is missing
+        _log_plan(platform.name, profile, cfg)
+        models = load_models(cfg, platform)
+    except (ProfileError, ModelNotFoundError, RayUnavailableError, ValueError) as exc:
+        raise EngineStartError(str(exc)) from exc
+    return _start(opts.engine, cfg, models)
+
+
+def _log_plan(platform: str, profile, cfg) -> None:
+    log.info("platform %s, profile %s, model %s (%s, %s)", platform, profile, cfg.model, cfg.load_format, cfg.dtype)
+    for s in cfg.stages:
+        log.info("stage %d %-8s max_num_seqs=%d max_model_len=%d eager=%s devices=%s", s.stage_id, s.name,
+                 s.max_num_seqs, s.max_model_len, s.enforce_eager, s.devices)
+
+
+def _start(kind: str, cfg, models):
+    from pipeline.engine import OmniEngine
+    from pipeline.reference import ReferenceEngine
+
+    engine = (ReferenceEngine if kind == "reference" else OmniEngine)(cfg, models)
+    try:
+        engine.start()
+    except RuntimeError as exc:  # a replica that did not come up
+        engine.stop()
+        raise EngineStartError(str(exc)) from exc
+    return engine
+
+
+class EngineCore:
+    """The core's event loop: requests in, events out, batched per burst."""
+
+    def __init__(self, engine, inbox: zmq.asyncio.Socket, outbox: zmq.asyncio.Socket):
+        self.engine, self.inbox, self.outbox = engine, inbox, outbox
+        self._pending: list = []
+        self._pending_bytes = 0
+        self._wake = asyncio.Event()
+        self._drained = asyncio.Event()
+        self._starting: dict[str, str | None] = {}  # requests in submit(); an abort that came meanwhile
+        self._tasks: set[asyncio.Task] = set()
+        self.stopping = asyncio.Event()
+
+    async def run(self) -> None:
+        sender = asyncio.create_task(self._send_loop())
+        receiver = asyncio.create_task(self._recv_loop())
+        await self.stopping.wait()
+        receiver.cancel()
+        sender.cancel()
+
+    async def _recv_loop(self) -> None:
+        while True:
+            msg = ipc.to_core.decode(await self.inbox.recv())
+            if isinstance(msg, OmniRequest):
+                task = asyncio.create_task(self._serve(msg))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+            elif isinstance(msg, ipc.Abort):
+                if msg.request_id in self._starting:
+                    self._starting[msg.request_id] = msg.error or ""
+                self.engine.abort(msg.request_id, msg.error)
+            else:
+                self.stopping.set()
+
+    async def _serve(self, req: OmniRequest) -> None:
+        rid = req.request_id
+        self._starting[rid] = None
+        try:
+            events = await self.engine.submit(req)
+        except RequestError as exc:
+            return self._emit(ipc.Rejected(rid, "invalid", str(exc), exc.param, exc.code))
+        except EngineOverloaded as exc:
+            return self._emit(ipc.Rejected(rid, "overloaded", str(exc), stage=exc.stage, capacity=exc.capacity,
+                                           retry_after_s=exc.retry_after_s))
+        except Exception as exc:
+            log.exception("request %s: submit failed", rid)
+            return self._emit(ipc.Rejected(rid, "invalid", f"the request could not start ({type(exc).__name__})",
+                                           code="internal_error"))
+        finally:
+            early_abort = self._starting.pop(rid, None)
+        self._emit(ipc.Accepted(rid))
+        if early_abort is not None:  # aborted while its prompt was being encoded
+            self.engine.abort(rid, early_abort or None)
+        async for ev in events:
+            self._emit(ev)
+            if self._pending_bytes > MAX_PENDING_BYTES:  # the API process is not reading: hold this request
+                await self._drained.wait()
+
+    def _emit(self, item) -> None:
+        self._pending.append(item)
+        self._pending_bytes += 64 + len(getattr(item, "pcm16", b""))
+        self._wake.set()
+
+    async def _send_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        next_stats = loop.time()
+        while True:
+            try:
+                await asyncio.wait_for(self._wake.wait(), max(0.0, next_stats - loop.time()))
+            except TimeoutError:
+                pass
+            self._wake.clear()
+            if self._pending:
+                items, self._pending, self._pending_bytes = self._pending, [], 0
+                self._drained.set()
+                self._drained.clear()
+                await self.outbox.send(ipc.encoder.encode(ipc.Outputs(items)), copy=False)
+            if loop.time() >= next_stats:
+                next_stats = loop.time() + STATS_S
+                await self.outbox.send(ipc.encoder.encode(self.engine.stats()))
+
+
+def core_main(opts: EngineOptions, to_core: str, from_core: str, parent_pid: int,
+              log_setup: Callable[[str, str], None] | None = None) -> None:
+    """Entry point of the spawned engine core process."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the API process leads the stop
+    if log_setup is not None:
+        log_setup(opts.log_level, opts.log_format)
+    asyncio.run(_serve_core(opts, to_core, from_core, parent_pid))
+
+
+async def _serve_core(opts: EngineOptions, to_core: str, from_core: str, parent_pid: int) -> None:
+    ctx = zmq.asyncio.Context()
+    inbox, outbox = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    inbox.connect(to_core)
+    outbox.connect(from_core)
+    try:
+        engine, error = _build_or_report(opts)
+        if engine is None:
+            await outbox.send(ipc.encoder.encode(ipc.StartFailed(error)))
+            return
+        core = EngineCore(engine, inbox, outbox)
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, core.stopping.set)
+        _watch_parent(parent_pid, lambda: loop.call_soon_threadsafe(core.stopping.set))
+        await outbox.send(ipc.encoder.encode(ipc.Ready(engine.info())))
+        try:
+            await core.run()
+        finally:
+            engine.stop()
+    finally:
+        inbox.close(linger=0)
+        outbox.close(linger=1000)  # StartFailed must still reach the API process
+        ctx.term()
+
+
+def _build_or_report(opts: EngineOptions) -> tuple[object | None, str]:
+    """(the started engine, '') or (None, why it could not start)."""
+    try:
+        return build_engine(opts), ""
+    except EngineStartError as exc:
+        return None, str(exc)
+    except Exception as exc:
+        log.exception("the engine could not start")
+        return None, f"the engine could not start: {type(exc).__name__}: {exc}"
+
+
+def _watch_parent(parent_pid: int, on_gone: Callable[[], None]) -> None:
+    """The API process died without telling us (SIGKILL, crash): stop, leaving no orphan behind."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            threading.Event().wait(PARENT_POLL_S)
+        log.warning("the API process %d is gone; the engine core stops", parent_pid)
+        on_gone()
+
+    threading.Thread(target=watch, name="omnirt-parent-watch", daemon=True).start()

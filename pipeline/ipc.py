@@ -1,0 +1,78 @@
+"""The messages between the API process and the engine core process, and their wire encoding.
+
+Both directions are closed unions of msgspec structs encoded as msgpack (as vLLM's EngineCore
+client does): no pickled objects cross per request or per step. Audio in request messages
+(float32 numpy arrays) travels as a msgpack extension of raw little-endian bytes.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+
+from pipeline.api import AudioChunk, EngineInfo, EngineStats, Finished, OmniRequest, TextDelta
+
+FLOAT32_AUDIO = 1  # msgpack extension code: a 1-D float32 array
+
+
+class Abort(msgspec.Struct, tag=True):
+    request_id: str
+    error: str | None = None
+
+
+class Shutdown(msgspec.Struct, tag=True):
+    pass
+
+
+ToCore = OmniRequest | Abort | Shutdown
+
+
+class Ready(msgspec.Struct, tag=True):
+    info: EngineInfo
+
+
+class StartFailed(msgspec.Struct, tag=True):
+    message: str
+
+
+class Accepted(msgspec.Struct, tag=True):
+    request_id: str
+
+
+class Rejected(msgspec.Struct, tag=True):
+    """`submit` raised: RequestError (kind "invalid") or EngineOverloaded (kind "overloaded")."""
+
+    request_id: str
+    kind: str
+    message: str
+    param: str | None = None
+    code: str = "invalid_request"
+    stage: str = ""
+    capacity: int = 0
+    retry_after_s: float = 0.0
+
+
+class Outputs(msgspec.Struct, tag=True):
+    """Everything the core had for the API process since its last send, in order."""
+
+    items: list[Accepted | Rejected | TextDelta | AudioChunk | Finished]
+
+
+FromCore = Ready | StartFailed | Outputs | EngineStats
+
+
+def _enc_hook(obj):
+    if isinstance(obj, np.ndarray) and obj.ndim == 1:
+        return msgspec.msgpack.Ext(FLOAT32_AUDIO, obj.astype("<f4", copy=False).tobytes())
+    raise TypeError(f"cannot send {type(obj).__name__} to the engine core")
+
+
+def _ext_hook(code: int, data: memoryview):
+    if code == FLOAT32_AUDIO:
+        return np.frombuffer(data, dtype="<f4").copy()
+    raise ValueError(f"unknown msgpack extension {code}")
+
+
+encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+to_core = msgspec.msgpack.Decoder(ToCore, ext_hook=_ext_hook)
+from_core = msgspec.msgpack.Decoder(FromCore)

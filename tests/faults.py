@@ -1,0 +1,38 @@
+"""Test-only fault injection, plugged into a real in-process engine from outside: one stage's runner is
+wrapped so that its step raises `InjectedFault` for marked requests (ids starting with `MARK`) once the
+request has been in `after_steps` of that stage's batches. Nothing in the engine knows about it."""
+
+from __future__ import annotations
+
+import threading
+
+from pipeline.scheduler import Batch, StepOutput
+
+MARK = "bad-"
+
+
+class InjectedFault(RuntimeError):
+    pass
+
+
+class FaultyRunner:
+    def __init__(self, runner, stage: str, after_steps: int = 0):
+        self.runner, self.stage, self.after_steps = runner, stage, after_steps
+        self._steps: dict[str, int] = {}  # marked request id -> batches seen here
+        self._lock = threading.Lock()
+
+    def run(self, batch: Batch) -> list[StepOutput]:
+        with self._lock:
+            for req in batch.requests:
+                if req.request_id.startswith(MARK):
+                    n = self._steps.get(req.request_id, 0)
+                    self._steps[req.request_id] = n + 1
+                    if n >= self.after_steps:
+                        raise InjectedFault(f"injected fault for {req.request_id} in {self.stage}")
+        return self.runner.run(batch)
+
+
+def inject(engine, stage: str, after_steps: int = 0) -> None:
+    """Make `stage` of a started in-process engine fail for marked requests."""
+    target = {s.name: s for s in engine.stages}[stage]
+    target.runner = FaultyRunner(target.runner, stage, after_steps)

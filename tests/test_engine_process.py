@@ -1,0 +1,95 @@
+"""`omnirt serve` with the engine core in a process of its own: a stop or a crash of either process leaves
+no process, socket or shared-memory segment behind, and a core that dies mid-stream ends the streams with
+an error and stops the server with a non-zero exit, never a hang."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.conftest import ROOT, ServerProcess
+from tests.sse_client import audio_body, stream_chat
+
+pytestmark = pytest.mark.timeout(300)
+SHM = Path("/dev/shm")
+
+
+def descendants(pid: int) -> list[psutil.Process]:
+    return psutil.Process(pid).children(recursive=True)
+
+
+def core_of(srv: ServerProcess) -> psutil.Process:
+    (core,) = [p for p in psutil.Process(srv.proc.pid).children() if "spawn_main" in " ".join(p.cmdline())]
+    return core
+
+
+def wait_gone(procs: list[psutil.Process], timeout_s: float = 30.0) -> list[psutil.Process]:
+    """The processes still alive after `timeout_s` (a liveness wait, not a latency bound)."""
+    _, alive = psutil.wait_procs(procs, timeout=timeout_s)
+    return alive
+
+
+def server(tmp_path: Path, *args: str) -> ServerProcess:
+    """A server whose temporary files (the core's IPC sockets) go to `tmp_path`."""
+    return ServerProcess(list(args), env={"TMPDIR": str(tmp_path)})
+
+
+def test_sigterm_stops_every_process_of_a_replicated_server(tmp_path):
+    """API process, engine core and five replica workers: SIGTERM ends them all, sockets and rings gone."""
+    shm_before = set(os.listdir(SHM))
+    srv = server(tmp_path, "--deploy-config", str(ROOT / "deploy/qwen3_omni_moe_multi_replicas.yaml"),
+                 "--stage-overrides", json.dumps({"1": {"num_replicas": 2}}))
+    try:
+        procs = descendants(srv.proc.pid)
+        workers = [r["pid"] for rs in srv.health()["replicas"].values() for r in rs if r.get("pid")]
+        assert len(workers) == 4 and set(workers) <= {p.pid for p in procs}
+        assert len(list(tmp_path.glob("omnirt-core-*"))) == 1
+        assert stream_chat(srv.url, audio_body(8, frames=12)).is_complete
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(timeout=60) in (0, -signal.SIGTERM)
+        assert wait_gone(procs) == []
+        assert list(tmp_path.glob("omnirt-core-*")) == []  # the IPC sockets are gone
+        assert {n for n in set(os.listdir(SHM)) - shm_before if n.startswith("psm_")} == set()
+    finally:
+        srv.stop()
+
+
+def test_killed_api_process_takes_the_core_with_it(tmp_path):
+    srv = server(tmp_path)
+    try:
+        procs = descendants(srv.proc.pid)
+        assert procs
+        srv.proc.kill()
+        srv.proc.wait(timeout=10)
+        assert wait_gone(procs) == []  # the core notices its parent is gone and stops
+    finally:
+        srv.stop()
+
+
+def test_core_killed_mid_stream_ends_streams_and_stops_the_server(tmp_path):
+    srv = server(tmp_path)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            streams = [pool.submit(stream_chat, srv.url, audio_body(60, frames=4000)) for _ in range(2)]
+            for _ in range(600):
+                if srv.health()["active_requests"] == 2:
+                    break
+                time.sleep(0.05)
+            core_of(srv).kill()
+            results = [s.result(timeout=60) for s in streams]
+        for r in results:
+            assert r.status == 200 and not r.done
+            assert r.error["type"] == "server_error" and "engine core process exited" in r.error["message"]
+        assert srv.proc.wait(timeout=60) not in (0, -signal.SIGTERM)  # a dead engine is a failed server
+        log = srv.log.read_text()
+        assert "the engine is gone" in log and "Traceback" not in log
+        assert list(tmp_path.glob("omnirt-core-*")) == []  # the IPC sockets are gone
+    finally:
+        srv.stop()
