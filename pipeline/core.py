@@ -70,7 +70,7 @@ def _log_plan(platform: str, profile, cfg) -> None:
 
 def _start(kind: str, cfg, models):
     from pipeline.engine import OmniEngine
-    from pipeline.reference import ReferenceEngine
+    from pipeline.models.qwen3_omni.reference import ReferenceEngine
 
     engine = (ReferenceEngine if kind == "reference" else OmniEngine)(cfg, models)
     try:

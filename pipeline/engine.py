@@ -1,19 +1,18 @@
-"""OmniEngine: submit / stream / abort over the Thinker -> Talker -> Code2Wav stage graph.
+"""OmniEngine: submit / stream / abort over the model's stage graph (Thinker -> Talker -> Code2Wav for
+Qwen3-Omni, declared in its model package).
 
-The engine is asyncio-facing; each stage steps on its own thread. Stage threads only push raw
-results (token ids, PCM) into a per-request queue; detokenisation and event shaping happen on the
-consumer's side, off the decode loops (async output).
+The engine is asyncio-facing; each stage steps on its own thread. Stage threads report one typed
+`StepResult` per step, which the engine routes along the graph: hand-off payloads to the next
+stage, raw results (token ids, PCM) to the request's queue; detokenisation and event shaping happen
+on the consumer's side, off the decode loops (async output). Request state (the stream table,
+admission) changes on the event loop only.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 from collections.abc import AsyncIterator
-
-import numpy as np
-import torch
 
 from pipeline.admission import Admission
 from pipeline.api import (
@@ -30,14 +29,13 @@ from pipeline.api import (
     Usage,
 )
 from pipeline.config import EngineConfig
-from pipeline.connector import CodecStream, Command, Message
+from pipeline.connector import Command, Message
 from pipeline.detokenizer import IncrementalDetokenizer
-from pipeline.models import OmniModels, TalkerState
+from pipeline.models import OmniModels
 from pipeline.output import RequestOutput
 from pipeline.replicas import make_stage, replica_status
-from pipeline.request import FINISH_REASONS, RequestStatus, StageRequest
+from pipeline.request import FINISH_REASONS, Finish, RequestStatus, StepResult
 from pipeline.sampling import SamplingError, SamplingParams, numerically_safe
-from pipeline.scheduler import Batch, StepOutput
 from pipeline.stage import Stage
 
 log = logging.getLogger(__name__)
@@ -56,10 +54,10 @@ class EngineBase:
         return sorted(self.models.voices)
 
     def info(self) -> EngineInfo:
-        limits = {s.name: StageLimit(s.max_num_seqs, s.max_waiting) for s in self.cfg.stages
-                  if s.name == "thinker" or self.models.talker is not None}
+        graph = self.models.graph
+        limits = {n: StageLimit(self.cfg.stage(n).max_num_seqs, self.cfg.stage(n).max_waiting) for n in graph.names}
         return EngineInfo(self.cfg.model, tuple(self.voices), self.cfg.default_voice, self.cfg.system_prompt,
-                          self.models.talker is not None, self.models.input_sample_rate,
+                          len(graph.path(True)) > 1, self.models.input_sample_rate,
                           self.models.output_sample_rate, limits, self.cfg.retry_after_s,
                           self.cfg.max_output_buffer_bytes, self.kind)
 
@@ -69,13 +67,22 @@ class EngineBase:
     def _check_voice(self, req: OmniRequest) -> str | None:
         if not req.wants_audio:
             return None
-        if self.models.talker is None:
+        if len(self.models.graph.path(True)) == 1:
             raise RequestError("this model has no audio output", "modalities")
         voice = (req.voice or self.cfg.default_voice).lower()
         if voice not in self.models.voices:
             raise RequestError(f"unknown voice {req.voice!r}; available: {', '.join(self.voices)}", "voice",
                                "invalid_voice")
         return voice
+
+    def _all_params(self, req: OmniRequest, num_prompt: int) -> dict[str, SamplingParams]:
+        """Sampling parameters per stage on the request's path; RequestError if one cannot be served."""
+        out = {}
+        for name in self.models.graph.path(req.wants_audio):
+            node = self.models.graph.node(name)
+            if node.sampling_field is not None:
+                out[name] = self._params(name, getattr(req, node.sampling_field), num_prompt + node.prefix_tokens)
+        return out
 
     def _params(self, stage: str, overrides: dict, num_prompt: int) -> SamplingParams:
         cfg = self.cfg.stage(stage)
@@ -97,16 +104,15 @@ class EngineBase:
 class OmniEngine(EngineBase):
     def __init__(self, cfg: EngineConfig, models: OmniModels):
         super().__init__(cfg, models)
+        self.graph = models.graph
         self._streams: dict[str, RequestOutput] = {}
-        self._ids = itertools.count()
-        self.admission = Admission({s.name: StageLimit(s.max_num_seqs, s.max_waiting) for s in cfg.stages},
-                                   cfg.retry_after_s)
-        self.thinker = make_stage("thinker", cfg, models, self._thinker_step)
-        self.stages = [self.thinker]
-        if models.talker is not None:
-            self.talker = make_stage("talker", cfg, models, self._talker_step)
-            self.code2wav = make_stage("code2wav", cfg, models, self._audio_step)
-            self.stages += [self.talker, self.code2wav]
+        self.admission = Admission({n: StageLimit(cfg.stage(n).max_num_seqs, cfg.stage(n).max_waiting)
+                                    for n in self.graph.names}, cfg.retry_after_s)
+        self.stages = [make_stage(name, cfg, models, self._on_step) for name in self.graph.names]
+        self._by_name = {s.name: s for s in self.stages}
+
+    def stage(self, name: str):
+        return self._by_name[name]
 
     # ---- lifecycle ----------------------------------------------------------------------------------
 
@@ -120,16 +126,10 @@ class OmniEngine(EngineBase):
             stage.stop()
 
     def num_free_slots(self) -> dict[str, int]:
-        out = {"thinker": self.thinker.num_free_slots}
-        if self.models.talker is not None:
-            out["talker"] = self.talker.num_free_slots
-        return out
+        return {s.name: s.num_free_slots for s in self.stages if self.graph.node(s.name).needs_kv}
 
     def num_slots(self) -> dict[str, int]:
-        out = {"thinker": self.thinker.num_slots}
-        if self.models.talker is not None:
-            out["talker"] = self.talker.num_slots
-        return out
+        return {s.name: s.num_slots for s in self.stages if self.graph.node(s.name).needs_kv}
 
     def replica_status(self) -> dict[str, list[dict]]:
         """Per stage, each replica's state and load (for /health and metrics)."""
@@ -137,9 +137,7 @@ class OmniEngine(EngineBase):
 
     def stats(self) -> EngineStats:
         """Queues, slots, batch sizes and step times, read without stopping the step loops."""
-        free, slots = self.num_free_slots(), self.num_slots()
-        stages = [_stage_stats(s, free.get(s.name, 0), slots.get(s.name, 0), self.admission.num_waiting(s.name))
-                  for s in self.stages]
+        stages = [_stage_stats(s, self.admission.num_waiting(s.name)) for s in self.stages]
         return EngineStats(len(self._streams), stages, self.admission.num_refused, self.replica_status())
 
     @property
@@ -154,21 +152,19 @@ class OmniEngine(EngineBase):
         voice = self._check_voice(req)
         prompt = await asyncio.to_thread(self.models.encoder.encode, req.messages)
         n_prompt = len(prompt.input_ids)
-        th_params = self._params("thinker", req.thinker_sampling, n_prompt)
-        tk_params = self._params("talker", req.talker_sampling, n_prompt + 9) if req.wants_audio else None
-        stages = self.stages_for(req.wants_audio)
-        stream = RequestOutput(req, asyncio.get_running_loop(), asyncio.Queue(), n_prompt, stages,
-                         self.cfg.max_output_buffer_bytes, self._overflow, async_output=self.cfg.async_output)
+        params = self._all_params(req, n_prompt)
+        path = self.graph.path(req.wants_audio)
+        stream = RequestOutput(req, asyncio.get_running_loop(), asyncio.Queue(), n_prompt, path,
+                               self.cfg.max_output_buffer_bytes, self._overflow, async_output=self.cfg.async_output)
         if req.request_id in self._streams:
             raise RequestError(f"request id {req.request_id!r} is already running", "request_id")
-        self.admission.admit(stages)  # raises EngineOverloaded when a stage's wait queue is full
+        self.admission.admit(path)  # raises EngineOverloaded when a stage's wait queue is full
         self._streams[req.request_id] = stream
         try:
-            state = self.models.thinker.prepare(prompt, wants_rows=req.wants_audio)
-            if req.wants_audio:
-                self._start_speech(req, voice, prompt, tk_params)
-            self.thinker.send(Message(Command.ADD, req.request_id, self._stage_request(
-                req.request_id, th_params, state, n_prompt)))
+            first = await asyncio.to_thread(self.graph.new_requests, self.models, self.cfg, req, prompt, voice,
+                                            params)
+            for name in reversed(path):  # downstream stages know the request before its first hand-off
+                self.stage(name).send(Message(Command.ADD, req.request_id, first[name]))
         except BaseException:
             self.abort(req.request_id)  # never leave a half-started request holding its admission
             raise
@@ -187,12 +183,9 @@ class OmniEngine(EngineBase):
         for rid in list(self._streams):
             self.abort(rid, error)
 
-    def stages_for(self, wants_audio: bool) -> tuple[str, ...]:
-        return tuple(s.name for s in self.stages) if wants_audio else ("thinker",)
-
     def check_admission(self, wants_audio: bool = True) -> None:
         """Raise EngineOverloaded if a new request would be refused now (e.g. to refuse a session at connect)."""
-        self.admission.check(self.stages_for(wants_audio))
+        self.admission.check(self.graph.path(wants_audio))
 
     def _overflow(self, stream: RequestOutput) -> None:
         log.warning("%s: output buffer over %d bytes (the client is not reading); aborting",
@@ -223,81 +216,47 @@ class OmniEngine(EngineBase):
             if not stream.closed:
                 self.abort(rid)
 
-    # ---- admission helpers ----------------------------------------------------------------------------
+    # ---- routing step results along the graph (stage threads) --------------------------------------------
 
-    @staticmethod
-    def _stage_request(rid: str, params: SamplingParams, state, num_prompt: int = 0) -> StageRequest:
-        gen = None if params.seed is None else torch.Generator().manual_seed(params.seed)
-        return StageRequest(rid, params, state=state, num_prompt_tokens=num_prompt, generator=gen)
-
-    def _start_speech(self, req: OmniRequest, voice: str, prompt, params: SamplingParams) -> None:
-        rid = req.request_id
-        state = TalkerState(self.models.voices[voice], prompt.input_ids, prompt.audio_lengths)
-        talker_req = self._stage_request(rid, params, state)
-        talker_req.status = RequestStatus.WAITING_FOR_INPUT
-        self.talker.send(Message(Command.ADD, rid, talker_req))
-        codec = CodecStream.from_config(self.cfg.connector, req.initial_codec_chunk_frames)
-        codec.wait_for_input = not self.cfg.connector.async_chunk
-        self.code2wav.send(Message(Command.ADD, rid, StageRequest(rid, params, state=codec)))
-
-    # ---- stage callbacks (run on stage threads) ----------------------------------------------------
-
-    def _thinker_step(self, stage: Stage, batch: Batch, outputs: list[StepOutput],
-                      finished: list[StageRequest]) -> None:
-        eos = set(self.models.thinker.eos_ids)
-        for req, out in zip(batch.requests, outputs):
-            stream = self._streams.get(req.request_id)
+    def _on_step(self, stage: str, result: StepResult) -> None:
+        node = self.graph.node(stage)
+        for out in result.outputs:
+            stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
-            if out.token is not None and out.token not in eos:
-                stream.push(("tokens", [out.token]))
+            item = node.to_client(out)
+            if item is not None:
+                stream.push(item)
             if out.payload is not None:
-                self.talker.send(Message(Command.INPUT, req.request_id, out.payload))
-        for req in finished:
-            stream = self._streams.get(req.request_id)
-            if stream is None or self._failed(req):
-                continue
-            stream.finish_reason = FINISH_REASONS[req.status]
-            stream.num_completion_tokens = len(req.output_ids)
-            if stream.request.wants_audio:
-                self.talker.send(Message(Command.INPUT_DONE, req.request_id))
-            else:
-                self._close_soon(stream)
-
-    def _talker_step(self, stage: Stage, batch: Batch, outputs: list[StepOutput],
-                     finished: list[StageRequest]) -> None:
-        for req, out in zip(batch.requests, outputs):
-            if out.payload is not None:
-                self.code2wav.send(Message(Command.INPUT, req.request_id, out.payload))
-                stream = self._streams.get(req.request_id)
-                if stream is not None:
+                nxt = self.graph.next_stage(stage, stream.request.wants_audio)
+                if nxt is not None:
+                    self.stage(nxt).send(Message(Command.INPUT, out.request_id, out.payload))
+                if node.counts_audio_frames:
                     stream.num_audio_frames += 1
-        for req in finished:
-            if not self._failed(req):
-                self.code2wav.send(Message(Command.INPUT_DONE, req.request_id))
+        for fin in result.finished:
+            stream = self._streams.get(fin.request_id)
+            if stream is not None and not self._failed(fin, stream):
+                self._finished_in(stage, fin, stream)
 
-    def _audio_step(self, stage: Stage, batch: Batch, outputs: list[StepOutput],
-                    finished: list[StageRequest]) -> None:
-        for req, out in zip(batch.requests, outputs):
-            stream = self._streams.get(req.request_id)
-            if stream is not None and len(out.payload):
-                pcm = (np.clip(out.payload, -1.0, 1.0) * 32767.0).round().astype("<i2").tobytes()
-                stream.push(("audio", pcm))
-        for req in finished:
-            stream = self._streams.get(req.request_id)
-            if stream is not None and not self._failed(req):
-                self._close_soon(stream)
+    def _finished_in(self, stage: str, fin: Finish, stream: RequestOutput) -> None:
+        """The request is done in `stage`: the first stage's end is the reply's; the last one closes it."""
+        if stage == self.graph.names[0]:
+            stream.finish_reason = FINISH_REASONS[fin.status]
+            stream.num_completion_tokens = fin.num_output_tokens
+        nxt = self.graph.next_stage(stage, stream.request.wants_audio)
+        if nxt is not None:
+            self.stage(nxt).send(Message(Command.INPUT_DONE, fin.request_id))
+        else:
+            self._close_soon(stream)
 
-    def _failed(self, req: StageRequest) -> bool:
+    def _failed(self, fin: Finish, stream: RequestOutput) -> bool:
         """Aborted or errored: the request ends in every stage, with one Finished event."""
-        if req.status is RequestStatus.FINISHED_ABORTED:
+        if fin.status is RequestStatus.FINISHED_ABORTED:
             return True
-        if req.status is RequestStatus.FINISHED_ERROR:
-            stream = self._streams.get(req.request_id)
+        if fin.status is RequestStatus.FINISHED_ERROR:
             for stage in self.stages:
-                stage.send(Message(Command.ABORT, req.request_id))
-            if stream is not None:
-                self._close_soon(stream, "error", req.error)
+                stage.send(Message(Command.ABORT, fin.request_id))
+            self._close_soon(stream, "error", fin.error)
             return True
         return False
 
@@ -318,8 +277,9 @@ class OmniEngine(EngineBase):
         stream.put(("finished", Finished(stream.request.request_id, reason or stream.finish_reason, usage, error)))
 
 
-def _stage_stats(stage, free_slots: int, slots: int, admission_waiting: int) -> StageStats:
+def _stage_stats(stage, admission_waiting: int) -> StageStats:
     """An in-process stage reports its scheduler and step counters; a replica pool only its slots."""
+    free_slots, slots = stage.num_free_slots, stage.num_slots
     if not isinstance(stage, Stage):
         return StageStats(stage.name, free_slots, slots, admission_waiting)
     return StageStats(stage.name, free_slots, slots, admission_waiting, stage.scheduler.num_running,

@@ -22,9 +22,8 @@ import torch
 
 from pipeline.config import EngineConfig, ProfileError
 from pipeline.connector import Command, Message
-from pipeline.request import RequestStatus, StageRequest
-from pipeline.scheduler import Batch, StepOutput
-from pipeline.stage import Stage, StepSink
+from pipeline.request import Finish, RequestStatus, StepResult
+from pipeline.stage import Stage, StepSink, build_stage
 from pipeline.worker import ProcessReplica, ReplicaLoad, StepReport, WorkerSpec
 
 log = logging.getLogger(__name__)
@@ -169,19 +168,16 @@ class ReplicaPool:
             slot.state, slot.up_since = ReplicaState.UP, time.monotonic()
             slot.ready.set()
             log.info("%s replica %d is up (%s %s)", self.name, slot.index, handle.kind, getattr(handle, "pid", ""))
-        if not report.outputs and not report.finished:
+        result = report.result
+        if not result.outputs and not result.finished:
             return
         with self._lock:
-            for rid, *_ in report.outputs:
-                self._replay.pop(rid, None)  # something came back: the request can no longer move
-            for rid, *_ in report.finished:
-                self._replay.pop(rid, None)
-                self.requests.pop(rid, None)
-        reqs = [StageRequest(rid, None) for rid, _, _ in report.outputs]
-        outputs = [StepOutput(token=token, payload=payload) for _, token, payload in report.outputs]
-        finished = [StageRequest(rid, None, status=status, output_ids=ids, error=error)
-                    for rid, status, ids, error in report.finished]
-        self.on_step(self, Batch(reqs, [1] * len(reqs), False), outputs, finished)
+            for out in result.outputs:
+                self._replay.pop(out.request_id, None)  # something came back: the request can no longer move
+            for fin in result.finished:
+                self._replay.pop(fin.request_id, None)
+                self.requests.pop(fin.request_id, None)
+        self.on_step(self.name, result)
 
     def _on_death(self, handle: Any, reason: str) -> None:
         slot = self._slots[handle.spec.replica]
@@ -208,9 +204,8 @@ class ReplicaPool:
 
     def _report_failed(self, request_ids: list[str], error: str) -> None:
         if request_ids:
-            finished = [StageRequest(rid, None, status=RequestStatus.FINISHED_ERROR, error=error)
-                        for rid in request_ids]
-            self.on_step(self, Batch([], [], False), [], finished)
+            self.on_step(self.name, StepResult(finished=[Finish(rid, RequestStatus.FINISHED_ERROR, 0, error)
+                                                         for rid in request_ids]))
 
     def _schedule_restart(self, slot: _Slot) -> None:
         if slot.up_since and time.monotonic() - slot.up_since > HEALTHY_RESET_S:
@@ -243,8 +238,6 @@ class ReplicaPool:
 def make_stage(name: str, cfg: EngineConfig, models: Any, on_step: StepSink) -> Stage | ReplicaPool:
     """The stage `name` as the profile places it: in this process (one replica on the engine's device),
     else a pool of worker processes, or of Ray actors with `distributed: ray`."""
-    from pipeline.stage_graph import build_stage
-
     sc = cfg.stage(name)
     if not sc.needs_workers:
         return build_stage(name, cfg, models, on_step)

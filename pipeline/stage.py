@@ -3,7 +3,7 @@
 The loop body is three calls, `schedule()` -> `runner.run(batch)` -> `scheduler.update()`; inputs
 (new requests, upstream chunks, aborts) arrive through a queue and are applied between steps,
 so aborts that land during a forward take effect before its results are applied. The loop never
-does IO: results go to `on_step`, which hands them to the next stage or to the engine.
+does IO: each step's `StepResult` goes to `on_step`, which routes it along the model's stage graph.
 """
 
 from __future__ import annotations
@@ -14,25 +14,20 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from pipeline.connector import Command, Message
-from pipeline.request import RequestStatus, StageRequest
+from pipeline.request import Finish, Output, RequestStatus, StageRequest, StepResult
 from pipeline.sampling import Sampler
 from pipeline.scheduler import Batch, StepOutput
 
 log = logging.getLogger(__name__)
 
 
-class StageModel(Protocol):
-    def run(self, batch: Batch) -> list[StepOutput]: ...
 
-
-class StepSink(Protocol):
-    def __call__(self, stage: Stage, batch: Batch, outputs: list[StepOutput],
-                 finished: list[StageRequest]) -> None: ...
+StepSink = Callable[[str, StepResult], None]  # (stage name, what its step produced)
 
 
 class ARRunner:
@@ -79,11 +74,13 @@ class Stage:
 
     @property
     def num_free_slots(self) -> int:
-        return self.scheduler.kv.num_free_slots
+        kv = getattr(self.scheduler, "kv", None)
+        return kv.num_free_slots if kv is not None else 0
 
     @property
     def num_slots(self) -> int:
-        return self.scheduler.kv.num_slots
+        kv = getattr(self.scheduler, "kv", None)
+        return kv.num_slots if kv is not None else 0
 
     # ---- called from other threads ------------------------------------------------------------------
 
@@ -126,7 +123,9 @@ class Stage:
         self.num_steps += 1
         for req in finished:
             self.requests.pop(req.request_id, None)
-        self.on_step(self, batch, outputs, finished)
+        self.on_step(self.name, StepResult([Output(r.request_id, o.token, o.payload)
+                                            for r, o in zip(batch.requests, outputs)],
+                                           [_finish(r) for r in finished]))
 
     def _run_isolating(self, batch: Batch) -> tuple[Batch, list[StepOutput]]:
         """Run a batch; if it raises, retry its halves, so that only the requests that fail on their
@@ -187,9 +186,20 @@ class Stage:
         self.scheduler.finish(req, status)
         req.error = error
         self.requests.pop(req.request_id, None)
-        self.on_step(self, Batch([], [], False), [], [req])
+        self.on_step(self.name, StepResult(finished=[_finish(req)]))
 
     def _fail(self, reqs: list[StageRequest], error: str) -> None:
         for req in reqs:
             if not req.status.is_finished:
                 self.finish(req, RequestStatus.FINISHED_ERROR, error)
+
+
+def _finish(req: StageRequest) -> Finish:
+    return Finish(req.request_id, req.status, len(req.output_ids), req.error)
+
+
+def build_stage(name: str, cfg: Any, models: Any, on_step: StepSink) -> Stage:
+    """Stage `name` of the models' graph, in this process, reporting its steps to `on_step`."""
+    parts = models.graph.node(name).build(cfg, models)
+    return Stage(name, parts.scheduler, parts.runner, on_step, parts.on_input, parts.on_input_done,
+                 stream=models.platform.stage_stream())

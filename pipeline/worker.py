@@ -1,10 +1,9 @@
 """A stage served out of the engine's process: what runs there (`StageHost`, `worker_main`) and the
 engine's handle on one such worker process (`ProcessReplica`).
 
-The host builds the ordinary in-process `Stage` from its own copy of the models and turns each
-step into a `StepReport`: plain ids, tokens, statuses and payloads, no scheduler objects. The
-engine side replays reports into the engine's `on_step` callbacks, so the stage graph does not
-care where a stage runs.
+The host builds the ordinary in-process `Stage` from its own copy of the models and sends each
+step's `StepResult` (the same type an in-process stage reports) in a `StepReport` with its load;
+the engine side hands the result on unchanged, so the stage graph does not care where a stage runs.
 """
 
 from __future__ import annotations
@@ -22,8 +21,7 @@ import torch.multiprocessing as mp
 
 from pipeline.config import EngineConfig
 from pipeline.connector import Message
-from pipeline.request import RequestStatus
-from pipeline.scheduler import Batch, StepOutput
+from pipeline.request import StepResult
 from pipeline.shm_transport import Channel, ShmRing
 
 log = logging.getLogger(__name__)
@@ -55,10 +53,9 @@ class ReplicaLoad:
 
 @dataclass(slots=True)
 class StepReport:
-    """One step of a replica (or a heartbeat when both lists are empty)."""
+    """One step of a replica (or a heartbeat when its result is empty)."""
 
-    outputs: list[tuple[str, int | None, Any]] = field(default_factory=list)  # request id, token, payload
-    finished: list[tuple[str, RequestStatus, list[int], str | None]] = field(default_factory=list)
+    result: StepResult = field(default_factory=StepResult)
     load: ReplicaLoad | None = None
     is_ready: bool = False
 
@@ -69,7 +66,7 @@ class StageHost:
     def __init__(self, spec: WorkerSpec, emit: Callable[[StepReport], None]):
         from pipeline.models import load_models
         from pipeline.platform import get_platform
-        from pipeline.stage_graph import build_stage
+        from pipeline.stage import build_stage
 
         platform = get_platform(spec.cfg.platform)
         if spec.pin_device:
@@ -102,9 +99,8 @@ class StageHost:
         return ReplicaLoad(sched.num_unfinished - running, running, kv.num_free_slots if kv else 0,
                            kv.num_slots if kv else 0, self.stage.num_steps, self.num_consumed)
 
-    def _on_step(self, stage, batch: Batch, outputs: list[StepOutput], finished) -> None:
-        self.emit(StepReport([(r.request_id, o.token, o.payload) for r, o in zip(batch.requests, outputs)],
-                             [(r.request_id, r.status, list(r.output_ids), r.error) for r in finished], self.load()))
+    def _on_step(self, stage: str, result: StepResult) -> None:
+        self.emit(StepReport(result, self.load()))
 
     def _heartbeat(self) -> None:
         while not self._stopped.wait(HEARTBEAT_S):

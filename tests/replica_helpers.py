@@ -58,7 +58,7 @@ class Routing:
     seen: dict[tuple[str, str], set[int]] = field(default_factory=lambda: defaultdict(set))
 
     def install(self, engine) -> None:
-        for pool in (engine.talker, engine.code2wav):
+        for pool in (engine.stage("talker"), engine.stage("code2wav")):
             for slot in pool._slots:
                 self.wrap(pool.name, slot.handle)
 
@@ -66,7 +66,7 @@ class Routing:
         inner = handle.on_report
 
         def on_report(h, report):
-            for rid, *_ in report.outputs:
+            for rid, *_ in report.result.outputs:
                 self.seen[(stage, rid)].add(h.spec.replica)
             inner(h, report)
 

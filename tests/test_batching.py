@@ -33,10 +33,10 @@ async def test_concurrent_equals_sequential(engine):
 
 
 async def test_text_only_never_touches_speech_stages(engine):
-    before = engine.talker.num_steps, engine.code2wav.num_steps
+    before = engine.stage("talker").num_steps, engine.stage("code2wav").num_steps
     text, pcm, reason = await run(engine, "text-only", "Just text please", audio=False)
     assert text and pcm == b"" and reason in ("stop", "length")
-    assert (engine.talker.num_steps, engine.code2wav.num_steps) == before
+    assert (engine.stage("talker").num_steps, engine.stage("code2wav").num_steps) == before
 
 
 async def test_abort_frees_every_stage(engine):

@@ -47,7 +47,7 @@ async def test_ray_actor_killed_mid_stream(ray_engine):
     tasks = [asyncio.create_task(run(ray_engine, f"rk-{i}", PROMPTS[i], talker_tokens=120, min_tokens=120,
                                      started=started[i])) for i in range(4)]
     await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 120)
-    victims = {rid for rid, idx in ray_engine.code2wav.requests.items() if idx == 1}
+    victims = {rid for rid, idx in ray_engine.stage("code2wav").requests.items() if idx == 1}
     assert victims and len(victims) < 4
     old_pid = replica(ray_engine, "code2wav", 1)["pid"]
     kill(old_pid)  # the actor's worker process, as a crash would

@@ -149,9 +149,9 @@ async def test_barge_in_through_an_audio_sink(engine, tmp_path):
         await asyncio.sleep(0.05)
     await session.append_audio(samples[::2].copy(), 12000)  # any rate: 12 kHz here
     await session.response.wait()
-    steps = engine.talker.num_steps, engine.code2wav.num_steps
+    steps = engine.stage("talker").num_steps, engine.stage("code2wav").num_steps
     await asyncio.sleep(0.5)
-    assert engine.talker.num_steps - steps[0] <= 1 and engine.code2wav.num_steps - steps[1] <= 1
+    assert engine.stage("talker").num_steps - steps[0] <= 1 and engine.stage("code2wav").num_steps - steps[1] <= 1
     assert engine.num_free_slots() == engine.num_slots()
     await session.close()
     await reader

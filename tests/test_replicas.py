@@ -58,9 +58,9 @@ async def test_replicas_match_in_process_spread_and_stick(pooled, baseline):
         per_replica = [sum(o == {r} for o in owners) for r in (0, 1)]
         assert min(per_replica) >= 2, f"{stage}: load did not spread: {per_replica}"
     # hand-off payloads crossed through shared memory, nothing inline through the pipe
-    inboxes = [slot.handle.inbox.stats for slot in pooled.talker._slots]
+    inboxes = [slot.handle.inbox.stats for slot in pooled.stage("talker")._slots]
     assert all(s.num_shm_bytes > 0 and s.num_inline_bytes == 0 for s in inboxes)
-    await wait_for(lambda: not pooled.talker.requests and not pooled.code2wav.requests, 10, "pools to drain")
+    await wait_for(lambda: not pooled.stage("talker").requests and not pooled.stage("code2wav").requests, 10, "pools to drain")
 
 
 async def test_killed_replica_fails_its_requests_others_finish_and_it_returns(pooled):
@@ -68,7 +68,7 @@ async def test_killed_replica_fails_its_requests_others_finish_and_it_returns(po
     tasks = [asyncio.create_task(run(pooled, f"kill-{i}", PROMPTS[i], talker_tokens=160, min_tokens=160,
                                      started=started[i])) for i in range(4)]
     await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 120)
-    victims = {rid for rid, idx in pooled.talker.requests.items() if idx == 0}
+    victims = {rid for rid, idx in pooled.stage("talker").requests.items() if idx == 0}
     assert victims and len(victims) < 4
     old_pid = replica(pooled, "talker", 0)["pid"]
     kill(old_pid)
@@ -100,12 +100,12 @@ async def test_hung_replica_is_killed_and_its_unanswered_request_retried(pooled,
     os.kill(pid, signal.SIGSTOP)  # replica 0 takes the request (both idle: lowest index) but never answers
     try:
         task = asyncio.create_task(run(pooled, "retry-0", PROMPTS[0]))
-        await wait_for(lambda: pooled.talker.requests.get("retry-0") == 0, 30, "the request to reach replica 0")
+        await wait_for(lambda: pooled.stage("talker").requests.get("retry-0") == 0, 30, "the request to reach replica 0")
         # the pool kills the silent process after HANG_TIMEOUT_S, then replays the request on replica 1
         await wait_for(lambda: replica(pooled, "talker", 0)["state"] == "dead", 10, "the hang to be detected")
         assert "exited with code -9" in replica(pooled, "talker", 0)["last_error"]
     finally:
-        handle = pooled.talker._slots[0].handle
+        handle = pooled.stage("talker")._slots[0].handle
         if handle.pid == pid and handle.process.is_alive():
             kill(pid)
     res = await asyncio.wait_for(task, 120)
@@ -170,6 +170,6 @@ async def test_thinker_in_a_worker_process_matches_in_process(baseline):
         for base, res in zip(baseline, got):
             assert res.text == base.text and res.finish.finish_reason == base.finish.finish_reason
             assert len(res.pcm) == len(base.pcm) and max_pcm_diff(res.pcm, base.pcm) <= 2
-        assert eng.thinker._slots[0].handle.inbox.stats.num_shm_bytes > 0  # the prompt embeddings
+        assert eng.stage("thinker")._slots[0].handle.inbox.stats.num_shm_bytes > 0  # the prompt embeddings
     finally:
         eng.stop()

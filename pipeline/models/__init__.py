@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from pipeline.config import EngineConfig
+from pipeline.graph import StageGraph
 from pipeline.kv_cache import SlotKVCache
 from pipeline.models.loader import ModelNotFoundError, load_hf_model
 from pipeline.models.qwen3_omni.code2wav import Code2WavModel, CodecWindow, frame_buckets
@@ -34,6 +35,7 @@ class OmniModels:
     kv_bytes: dict[str, int]
     hf: object  # the transformers model itself (the reference engine drives its generate())
     platform: Platform
+    graph: StageGraph | None = None  # the stages and what crosses between them (set by load_models)
     input_sample_rate: int = INPUT_SAMPLE_RATE
     output_sample_rate: int = OUTPUT_SAMPLE_RATE
 
@@ -57,6 +59,8 @@ def _kv_for(stack_config, stage_cfg, platform: Platform, dtype: torch.dtype, max
 
 
 def load_models(cfg: EngineConfig, platform: Platform) -> OmniModels:
+    from pipeline.models.qwen3_omni.graph import build_graph  # it builds stages, which import this package
+
     dtype = getattr(torch, cfg.dtype)
     device = platform.device(0)
     moe = cfg.moe_backend if cfg.moe_backend != "auto" else ("grouped_mm" if platform.supports_graphs else "eager")
@@ -88,4 +92,6 @@ def load_models(cfg: EngineConfig, platform: Platform) -> OmniModels:
     for stage, n in kv_bytes.items():
         log.info("%s KV cache: %.1f MiB", stage, n / 2**20)
     log.info("device memory after load: %.2f GiB allocated", platform.memory_allocated(device) / 2**30)
-    return OmniModels(encoder, thinker, talker, code2wav, voices, tokenizer, kv_bytes, hf, platform)
+    models = OmniModels(encoder, thinker, talker, code2wav, voices, tokenizer, kv_bytes, hf, platform)
+    models.graph = build_graph(models)
+    return models

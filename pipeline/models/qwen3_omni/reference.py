@@ -44,9 +44,8 @@ class ReferenceEngine(EngineBase):
     async def submit(self, req: OmniRequest) -> AsyncIterator[Event]:
         voice = self._check_voice(req)
         prompt = await asyncio.to_thread(self.models.encoder.encode, req.messages)
-        n = len(prompt.input_ids)
-        th = self._params("thinker", req.thinker_sampling, n)
-        tk = self._params("talker", req.talker_sampling, n + 9) if req.wants_audio else None
+        params = self._all_params(req, len(prompt.input_ids))
+        th, tk = params["thinker"], params.get("talker")
         self._lock = self._lock or asyncio.Lock()
         return self._run(req, prompt, voice, th, tk)
 

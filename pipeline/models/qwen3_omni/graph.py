@@ -1,0 +1,132 @@
+"""Qwen3-Omni's stage graph, top to bottom: Thinker -> Talker -> Code2Wav.
+
+- **Thinker**: the encoded prompt (audio features scattered in) -> text tokens, streamed to the client.
+  It hands the Talker only new rows per step: its prompt rows while prefilling, then one token
+  embedding per sampled token (`ThinkerRows`).
+- **Talker**: starts once the Thinker has its prompt rows and first token (with async chunk; else
+  once the Thinker is done); its prompt is the user turns plus a 9-position assistant prefix. Decode
+  step k needs Thinker token k+2. Each step hands Code2Wav one frame of 16 codes.
+- **Code2Wav**: decodes frames in windows (`CodecStream`: a small first chunk, then a doubling ramp,
+  with left context) to 24 kHz PCM, streamed to the client.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pipeline.connector import CodecStream
+from pipeline.graph import StageGraph, StageNode, StageParts
+from pipeline.models.qwen3_omni.talker import NUM_ASSISTANT_PREFIX, TalkerState
+from pipeline.request import Output, RequestStatus, StageRequest
+from pipeline.sampling import Sampler, SamplingParams
+from pipeline.scheduler import Batch, ChunkScheduler, Scheduler, StepOutput
+from pipeline.stage import ARRunner
+
+# ---- Thinker ---------------------------------------------------------------------------------------------
+
+
+def build_thinker(cfg, models) -> StageParts:
+    th, sc = models.thinker, cfg.stage("thinker")
+    return StageParts(Scheduler(th.kv, sc.max_num_seqs, sc.max_num_batched_tokens, th.eos_ids, lambda r: True),
+                      ARRunner(th, Sampler(th.vocab_size, th.eos_ids)))
+
+
+def thinker_to_client(eos_ids: list[int]):
+    eos = set(eos_ids)
+    return lambda out: ("tokens", [out.token]) if out.token is not None and out.token not in eos else None
+
+
+# ---- Talker ----------------------------------------------------------------------------------------------
+
+
+def build_talker(cfg, models) -> StageParts:
+    tk, sc, async_chunk = models.talker, cfg.stage("talker"), cfg.connector.async_chunk
+    return StageParts(Scheduler(tk.kv, sc.max_num_seqs, sc.max_num_batched_tokens, tk.eos_ids,
+                                lambda r: _talker_may_step(tk, async_chunk, r)),
+                      ARRunner(tk, Sampler(tk.vocab_size, tk.eos_ids, tk.suppress_ids)),
+                      on_input=lambda r, rows: r.state.add(rows),
+                      on_input_done=lambda stage, r: _thinker_done(tk, stage, r))
+
+
+def _talker_may_step(talker, async_chunk: bool, req: StageRequest) -> bool:
+    """Has the Thinker sent what the Talker's next step of this request consumes? (Without async chunk,
+    the Talker starts only once the Thinker is done.)"""
+    st = req.state
+    if req.num_prompt_tokens == 0:
+        if not talker.can_prefill(st) or not (async_chunk or st.thinker_done):
+            return False
+        req.num_prompt_tokens = talker.build_prompt(st)
+        return True
+    return req.is_prefill or talker.can_decode(st, len(req.output_ids) - 1)
+
+
+def _thinker_done(talker, stage, req: StageRequest) -> None:
+    req.state.thinker_done = True
+    if not talker.has_speech(req.state):
+        stage.finish(req, RequestStatus.FINISHED_STOPPED)
+
+
+# ---- Code2Wav --------------------------------------------------------------------------------------------
+
+
+class Code2WavRunner:
+    def __init__(self, model):
+        self.model = model
+
+    def run(self, batch: Batch) -> list[StepOutput]:
+        wavs = self.model.decode([r.state.next_window()[0] for r in batch.requests])
+        return [StepOutput(payload=w) for w in wavs]
+
+
+def build_code2wav(cfg, models) -> StageParts:
+    return StageParts(ChunkScheduler(cfg.stage("code2wav").max_num_seqs), Code2WavRunner(models.code2wav),
+                      on_input=lambda r, frame: r.state.frames.append(frame), on_input_done=_talker_done)
+
+
+def _talker_done(stage, req: StageRequest) -> None:
+    req.state.input_done = True
+    if req.state.is_drained():
+        stage.finish(req, RequestStatus.FINISHED_STOPPED)
+
+
+def audio_to_client(out: Output) -> tuple | None:
+    if not len(out.payload):
+        return None
+    return "audio", (np.clip(out.payload, -1.0, 1.0) * 32767.0).round().astype("<i2").tobytes()
+
+
+# ---- a request entering the graph ------------------------------------------------------------------------
+
+
+def new_requests(models, cfg, req, prompt, voice: str | None, params: dict[str, SamplingParams]
+                 ) -> dict[str, StageRequest]:
+    """The request as each stage on its path first sees it."""
+    rid = req.request_id
+    out = {"thinker": StageRequest(rid, params["thinker"], models.thinker.prepare(prompt, wants_rows=voice is not None),
+                                   num_prompt_tokens=len(prompt.input_ids), generator=_generator(params["thinker"]))}
+    if voice is not None:
+        talker = TalkerState(models.voices[voice], prompt.input_ids, prompt.audio_lengths)
+        out["talker"] = StageRequest(rid, params["talker"], talker, RequestStatus.WAITING_FOR_INPUT,
+                                     generator=_generator(params["talker"]))
+        codec = CodecStream.from_config(cfg.connector, req.initial_codec_chunk_frames)
+        codec.wait_for_input = not cfg.connector.async_chunk
+        out["code2wav"] = StageRequest(rid, params["talker"], codec)
+    return out
+
+
+def _generator(params: SamplingParams) -> torch.Generator | None:
+    return None if params.seed is None else torch.Generator().manual_seed(params.seed)
+
+
+def build_graph(models) -> StageGraph:
+    thinker = StageNode("thinker", build_thinker, to_client=thinker_to_client(models.thinker.eos_ids),
+                        sampling_field="thinker_sampling")
+    if models.talker is None:  # a checkpoint without speech output
+        return StageGraph((thinker,), new_requests)
+    return StageGraph((
+        thinker,
+        StageNode("talker", build_talker, counts_audio_frames=True, sampling_field="talker_sampling",
+                  prefix_tokens=NUM_ASSISTANT_PREFIX),
+        StageNode("code2wav", build_code2wav, to_client=audio_to_client, needs_kv=False),
+    ), new_requests)
