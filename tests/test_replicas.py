@@ -60,7 +60,8 @@ async def test_replicas_match_in_process_spread_and_stick(pooled, baseline):
     # hand-off payloads crossed through shared memory, nothing inline through the pipe
     inboxes = [slot.handle.inbox.stats for slot in pooled.stage("talker")._slots]
     assert all(s.num_shm_bytes > 0 and s.num_inline_bytes == 0 for s in inboxes)
-    await wait_for(lambda: not pooled.stage("talker").requests and not pooled.stage("code2wav").requests, 10, "pools to drain")
+    await wait_for(lambda: not pooled.stage("talker").requests and not pooled.stage("code2wav").requests, 10,
+                   "pools to drain")
 
 
 async def test_killed_replica_fails_its_requests_others_finish_and_it_returns(pooled):
@@ -100,7 +101,8 @@ async def test_hung_replica_is_killed_and_its_unanswered_request_retried(pooled,
     os.kill(pid, signal.SIGSTOP)  # replica 0 takes the request (both idle: lowest index) but never answers
     try:
         task = asyncio.create_task(run(pooled, "retry-0", PROMPTS[0]))
-        await wait_for(lambda: pooled.stage("talker").requests.get("retry-0") == 0, 30, "the request to reach replica 0")
+        await wait_for(lambda: pooled.stage("talker").requests.get("retry-0") == 0, 30,
+                       "the request to reach replica 0")
         # the pool kills the silent process after HANG_TIMEOUT_S, then replays the request on replica 1
         await wait_for(lambda: replica(pooled, "talker", 0)["state"] == "dead", 10, "the hang to be detected")
         assert "exited with code -9" in replica(pooled, "talker", 0)["last_error"]
