@@ -20,10 +20,10 @@ serve_args() {
 for variant in ${VARIANTS:-omnirt reference}; do
   port=$((18100 + RANDOM % 500))
   # shellcheck disable=SC2046
-  $BIN/omnirt serve $(serve_args "$variant") --port $port --threads 1 --log-level warning > "/tmp/compare-$variant.log" 2>&1 &
+  $BIN/python -m app.cli serve $(serve_args "$variant") --port $port --threads 1 --log-level warning > "/tmp/compare-$variant.log" 2>&1 &
   pid=$!
   for _ in $(seq 120); do curl -sf "http://127.0.0.1:$port/health" > /dev/null && break; sleep 1; kill -0 $pid; done
   curl -sf "http://127.0.0.1:$port/health" > /dev/null || { echo "$variant server not healthy"; kill $pid; exit 1; }
-  $BIN/omnirt bench --url "http://127.0.0.1:$port" --name "cpu-tiny-$variant" --out "$OUT" "${ARGS[@]}" | tail -3
+  $BIN/python -m loadtest.bench --url "http://127.0.0.1:$port" --name "cpu-tiny-$variant" --out "$OUT" "${ARGS[@]}" | tail -3
   kill $pid; wait $pid 2>/dev/null || true
 done
