@@ -55,7 +55,8 @@ def build_engine(opts: EngineOptions):
         if cfg.distributed == "ray":
             require_ray()  # fail before loading weights when the extra is missing
         _log_plan(platform.name, profile, cfg)
-        models = load_models(cfg, platform)
+        local = tuple(s.name for s in cfg.stages if opts.engine == "reference" or not s.needs_workers)
+        models = load_models(cfg, platform, local)  # stages in replica workers load there
     except (ProfileError, ModelNotFoundError, RayUnavailableError, ValueError) as exc:
         raise EngineStartError(str(exc)) from exc
     return _start(opts.engine, cfg, models)

@@ -161,8 +161,7 @@ class OmniEngine(EngineBase):
         self.admission.admit(path)  # raises EngineOverloaded when a stage's wait queue is full
         self._streams[req.request_id] = stream
         try:
-            first = await asyncio.to_thread(self.graph.new_requests, self.models, self.cfg, req, prompt, voice,
-                                            params)
+            first = self.graph.new_requests(self.models, self.cfg, req, prompt, voice, params)
             for name in reversed(path):  # downstream stages know the request before its first hand-off
                 self.stage(name).send(Message(Command.ADD, req.request_id, first[name]))
         except BaseException:

@@ -75,11 +75,13 @@ class StageHost:
         self.device = platform.device(0)  # the pinned device is the only one this process sees
         self.emit = emit
         self.num_consumed = 0
-        self.stage = build_stage(spec.stage, spec.cfg, load_models(spec.cfg, platform), self._on_step)
+        self.models = load_models(spec.cfg, platform, (spec.stage,))  # this stage's weights only
+        self.stage = build_stage(spec.stage, spec.cfg, self.models, self._on_step)
         self._stopped = threading.Event()
         self._beat = threading.Thread(target=self._heartbeat, name=f"omnirt-{spec.stage}-beat", daemon=True)
 
     def start(self) -> None:
+        self.models.capture_graphs()  # this stage's graphs only
         self.stage.start()
         self._beat.start()
         self.emit(StepReport(load=self.load(), is_ready=True))

@@ -67,3 +67,35 @@ async def test_one_token_reply_has_no_speech_and_frees_slots(engine):
             break
         await asyncio.sleep(0.05)
     assert engine.num_free_slots() == engine.num_slots() and not any(s.requests for s in engine.stages)
+
+
+def test_audio_of_requests_that_prefill_together_is_encoded_in_one_batch(engine):
+    """The Thinker stage encodes the audio of every request in a prefill step in one encoder call; each
+    request gets the rows it gets alone (different lengths, a text-only request among them)."""
+    import numpy as np
+    import torch
+
+    from pipeline.models.qwen3_omni.thinker import ThinkerInput
+    from pipeline.request import StageRequest
+
+    models, rng = engine.models, np.random.default_rng(1)
+    msgs = [[{"role": "user", "content": [{"type": "audio", "audio": rng.standard_normal(n).astype(np.float32) * 0.1},
+                                          {"type": "text", "text": "What?"}]}] if n else
+            [{"role": "user", "content": "Only text."}] for n in (16000, 0, 9000, 24000)]
+    prompts = [models.encoder.encode(m) for m in msgs]
+    thinker, calls = models.thinker, []
+    encode = thinker.thinker.model.get_audio_features
+    thinker.thinker.model.get_audio_features = lambda *a, **kw: calls.append(a[0].shape[0]) or encode(*a, **kw)
+    try:
+        alone = [StageRequest(f"a{i}", None, ThinkerInput(p, False)) for i, p in enumerate(prompts)]
+        for r in alone:
+            thinker.prepare([r])
+        together = [StageRequest(f"t{i}", None, ThinkerInput(p, False)) for i, p in enumerate(prompts)]
+        calls.clear()
+        thinker.prepare(together)
+    finally:
+        thinker.thinker.model.get_audio_features = encode
+    assert calls == [3]  # one encoder call for the three audios
+    for a, t in zip(alone, together):
+        assert torch.allclose(a.state.embeds, t.state.embeds, atol=1e-5)
+        assert torch.equal(a.state.position_ids, t.state.position_ids)

@@ -160,7 +160,7 @@ def test_routing_policies(routing, expected):
 
 
 async def test_thinker_in_a_worker_process_matches_in_process(baseline):
-    """Any stage can leave the engine's process: here the Thinker (prompt embeddings in, rows out)."""
+    """Any stage can leave the engine's process: here the Thinker (prompt ids in, rows out)."""
     from replica_helpers import ROOT
 
     from pipeline.config import load_profile
@@ -172,6 +172,29 @@ async def test_thinker_in_a_worker_process_matches_in_process(baseline):
         for base, res in zip(baseline, got):
             assert res.text == base.text and res.finish.finish_reason == base.finish.finish_reason
             assert len(res.pcm) == len(base.pcm) and max_pcm_diff(res.pcm, base.pcm) <= 2
-        assert eng.stage("thinker")._slots[0].handle.inbox.stats.num_shm_bytes > 0  # the prompt embeddings
+        # the prompt goes as token ids: the Thinker embeds it (and encodes audio) in its own process
+        assert eng.stage("thinker")._slots[0].handle.inbox.stats.num_shm_bytes == 0
     finally:
         eng.stop()
+
+
+def test_a_process_loads_only_its_own_stages(tiny_config):
+    """A Code2Wav replica holds no Thinker or Talker weights; a Talker replica still gets the Thinker's
+    three marker rows it reads (the rest of the Thinker is never materialised)."""
+    import torch
+
+    from pipeline.models import load_models
+    from pipeline.platform import get_platform
+
+    cpu = get_platform("cpu")
+    full = load_models(tiny_config, cpu)
+    c2w, talker = load_models(tiny_config, cpu, ("code2wav",)), load_models(tiny_config, cpu, ("talker",))
+    assert c2w.thinker is None and c2w.talker is None and c2w.code2wav is not None
+    assert all(p.is_meta for p in c2w.hf.talker.parameters())
+    table = c2w.hf.thinker.get_input_embeddings().weight
+    assert [p for p in c2w.hf.thinker.parameters() if not p.is_meta] == [table]
+    assert talker.thinker is None and talker.code2wav is None
+    assert all(p.is_meta for p in talker.hf.code2wav.parameters())
+    assert torch.equal(talker.talker.tts_bos, full.talker.tts_bos)
+    assert torch.equal(talker.talker.tts_pad, full.talker.tts_pad)
+    assert set(c2w.kv_bytes) == set() and set(talker.kv_bytes) == {"talker"}

@@ -1,4 +1,7 @@
-"""The one place that knows Qwen3-Omni: load weights and build the three stage models from a config."""
+"""The one place that knows Qwen3-Omni: load weights and build the stage models from a config.
+
+A process loads only the stages it runs (`stages`): a Code2Wav replica holds neither the Thinker
+nor the Talker on its device, and captures only its own graphs."""
 
 from __future__ import annotations
 
@@ -7,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline.config import EngineConfig
+from pipeline.config import STAGE_NAMES, EngineConfig
 from pipeline.graph import StageGraph
 from pipeline.kv_cache import SlotKVCache
 from pipeline.models.loader import ModelNotFoundError, load_hf_model
@@ -27,7 +30,7 @@ OUTPUT_SAMPLE_RATE = 24000
 @dataclass(slots=True)
 class OmniModels:
     encoder: PromptEncoder
-    thinker: ThinkerModel
+    thinker: ThinkerModel | None  # None: not loaded in this process (or, for the speech stages, no speech)
     talker: TalkerModel | None
     code2wav: Code2WavModel | None
     voices: dict[str, int]  # voice name -> speaker id
@@ -40,11 +43,10 @@ class OmniModels:
     output_sample_rate: int = OUTPUT_SAMPLE_RATE
 
     def capture_graphs(self) -> None:
-        """Capture the decode steps of every stage whose profile allows graphs (no-op otherwise)."""
-        self.thinker.capture_graphs()
-        if self.talker is not None:
-            self.talker.capture_graphs()
-            self.code2wav.capture_graphs()
+        """Capture the steps of every stage loaded here whose profile allows graphs (no-op otherwise)."""
+        for model in (self.thinker, self.talker, self.code2wav):
+            if model is not None:
+                model.capture_graphs()
 
     def decode_text(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
@@ -58,7 +60,8 @@ def _kv_for(stack_config, stage_cfg, platform: Platform, dtype: torch.dtype, max
                        max_len or stage_cfg.max_model_len, head_dim, dtype, platform.device(0))
 
 
-def load_models(cfg: EngineConfig, platform: Platform) -> OmniModels:
+def load_models(cfg: EngineConfig, platform: Platform, stages: tuple[str, ...] = STAGE_NAMES) -> OmniModels:
+    """The models of `stages` (the others are not loaded), the prompt encoder, and the stage graph."""
     from pipeline.models.qwen3_omni.graph import build_graph  # it builds stages, which import this package
 
     dtype = getattr(torch, cfg.dtype)
@@ -66,32 +69,48 @@ def load_models(cfg: EngineConfig, platform: Platform) -> OmniModels:
     moe = cfg.moe_backend if cfg.moe_backend != "auto" else ("grouped_mm" if platform.supports_graphs else "eager")
     # grouped_mm captures in bf16; other dtypes fall back to a kernel that reads group sizes on the host
     graph_moe = "batched_mm" if moe == "grouped_mm" and dtype != torch.bfloat16 else None
-    hf, tokenizer, _ = load_hf_model(cfg.model, cfg.load_format, dtype, device, moe)
-    log.info("weights: %.2f GiB on %s (%s, experts: %s)", platform.memory_allocated(device) / 2**30, device,
-             cfg.dtype, moe)
+    hf, tokenizer, _ = load_hf_model(cfg.model, cfg.load_format, dtype, device, moe, frozenset(stages))
+    log.info("weights of %s: %.2f GiB on %s (%s, experts: %s)", "+".join(stages),
+             platform.memory_allocated(device) / 2**30, device, cfg.dtype, moe)
     hc = hf.config
     audio = hc.thinker_config.audio_config
     encoder = PromptEncoder(tokenizer, audio.n_window, audio.num_mel_bins)
-    th_cfg = cfg.stage("thinker")
-    thinker = ThinkerModel(hf.thinker, hc, _kv_for(hc.thinker_config.text_config, th_cfg, platform, dtype), platform,
-                           th_cfg.enforce_eager, graph_moe)
-    talker = code2wav = None
-    kv_bytes = {"thinker": thinker.kv.num_bytes}
-    if getattr(hf, "has_talker", False):
+    thinker = talker = code2wav = None
+    kv_bytes = {}
+    if "thinker" in stages:
+        th_cfg = cfg.stage("thinker")
+        thinker = ThinkerModel(hf.thinker, hc, _kv_for(hc.thinker_config.text_config, th_cfg, platform, dtype),
+                               platform, th_cfg.enforce_eager, graph_moe)
+        kv_bytes["thinker"] = thinker.kv.num_bytes
+    has_talker = getattr(hf, "has_talker", False)
+    if has_talker and "talker" in stages:
         tk_cfg = cfg.stage("talker")
         tkc = hc.talker_config
         predictor_kv = _kv_for(tkc.code_predictor_config, tk_cfg, platform, dtype, max_len=tkc.num_code_groups)
         talker = TalkerModel(hf.talker, hc, _kv_for(tkc.text_config, tk_cfg, platform, dtype), predictor_kv,
-                             thinker.special_rows(), platform, tk_cfg.enforce_eager, graph_moe)
+                             _special_rows(hf, device), platform, tk_cfg.enforce_eager, graph_moe)
+        kv_bytes["talker"] = talker.kv.num_bytes + predictor_kv.num_bytes
+    if has_talker and "code2wav" in stages:
         cc, c2w_cfg = cfg.connector, cfg.stage("code2wav")
         code2wav = Code2WavModel(hf.code2wav, device, platform, c2w_cfg.enforce_eager, c2w_cfg.max_num_seqs,
                                  frame_buckets(cc.initial_codec_chunk_frames, cc.codec_chunk_frames,
                                                cc.codec_left_context_frames))
-        kv_bytes["talker"] = talker.kv.num_bytes + predictor_kv.num_bytes
-    voices = {k.lower(): v for k, v in hc.talker_config.speaker_id.items()} if talker else {}
+    voices = {k.lower(): v for k, v in hc.talker_config.speaker_id.items()} if has_talker else {}
     for stage, n in kv_bytes.items():
         log.info("%s KV cache: %.1f MiB", stage, n / 2**20)
     log.info("device memory after load: %.2f GiB allocated", platform.memory_allocated(device) / 2**30)
     models = OmniModels(encoder, thinker, talker, code2wav, voices, tokenizer, kv_bytes, hf, platform)
-    models.graph = build_graph(models)
+    models.graph = build_graph(hc, has_talker)
     return models
+
+
+def _special_rows(hf, device: torch.device) -> torch.Tensor:
+    """Thinker embeddings of tts_bos, tts_eos, tts_pad: the Talker's text-track markers. With dummy weights
+    and no Thinker in this process the table is not materialised: random rows, as the weights are."""
+    c = hf.config
+    table = hf.thinker.get_input_embeddings().weight
+    ids = [c.tts_bos_token_id, c.tts_eos_token_id, c.tts_pad_token_id]
+    if table.is_meta:
+        return torch.randn(len(ids), table.shape[1], dtype=table.dtype, device=device) * 0.02
+    with torch.inference_mode():
+        return table[ids].to(device)

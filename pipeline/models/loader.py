@@ -35,19 +35,24 @@ def resolve_model_path(model: str) -> Path:
             f"({os.environ.get('HF_HOME', '~/.cache/huggingface')}); omnirt never downloads weights") from exc
 
 
+PARTS = ("thinker", "talker", "code2wav")  # the submodules of Qwen3OmniMoeForConditionalGeneration
+
+
 def load_hf_model(model: str, load_format: str, dtype: torch.dtype, device: torch.device,
-                  moe_backend: str = "eager"):
-    """Returns (Qwen3OmniMoeForConditionalGeneration in eval mode, tokenizer, path or None)."""
+                  moe_backend: str = "eager", parts: frozenset[str] = frozenset(PARTS)):
+    """Returns (Qwen3OmniMoeForConditionalGeneration in eval mode, tokenizer, path or None). Only the
+    submodules in `parts` hold weights on `device`; the others are left on the meta device (no memory).
+    A checkpoint is read whole into host memory (memory-mapped safetensors), then pared down."""
     from transformers import Qwen3OmniMoeForConditionalGeneration
 
     if load_format == "dummy":
-        hf, tokenizer, path = _dummy(model, dtype, device)
+        hf, tokenizer, path = _dummy(model, dtype, device, parts)
     else:
         path = resolve_model_path(model)
         tokenizer = _tokenizer(path)
-        log.info("loading weights from %s", path)
+        log.info("loading weights from %s (%s)", path, "+".join(p for p in PARTS if p in parts))
         hf = Qwen3OmniMoeForConditionalGeneration.from_pretrained(path, dtype=dtype, local_files_only=True)
-        hf = hf.to(device)
+        _keep_parts(hf, parts, device)
         fix_config(hf.config)
     hf.eval()
     if moe_backend != "eager":
@@ -56,13 +61,29 @@ def load_hf_model(model: str, load_format: str, dtype: torch.dtype, device: torc
     return hf, tokenizer, path
 
 
+def _keep_parts(hf, parts: frozenset[str], device: torch.device) -> None:
+    """Move `parts` to the device and the rest to the meta device, except the Thinker's token embedding
+    table (host memory), three rows of which the Talker reads."""
+    for part in PARTS:
+        module = getattr(hf, part, None)
+        if module is None:
+            continue
+        if part in parts:
+            module.to(device)
+            continue
+        table = module.get_input_embeddings().weight.data if part == "thinker" else None
+        module.to("meta")
+        if table is not None:
+            module.get_input_embeddings().weight = torch.nn.Parameter(table, requires_grad=False)
+
+
 def _tokenizer(path: Path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
-def _dummy(model: str, dtype: torch.dtype, device: torch.device):
+def _dummy(model: str, dtype: torch.dtype, device: torch.device, parts: frozenset[str]):
     """The real architecture with random weights: from a checkpoint's config when one is at hand, else
     (for the released model's names) from the built-in architecture with the tiny tokenizer's ids."""
     from transformers import Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneration
@@ -77,15 +98,20 @@ def _dummy(model: str, dtype: torch.dtype, device: torch.device):
         path = None
         tokenizer = _tokenizer(ensure_tiny_model())
         config = released.released_config(tokenizer)
-    log.info("dummy weights: building %s with random weights on %s", model, device)
+    log.info("dummy weights: building %s (%s) with random weights on %s", model, "+".join(sorted(parts)), device)
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # sub-models are built without the dtype argument: make it the default
     try:
-        with torch.device(device):
+        with torch.device("meta"):
             hf = Qwen3OmniMoeForConditionalGeneration._from_config(config, dtype=dtype)
+        with torch.device(device):
+            for part in PARTS:
+                if part in parts and hasattr(hf, part):
+                    setattr(hf, part, type(getattr(hf, part))._from_config(getattr(config, f"{part}_config"),
+                                                                           dtype=dtype))
     finally:
         torch.set_default_dtype(default)
-    return hf.to(dtype), tokenizer, path
+    return hf, tokenizer, path
 
 
 def fix_config(config):

@@ -18,6 +18,7 @@ import torch
 from pipeline.connector import CodecStream
 from pipeline.graph import StageGraph, StageNode, StageParts
 from pipeline.models.qwen3_omni.talker import NUM_ASSISTANT_PREFIX, TalkerState
+from pipeline.models.qwen3_omni.thinker import ThinkerInput
 from pipeline.request import Output, RequestStatus, StageRequest
 from pipeline.sampling import Sampler, SamplingParams
 from pipeline.scheduler import Batch, ChunkScheduler, Scheduler, StepOutput
@@ -103,7 +104,7 @@ def new_requests(models, cfg, req, prompt, voice: str | None, params: dict[str, 
                  ) -> dict[str, StageRequest]:
     """The request as each stage on its path first sees it."""
     rid = req.request_id
-    out = {"thinker": StageRequest(rid, params["thinker"], models.thinker.prepare(prompt, wants_rows=voice is not None),
+    out = {"thinker": StageRequest(rid, params["thinker"], ThinkerInput(prompt, wants_rows=voice is not None),
                                    num_prompt_tokens=len(prompt.input_ids), generator=_generator(params["thinker"]))}
     if voice is not None:
         talker = TalkerState(models.voices[voice], prompt.input_ids, prompt.audio_lengths)
@@ -119,10 +120,10 @@ def _generator(params: SamplingParams) -> torch.Generator | None:
     return None if params.seed is None else torch.Generator().manual_seed(params.seed)
 
 
-def build_graph(models) -> StageGraph:
-    thinker = StageNode("thinker", build_thinker, to_client=thinker_to_client(models.thinker.eos_ids),
+def build_graph(config, has_talker: bool) -> StageGraph:
+    thinker = StageNode("thinker", build_thinker, to_client=thinker_to_client([config.im_end_token_id]),
                         sampling_field="thinker_sampling")
-    if models.talker is None:  # a checkpoint without speech output
+    if not has_talker:  # a checkpoint without speech output
         return StageGraph((thinker,), new_requests)
     return StageGraph((
         thinker,

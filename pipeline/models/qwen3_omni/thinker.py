@@ -17,6 +17,14 @@ from pipeline.scheduler import Batch, StepOutput
 
 
 @dataclass(slots=True)
+class ThinkerInput:
+    """A request as it enters the Thinker stage: its encoded prompt (audio still as mel features)."""
+
+    prompt: EncodedPrompt
+    wants_rows: bool  # audio requested: hand rows to the Talker
+
+
+@dataclass(slots=True)
 class ThinkerState:
     input_ids: list[int]
     embeds: torch.Tensor  # [P, H]: token embeddings with audio features scattered in
@@ -61,23 +69,44 @@ class ThinkerModel:
         with experts_implementation(self.stack, self.graph_moe):
             self.graphs.capture(inputs)
 
-    @torch.inference_mode()
-    def prepare(self, prompt: EncodedPrompt, wants_rows: bool) -> ThinkerState:
-        """Encode audio and lay out positions once per request, before its first prefill chunk."""
+    def prepare(self, reqs) -> None:
+        """Turn each new request's `ThinkerInput` into its `ThinkerState` at its first prefill step: the
+        audio of every request in the step goes through the audio encoder in one batch."""
+        new = [r for r in reqs if isinstance(r.state, ThinkerInput)]
+        if not new:
+            return
+        feats = self._encode_audio([r.state.prompt for r in new])
+        for r, f in zip(new, feats):
+            r.state = self._state(r.state, f)
+
+    def _encode_audio(self, prompts: list[EncodedPrompt]) -> list[torch.Tensor | None]:
+        """Per prompt, its audio token rows [n, H] (None without audio), from one encoder call."""
+        with_audio = [p for p in prompts if p.input_features is not None]
+        if not with_audio:
+            return [None] * len(prompts)
+        frames = max(p.input_features.shape[-1] for p in with_audio)
+        features = torch.cat([torch.nn.functional.pad(p.input_features, (0, frames - p.input_features.shape[-1]))
+                              for p in with_audio]).to(self.device, self.thinker.dtype)
+        mask = torch.cat([torch.nn.functional.pad(p.feature_mask, (0, frames - p.feature_mask.shape[-1]))
+                          for p in with_audio]).to(self.device)
+        rows = self.thinker.model.get_audio_features(features, mask, return_dict=True).last_hidden_state
+        parts = iter(rows.split([p.input_ids.count(self.audio_token_id) for p in with_audio]))
+        return [next(parts) if p.input_features is not None else None for p in prompts]
+
+    def _state(self, inp: ThinkerInput, audio_rows: torch.Tensor | None) -> ThinkerState:
+        """Token embeddings with the audio rows scattered in, and the multimodal rope positions."""
+        prompt = inp.prompt
         ids = torch.tensor([prompt.input_ids], device=self.device)
         embeds = self.stack.embed_tokens(ids)
         lengths = prompt.audio_lengths
-        if prompt.input_features is not None:
-            feats = self.thinker.model.get_audio_features(
-                prompt.input_features.to(self.device, self.thinker.dtype), prompt.feature_mask.to(self.device),
-                return_dict=True).last_hidden_state
+        if audio_rows is not None:
             mask = (ids == self.audio_token_id).unsqueeze(-1)
-            embeds = embeds.masked_scatter(mask, feats.to(embeds.dtype))
+            embeds = embeds.masked_scatter(mask, audio_rows.to(embeds.dtype))
         pos, delta = self.thinker.model.get_rope_index(
             ids, None, None, torch.ones_like(ids), False,
             None if lengths is None else lengths.to(self.device), None)
         return ThinkerState(prompt.input_ids, embeds[0], pos[:, 0].long(), int(delta.flatten()[0]),
-                            lengths, wants_rows)
+                            lengths, inp.wants_rows)
 
     def token_embeds(self, token_ids: list[int]) -> torch.Tensor:
         return self.stack.embed_tokens(torch.tensor(token_ids, device=self.device))
@@ -86,6 +115,7 @@ class ThinkerModel:
     def run(self, batch: Batch) -> list[StepOutput]:
         starts = [r.num_computed_tokens for r in batch.requests]
         if batch.is_prefill:
+            self.prepare(batch.requests)
             return self._prefill(batch.requests, starts, batch.num_new_tokens)
         return self._decode(batch.requests, starts)
 
@@ -129,8 +159,3 @@ class ThinkerModel:
         if token is not None:
             rows.token_embed = self.token_embeds([token])[0]
         return rows
-
-    def special_rows(self) -> torch.Tensor:
-        """Thinker embeddings of tts_bos, tts_eos, tts_pad: the Talker's text-track markers."""
-        c = self.config
-        return self.token_embeds([c.tts_bos_token_id, c.tts_eos_token_id, c.tts_pad_token_id])
