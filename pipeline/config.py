@@ -40,6 +40,7 @@ class StageConfig:
     gpu_memory_utilization: float | None = None
     default_sampling_params: dict[str, Any] = field(default_factory=dict)
     routing: str = "least_loaded"  # how a replica pool places new requests: least_loaded | round_robin
+    own_process: bool = False  # a worker process even as one replica on the engine's device
     ray_resources: dict[str, float] = field(default_factory=dict)  # per replica actor, e.g. {num_gpus: 1}
 
     @property
@@ -56,8 +57,9 @@ class StageConfig:
 
     @property
     def needs_workers(self) -> bool:
-        """Replicated, or placed off the engine's device (0): the stage runs in worker processes or actors."""
-        return self.num_replicas > 1 or self.device_ids != [0]
+        """Replicated, placed off the engine's device (0), or asked to: the stage runs in worker processes
+        or actors."""
+        return self.num_replicas > 1 or self.device_ids != [0] or self.own_process
 
     def __post_init__(self):
         _check(0 <= self.stage_id < len(STAGE_NAMES), "stage_id", f"must be 0..{len(STAGE_NAMES) - 1}")

@@ -178,6 +178,23 @@ async def test_thinker_in_a_worker_process_matches_in_process(baseline):
         eng.stop()
 
 
+async def test_talker_in_its_own_process_on_the_engine_device(baseline):
+    """`own_process`: one replica on device 0, in a worker process (the process boundary alone)."""
+    from replica_helpers import ROOT
+
+    from pipeline.config import load_profile
+
+    eng = start_engine(load_profile(ROOT / "deploy" / "tiny.yaml", "cpu", {}, {"1": {"own_process": True}}))
+    try:
+        status = eng.replica_status()
+        assert status["talker"][0]["kind"] == "process" and status["code2wav"][0]["kind"] == "inline"
+        got = await asyncio.wait_for(asyncio.gather(*(run(eng, f"own-{i}", t) for i, t in enumerate(PROMPTS[:2]))), 120)
+        for base, res in zip(baseline, got):
+            assert res.text == base.text and len(res.pcm) == len(base.pcm) and max_pcm_diff(res.pcm, base.pcm) <= 2
+    finally:
+        eng.stop()
+
+
 def test_a_process_loads_only_its_own_stages(tiny_config):
     """A Code2Wav replica holds no Thinker or Talker weights; a Talker replica still gets the Thinker's
     three marker rows it reads (the rest of the Thinker is never materialised)."""

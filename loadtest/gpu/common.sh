@@ -20,6 +20,7 @@ start_server() {  # start_server NAME [serve args...]: background server on :809
   done
   echo "server $name ready after $(( $(date +%s) - t0 )) s"
   nvidia-smi --query-gpu=memory.used,memory.total --format=csv,noheader
+  nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader | sed "s/^/$name process /"
 }
 
 stop_server() { kill $SERVER_PID 2>/dev/null; wait $SERVER_PID 2>/dev/null; }
@@ -27,4 +28,12 @@ stop_server() { kill $SERVER_PID 2>/dev/null; wait $SERVER_PID 2>/dev/null; }
 bench() {  # bench NAME [bench args...]
   local name=$1; shift
   python3 -m app.cli bench --model $MODEL --name "$name" --out "$OUT" "$@" 2>&1 | tail -20
+}
+
+point() {  # point NAME "CONCURRENCY..." [serve args...]: a server of its own, the bench at prompt 160, the rows
+  local name=$1 conc=$2; shift 2
+  start_server "$name" "$@" || return 1
+  timeout "${PT_LIMIT:-200}" python3 -m app.cli bench --model $MODEL --name "h200-$name" --out "$OUT" --prompt-lens 160 \
+    --concurrency $conc --requests-per-point 2 --rounds 1 --warmup "${WARM:-2}" 2>&1 | grep -E "^\| 160|Error" | sed "s/^/$name /"
+  stop_server
 }

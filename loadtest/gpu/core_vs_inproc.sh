@@ -5,14 +5,6 @@
 # replica worker holds). Results: the `| 160 |` rows on stdout, every file in $OUT/results.tgz.
 source loadtest/gpu/common.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-point() {  # point NAME "CONCURRENCY..." [serve args...]
-  local name=$1 conc=$2; shift 2
-  start_server "$name" "$@" || return 1
-  timeout "${PT_LIMIT:-200}" python3 -m app.cli bench --model $MODEL --name "h200-$name" --out "$OUT" --prompt-lens 160 \
-    --concurrency $conc --requests-per-point 2 --rounds 1 --warmup 2 2>&1 | grep -E "^\| 160|Error" | sed "s/^/$name /"
-  ps -o pid,rss,args --ppid $SERVER_PID | cut -c1-100 | sed "s/^/$name /"
-  stop_server
-}
 point core "1 16 64"
 point inproc "1 16 64" --engine-process inproc
 timeout 120 python3 - <<'PY' 2>&1 | grep -v Warning | tail -4

@@ -6,14 +6,7 @@ source loadtest/gpu/common.sh
 timeout 100 python3 -m loadtest.gpu_check --num-requests 6 -- --model tiny --dtype float32 > "$OUT/check_tiny.json" 2> "$OUT/check_tiny.log"
 echo "tiny check rc=$?"; tr -d "\n " < "$OUT/check_tiny.json" | cut -c1-600; echo
 
-point() {  # point NAME "CONCURRENCY..." [serve args...]
-  local name=$1 conc=$2; shift 2
-  start_server "$name" "$@" || return 1
-  timeout "${PT_LIMIT:-150}" python3 -m app.cli bench --model $MODEL --name "h200-$name" --out "$OUT" --prompt-lens 160 \
-    --concurrency $conc --requests-per-point 2 --rounds 1 --warmup "${WARM:-2}" 2>&1 | grep -E "^\| 160|Error" | sed "s/^/$name /"
-  stop_server
-}
-point graphs "1 16 64"
+PT_LIMIT=150 point graphs "1 16 64"
 point no-async-chunk 64 --no-async-chunk
 point no-async-output 64 --no-async-output
 WARM=1 point eager 64 --enforce-eager
