@@ -21,6 +21,7 @@ from pipeline.models import CodecWindow
 class Command(enum.Enum):
     ADD = "add"  # a new StageRequest
     INPUT = "input"  # a chunk from the upstream stage
+    INPUTS = "inputs"  # one step's chunks for several requests: payload [(request_id, chunk), ...]
     INPUT_DONE = "input_done"  # the upstream stage finished this request
     ABORT = "abort"
 

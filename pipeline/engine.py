@@ -57,7 +57,7 @@ class EngineBase:
         graph = self.models.graph
         limits = {n: StageLimit(self.cfg.stage(n).max_num_seqs, self.cfg.stage(n).max_waiting) for n in graph.names}
         return EngineInfo(self.cfg.model, tuple(self.voices), self.cfg.default_voice, self.cfg.system_prompt,
-                          len(graph.path(True)) > 1, self.models.input_sample_rate,
+                          graph.has_audio_output, self.models.input_sample_rate,
                           self.models.output_sample_rate, limits, self.cfg.retry_after_s,
                           self.cfg.max_output_buffer_bytes, self.kind)
 
@@ -67,7 +67,7 @@ class EngineBase:
     def _check_voice(self, req: OmniRequest) -> str | None:
         if not req.wants_audio:
             return None
-        if len(self.models.graph.path(True)) == 1:
+        if not self.models.graph.has_audio_output:
             raise RequestError("this model has no audio output", "modalities")
         voice = (req.voice or self.cfg.default_voice).lower()
         if voice not in self.models.voices:
@@ -218,7 +218,7 @@ class OmniEngine(EngineBase):
     # ---- routing step results along the graph (stage threads) --------------------------------------------
 
     def _on_step(self, stage: str, result: StepResult) -> None:
-        node = self.graph.node(stage)
+        node, handoffs = self.graph.node(stage), {}
         for out in result.outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
@@ -229,9 +229,11 @@ class OmniEngine(EngineBase):
             if out.payload is not None:
                 nxt = self.graph.next_stage(stage, stream.request.wants_audio)
                 if nxt is not None:
-                    self.stage(nxt).send(Message(Command.INPUT, out.request_id, out.payload))
+                    handoffs.setdefault(nxt, []).append((out.request_id, out.payload))
                 if node.counts_audio_frames:
                     stream.num_audio_frames += 1
+        for nxt, items in handoffs.items():  # one hand-off per step and next stage
+            self.stage(nxt).send_inputs(items)
         for fin in result.finished:
             stream = self._streams.get(fin.request_id)
             if stream is not None and not self._failed(fin, stream):

@@ -51,6 +51,10 @@ class StageGraph:
     def names(self) -> tuple[str, ...]:
         return tuple(n.name for n in self.nodes)
 
+    @property
+    def has_audio_output(self) -> bool:
+        return len(self.nodes) > 1
+
     def path(self, wants_audio: bool) -> tuple[str, ...]:
         """The stages a request runs through."""
         return self.names if wants_audio else self.names[:1]

@@ -106,6 +106,20 @@ class ReplicaPool:
                     self._replay[msg.request_id].append(msg)
             self._deliver(slot, msg)
 
+    def send_inputs(self, items: list[tuple[str, Any]]) -> None:
+        """One upstream step's chunks: one message per replica for the whole step, not one per request."""
+        by_slot: dict[int, list[tuple[str, Any]]] = {}
+        with self._lock:
+            for rid, payload in items:
+                index = self.requests.get(rid)
+                if index is None:
+                    continue  # finished (or never added) here
+                by_slot.setdefault(index, []).append((rid, payload))
+                if rid in self._replay:
+                    self._replay[rid].append(Message(Command.INPUT, rid, payload))
+            for index, batch in by_slot.items():
+                self._deliver(self._slots[index], Message(Command.INPUTS, "", batch))
+
     @property
     def num_steps(self) -> int:
         return sum(s.load.num_steps for s in self._slots)

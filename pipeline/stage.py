@@ -94,6 +94,11 @@ class Stage:
     def send(self, msg: Message) -> None:
         self._inbox.put(msg)
 
+    def send_inputs(self, items: list[tuple[str, object]]) -> None:
+        """One upstream step's chunks, for several requests."""
+        for rid, payload in items:
+            self._inbox.put(Message(Command.INPUT, rid, payload))
+
     # ---- the stage thread ----------------------------------------------------------------------------
 
     def _loop(self) -> None:

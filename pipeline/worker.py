@@ -20,7 +20,7 @@ import torch
 import torch.multiprocessing as mp
 
 from pipeline.config import EngineConfig
-from pipeline.connector import Message
+from pipeline.connector import Command, Message
 from pipeline.request import StepResult
 from pipeline.shm_transport import Channel, ShmRing
 
@@ -87,7 +87,10 @@ class StageHost:
         self.emit(StepReport(load=self.load(), is_ready=True))
 
     def send(self, msg: Message) -> None:
-        self.stage.send(msg)
+        if msg.command is Command.INPUTS:
+            self.stage.send_inputs(msg.payload)
+        else:
+            self.stage.send(msg)
         self.num_consumed += 1
 
     def stop(self) -> None:

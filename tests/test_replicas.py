@@ -191,6 +191,9 @@ async def test_talker_in_its_own_process_on_the_engine_device(baseline):
         got = await asyncio.wait_for(asyncio.gather(*(run(eng, f"own-{i}", t) for i, t in enumerate(PROMPTS[:2]))), 120)
         for base, res in zip(baseline, got):
             assert res.text == base.text and len(res.pcm) == len(base.pcm) and max_pcm_diff(res.pcm, base.pcm) <= 2
+        # one hand-off message per Thinker step for both requests (+ an add and an input-done each)
+        inbox = eng.stage("talker")._slots[0].handle.inbox.stats
+        assert inbox.num_messages <= eng.stage("thinker").num_steps + 2 * 2
     finally:
         eng.stop()
 
