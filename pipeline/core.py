@@ -96,11 +96,14 @@ class EngineCore:
         self.stopping = asyncio.Event()
 
     async def run(self) -> None:
-        sender = asyncio.create_task(self._send_loop())
-        receiver = asyncio.create_task(self._recv_loop())
-        await self.stopping.wait()
-        receiver.cancel()
-        sender.cancel()
+        """Until told to stop; a loop that fails ends the core (the API process sees it die, never a hang)."""
+        loops = [asyncio.create_task(self._send_loop()), asyncio.create_task(self._recv_loop())]
+        stop = asyncio.create_task(self.stopping.wait())
+        done, _ = await asyncio.wait([*loops, stop], return_when=asyncio.FIRST_COMPLETED)
+        for task in (*loops, stop):
+            task.cancel()
+        for task in done & set(loops):
+            task.result()  # raises what ended it
 
     async def _recv_loop(self) -> None:
         while True:
