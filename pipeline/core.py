@@ -11,9 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import os
 import signal
-import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,12 +20,12 @@ import zmq.asyncio
 
 from pipeline import ipc
 from pipeline.api import EngineOptions, EngineOverloaded, EngineStartError, OmniRequest, RequestError
+from pipeline.worker import watch_parent
 
 log = logging.getLogger("omnirt.core")
 DEPLOY_DIR = Path(__file__).resolve().parents[1] / "deploy"
 STATS_S = 0.2  # stats snapshot (and heartbeat) period
 MAX_PENDING_BYTES = 16 * 2**20  # events queued for one send: request tasks wait beyond this
-PARENT_POLL_S = 0.25
 
 
 def build_engine(opts: EngineOptions):
@@ -189,7 +187,7 @@ async def _serve_core(opts: EngineOptions, to_core: str, from_core: str, parent_
         core = EngineCore(engine, inbox, outbox)
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, core.stopping.set)
-        _watch_parent(parent_pid, lambda: loop.call_soon_threadsafe(core.stopping.set))
+        watch_parent(parent_pid, lambda: loop.call_soon_threadsafe(core.stopping.set))
         await outbox.send(ipc.encoder.encode(ipc.Ready(engine.info())))
         try:
             await core.run()
@@ -210,15 +208,3 @@ def _build_or_report(opts: EngineOptions) -> tuple[object | None, str]:
     except Exception as exc:
         log.exception("the engine could not start")
         return None, f"the engine could not start: {type(exc).__name__}: {exc}"
-
-
-def _watch_parent(parent_pid: int, on_gone: Callable[[], None]) -> None:
-    """The API process died without telling us (SIGKILL, crash): stop, leaving no orphan behind."""
-
-    def watch() -> None:
-        while os.getppid() == parent_pid:
-            threading.Event().wait(PARENT_POLL_S)
-        log.warning("the API process %d is gone; the engine core stops", parent_pid)
-        on_gone()
-
-    threading.Thread(target=watch, name="omnirt-parent-watch", daemon=True).start()

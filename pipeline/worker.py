@@ -9,7 +9,9 @@ the engine side hands the result on unchanged, so the stage graph does not care 
 from __future__ import annotations
 
 import logging
+import os
 import queue
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -26,7 +28,8 @@ from pipeline.shm_transport import Channel, ShmRing
 
 log = logging.getLogger(__name__)
 HEARTBEAT_S = 0.2
-HANG_TIMEOUT_S = 10.0  # an up worker silent this long (no step, no heartbeat) is killed, then handled as dead
+HANG_TIMEOUT_S = 10.0
+PARENT_POLL_S = 0.25  # an up worker silent this long (no step, no heartbeat) is killed, then handled as dead
 
 
 @dataclass(slots=True, frozen=True)
@@ -112,8 +115,22 @@ class StageHost:
             self.emit(StepReport(load=self.load()))
 
 
-def worker_main(spec: WorkerSpec, inbox_spec: tuple, outbox_spec: tuple) -> None:
+def watch_parent(parent_pid: int, on_gone: Callable[[], None]) -> None:
+    """The parent died without telling us (SIGKILL, crash): `on_gone()`, so that no orphan outlives it."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(PARENT_POLL_S)
+        log.warning("parent process %d is gone; stopping", parent_pid)
+        on_gone()
+
+    threading.Thread(target=watch, name="omnirt-parent-watch", daemon=True).start()
+
+
+def worker_main(spec: WorkerSpec, inbox_spec: tuple, outbox_spec: tuple, parent_pid: int) -> None:
     """Entry point of a spawned worker process: serve one stage until told to stop (None)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the engine leads the stop
+    watch_parent(parent_pid, lambda: os._exit(1))
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s %(levelname)s {spec.stage}[{spec.replica}] "
                                                       "%(name)s: %(message)s")
     outbox = Channel.attach(outbox_spec)
@@ -150,7 +167,8 @@ class ProcessReplica:
         ctx = mp.get_context("spawn")
         self.inbox = Channel(ctx.Queue(), ShmRing(self.ring_bytes))
         self.outbox = Channel(ctx.Queue(), ShmRing(self.ring_bytes))
-        self.process = ctx.Process(target=worker_main, args=(self.spec, self.inbox.spec(), self.outbox.spec()),
+        self.process = ctx.Process(target=worker_main, args=(self.spec, self.inbox.spec(), self.outbox.spec(),
+                                                             os.getpid()),
                                    name=f"omnirt-{self.spec.stage}-{self.spec.replica}", daemon=True)
         self.process.start()
         self._reader = threading.Thread(target=self._read, name=f"omnirt-{self.spec.stage}-{self.spec.replica}-rx",

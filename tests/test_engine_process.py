@@ -4,6 +4,7 @@ an error and stops the server with a non-zero exit, never a hang."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -13,8 +14,10 @@ from pathlib import Path
 
 import psutil
 import pytest
+import websockets
 
 from tests.conftest import ROOT, ServerProcess
+from tests.realtime_helpers import ask, recv, recv_type, ws_url
 from tests.sse_client import audio_body, stream_chat
 
 pytestmark = pytest.mark.timeout(300)
@@ -91,5 +94,33 @@ def test_core_killed_mid_stream_ends_streams_and_stops_the_server(tmp_path):
         log = srv.log.read_text()
         assert "the engine is gone" in log and "Traceback" not in log
         assert list(tmp_path.glob("omnirt-core-*")) == []  # the IPC sockets are gone
+    finally:
+        srv.stop()
+
+
+async def test_core_killed_with_workers_and_a_realtime_session(tmp_path):
+    """kill -9 of the core of a replicated server: the Realtime response fails naming the engine, the session
+    gets an `error` event and a close, the workers (the core's children) stop by themselves, the server exits
+    non-zero, and no IPC socket or shared-memory ring is left."""
+    shm_before = set(os.listdir(SHM))
+    srv = server(tmp_path, "--deploy-config", str(ROOT / "deploy/qwen3_omni_moe_multi_replicas.yaml"))
+    try:
+        procs = descendants(srv.proc.pid)
+        ws = await websockets.connect(ws_url(srv), max_size=None)
+        await recv_type(ws, "session.created")
+        await ask(ws, "Hello!", max_output_tokens=40, talker_sampling={"min_tokens": 4000, "max_tokens": 4000})
+        await recv_type(ws, "response.output_audio.delta", timeout=120)
+        core_of(srv).kill()
+        events = []
+        with pytest.raises(websockets.ConnectionClosed):
+            while True:
+                events.append(await recv(ws, timeout=60))
+        done = next(e["response"] for e in events if e["type"] == "response.done")
+        assert done["status"] == "failed" and "engine core" in done["status_details"]["error"]["message"]
+        assert events[-1]["type"] == "error"
+        assert await asyncio.to_thread(srv.proc.wait, 60) not in (0, -signal.SIGTERM)
+        assert await asyncio.to_thread(wait_gone, procs) == []
+        assert list(tmp_path.glob("omnirt-core-*")) == []
+        assert {n for n in set(os.listdir(SHM)) - shm_before if n.startswith("psm_")} == set()
     finally:
         srv.stop()
