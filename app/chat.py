@@ -62,9 +62,21 @@ async def chat_completions(body: ChatRequest, request: Request):
     events = server.metrics.observe(events, req.request_id, "chat", started)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_sse(body, req, events, include_usage), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return ClosingStreamingResponse(_sse(body, req, events, include_usage), media_type="text/event-stream",
+                                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     return await _until_done_or_gone(_collect(body, req, events), request)
+
+
+class ClosingStreamingResponse(StreamingResponse):
+    """Closes its body generator however the response ends. When `send` fails (a client that went away,
+    or was cut off for not reading), the generator would otherwise stay suspended until a garbage
+    collection, and with it the request's cleanup and its metrics."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
 
 
 async def _until_done_or_gone(work, request: Request) -> JSONResponse:

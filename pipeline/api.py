@@ -8,7 +8,7 @@ process boundary as typed messages; importing this module loads neither torch no
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, TypedDict
 
@@ -169,7 +169,9 @@ class EngineClient(Protocol):
 
     def info(self) -> EngineInfo: ...
 
-    async def submit(self, req: OmniRequest) -> AsyncIterator[Event]: ...
+    def submit(self, req: OmniRequest) -> Awaitable[AsyncIterator[Event]]:
+        """The request counts from the call: an `abort` right after it, even before it is awaited,
+        ends it."""
 
     def abort(self, request_id: str, error: str | None = None) -> None: ...
 

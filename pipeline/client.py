@@ -17,7 +17,7 @@ import os
 import shutil
 import tempfile
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import zmq
 
@@ -58,8 +58,8 @@ class InprocClient:
     def info(self) -> EngineInfo:
         return self.engine.info()
 
-    async def submit(self, req: OmniRequest) -> AsyncIterator[Event]:
-        return await self.engine.submit(req)
+    def submit(self, req: OmniRequest) -> Awaitable[AsyncIterator[Event]]:
+        return self.engine.submit(req)  # called, not awaited: the request counts from here (see OmniEngine)
 
     def abort(self, request_id: str, error: str | None = None) -> None:
         self.engine.abort(request_id, error)
@@ -163,7 +163,8 @@ class CoreClient:
     def info(self) -> EngineInfo:
         return self._info
 
-    async def submit(self, req: OmniRequest) -> AsyncIterator[Event]:
+    def submit(self, req: OmniRequest) -> Awaitable[AsyncIterator[Event]]:
+        """Sent at the call (an abort from here on reaches the core after it); awaiting gives the events."""
         if self._dead is not None:
             raise EngineDeadError(self._dead)
         if req.request_id in self._streams:
@@ -175,8 +176,11 @@ class CoreClient:
         except (OverflowError, TypeError) as exc:  # e.g. an integer msgpack cannot hold
             raise RequestError(f"the request holds a value that cannot be sent to the engine: {exc}") from exc
         self._streams[req.request_id] = stream
+        self._send_bytes(data)
+        return self._accepted(req, stream)
+
+    async def _accepted(self, req: OmniRequest, stream: _Stream) -> AsyncIterator[Event]:
         try:
-            self._send_bytes(data)
             await stream.accepted
         except BaseException as exc:
             self._streams.pop(req.request_id, None)

@@ -89,7 +89,6 @@ class EngineCore:
         self._pending_bytes = 0
         self._wake = asyncio.Event()
         self._drained = asyncio.Event()
-        self._starting: dict[str, str | None] = {}  # requests in submit(); an abort that came meanwhile
         self._tasks: set[asyncio.Task] = set()
         self.stopping = asyncio.Event()
 
@@ -107,21 +106,25 @@ class EngineCore:
         while True:
             msg = ipc.to_core.decode(await self.inbox.recv())
             if isinstance(msg, OmniRequest):
-                task = asyncio.create_task(self._serve(msg))
+                task = asyncio.create_task(self._serve(msg.request_id, self._submit(msg)))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
             elif isinstance(msg, ipc.Abort):
-                if msg.request_id in self._starting:
-                    self._starting[msg.request_id] = msg.error or ""
                 self.engine.abort(msg.request_id, msg.error)
             else:
                 self.stopping.set()
 
-    async def _serve(self, req: OmniRequest) -> None:
-        rid = req.request_id
-        self._starting[rid] = None
+    def _submit(self, req: OmniRequest):
+        """The engine's submit, called now (an abort read next, with no await in between, must find the
+        request); what it raised comes out when awaited."""
         try:
-            events = await self.engine.submit(req)
+            return self.engine.submit(req)
+        except Exception as exc:
+            return _raise(exc)
+
+    async def _serve(self, rid: str, submitted) -> None:
+        try:
+            events = await submitted
         except RequestError as exc:
             return self._emit(ipc.Rejected(rid, "invalid", str(exc), exc.param, exc.code))
         except EngineOverloaded as exc:
@@ -131,11 +134,7 @@ class EngineCore:
             log.exception("request %s: submit failed", rid)
             return self._emit(ipc.Rejected(rid, "invalid", f"the request could not start ({type(exc).__name__})",
                                            code="internal_error"))
-        finally:
-            early_abort = self._starting.pop(rid, None)
         self._emit(ipc.Accepted(rid))
-        if early_abort is not None:  # aborted while its prompt was being encoded
-            self.engine.abort(rid, early_abort or None)
         async for ev in events:
             self._emit(ev)
             if self._pending_bytes > MAX_PENDING_BYTES:  # the API process is not reading: hold this request
@@ -163,6 +162,10 @@ class EngineCore:
             if loop.time() >= next_stats:
                 next_stats = loop.time() + STATS_S
                 await self.outbox.send(ipc.encoder.encode(self.engine.stats()))
+
+
+async def _raise(exc: Exception):
+    raise exc
 
 
 def core_main(opts: EngineOptions, to_core: str, from_core: str, parent_pid: int,

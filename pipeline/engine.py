@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 
 from pipeline.admission import Admission
 from pipeline.api import (
@@ -106,6 +106,7 @@ class OmniEngine(EngineBase):
         super().__init__(cfg, models)
         self.graph = models.graph
         self._streams: dict[str, RequestOutput] = {}
+        self._starting: dict[str, str | None] = {}  # submitted, not yet admitted: an abort that came meanwhile
         self.admission = Admission({n: StageLimit(cfg.stage(n).max_num_seqs, cfg.stage(n).max_waiting)
                                     for n in self.graph.names}, cfg.retry_after_s)
         self.stages = [make_stage(name, cfg, models, self._on_step) for name in self.graph.names]
@@ -146,9 +147,25 @@ class OmniEngine(EngineBase):
 
     # ---- the API ---------------------------------------------------------------------------------------
 
-    async def submit(self, req: OmniRequest) -> AsyncIterator[Event]:
-        """Validate and start `req`; returns the stream of its events (ending with `Finished`).
-        Raises RequestError before anything starts when the request cannot be served."""
+    def submit(self, req: OmniRequest) -> Awaitable[AsyncIterator[Event]]:
+        """Validate and start `req`; awaiting it gives the stream of its events (ending with `Finished`).
+        Raises RequestError before anything starts when the request cannot be served. The request counts
+        from this call on: an abort that comes while its prompt is being encoded still ends it."""
+        if req.request_id in self._streams or req.request_id in self._starting:
+            raise RequestError(f"request id {req.request_id!r} is already running", "request_id")
+        self._starting[req.request_id] = None
+        return self._start(req)
+
+    async def _start(self, req: OmniRequest) -> AsyncIterator[Event]:
+        try:
+            stream = await self._admit(req)
+        finally:
+            early_abort = self._starting.pop(req.request_id, None)
+        if early_abort is not None:
+            self.abort(req.request_id, early_abort or None)
+        return self._events(stream)
+
+    async def _admit(self, req: OmniRequest) -> RequestOutput:
         voice = self._check_voice(req)
         prompt = await asyncio.to_thread(self.models.encoder.encode, req.messages)
         n_prompt = len(prompt.input_ids)
@@ -156,8 +173,6 @@ class OmniEngine(EngineBase):
         path = self.graph.path(req.wants_audio)
         stream = RequestOutput(req, asyncio.get_running_loop(), asyncio.Queue(), n_prompt, path,
                                self.cfg.max_output_buffer_bytes, self._overflow, async_output=self.cfg.async_output)
-        if req.request_id in self._streams:
-            raise RequestError(f"request id {req.request_id!r} is already running", "request_id")
         self.admission.admit(path)  # raises EngineOverloaded when a stage's wait queue is full
         self._streams[req.request_id] = stream
         try:
@@ -167,11 +182,13 @@ class OmniEngine(EngineBase):
         except BaseException:
             self.abort(req.request_id)  # never leave a half-started request holding its admission
             raise
-        return self._events(stream)
+        return stream
 
     def abort(self, request_id: str, error: str | None = None) -> None:
         """Free the request in every stage; its stream ends with finish_reason "abort" (and `error`,
         the reason, when the server rather than the client ended it)."""
+        if request_id in self._starting:  # still being encoded: ended as soon as it is admitted
+            self._starting[request_id] = error or ""
         stream = self._streams.get(request_id)
         for stage in self.stages:
             stage.send(Message(Command.ABORT, request_id))

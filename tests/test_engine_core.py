@@ -145,6 +145,19 @@ async def test_aborts_racing_last_steps_release_admission_once(client):
     client.check_admission(True)  # nothing left counted against any stage
 
 
+async def test_abort_right_after_submit_is_not_lost(client):
+    """An abort that reaches the engine together with its request (before the prompt is even encoded)
+    still ends it: no reply runs on unseen, holding a slot."""
+    for i in range(5):
+        rid = f"early-{i}"
+        started = asyncio.create_task(client.submit(request(rid, frames=400)))
+        await asyncio.sleep(0)  # the request is on its way
+        client.abort(rid, "gone at once")
+        ends = [ev async for ev in await started if isinstance(ev, Finished)]
+        assert [e.finish_reason for e in ends] == ["abort"]
+    await wait_idle(client)
+
+
 async def test_reader_that_leaves_early_aborts(client):
     """A consumer that stops iterating aborts its request in every stage."""
     events = await client.submit(request("leave", frames=200))
