@@ -184,7 +184,7 @@ class CoreClient:
             await stream.accepted
         except BaseException as exc:
             self._streams.pop(req.request_id, None)
-            if not isinstance(exc, RequestError | EngineOverloaded | EngineDeadError):
+            if isinstance(exc, asyncio.CancelledError):
                 self.abort(req.request_id)  # cancelled while the core was starting it
             raise
         return self._events(stream)
@@ -327,6 +327,8 @@ class CoreClient:
 def _rejection(r: ipc.Rejected) -> Exception:
     if r.kind == "overloaded":
         return EngineOverloaded(r.stage, r.capacity, r.retry_after_s)
+    if r.kind == "internal":
+        return RuntimeError(r.message)
     return RequestError(r.message, r.param, r.code)
 
 

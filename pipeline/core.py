@@ -132,7 +132,7 @@ class EngineCore:
                                            retry_after_s=exc.retry_after_s))
         except Exception as exc:
             log.exception("request %s: submit failed", rid)
-            return self._emit(ipc.Rejected(rid, "invalid", f"the request could not start ({type(exc).__name__})",
+            return self._emit(ipc.Rejected(rid, "internal", f"the request could not start ({type(exc).__name__})",
                                            code="internal_error"))
         self._emit(ipc.Accepted(rid))
         async for ev in events:

@@ -40,7 +40,8 @@ class Accepted(msgspec.Struct, tag=True):
 
 
 class Rejected(msgspec.Struct, tag=True):
-    """`submit` raised: RequestError (kind "invalid") or EngineOverloaded (kind "overloaded")."""
+    """`submit` raised: RequestError (kind "invalid"), EngineOverloaded ("overloaded") or anything else
+    ("internal": a bug, raised in the API process as a RuntimeError, i.e. a 500)."""
 
     request_id: str
     kind: str
