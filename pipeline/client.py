@@ -23,7 +23,6 @@ import zmq
 
 from pipeline import ipc
 from pipeline.api import (
-    AudioChunk,
     EngineDeadError,
     EngineHealth,
     EngineInfo,
@@ -99,10 +98,6 @@ class _Stream:
         self.accepted = loop.create_future()
         self.num_bytes = 0
         self.is_finished = self.is_aborted = False
-
-
-def _size(ev: Event) -> int:
-    return 64 + (len(ev.pcm16) if isinstance(ev, AudioChunk) else 0)
 
 
 class CoreClient:
@@ -288,7 +283,7 @@ class CoreClient:
         elif stream.is_aborted:
             return  # aborted for not reading: keep only its end
         stream.queue.put_nowait(ev)
-        stream.num_bytes += _size(ev)
+        stream.num_bytes += ipc.num_bytes(ev)
         if stream.num_bytes > self._info.max_output_buffer_bytes and not stream.is_finished:
             stream.is_aborted = True
             log.warning("%s: output buffer over %d bytes (the client is not reading); aborting", stream.request_id,
@@ -299,7 +294,7 @@ class CoreClient:
         try:
             while True:
                 ev = await stream.queue.get()
-                stream.num_bytes -= _size(ev)
+                stream.num_bytes -= ipc.num_bytes(ev)
                 yield ev
                 if isinstance(ev, Finished):
                     return

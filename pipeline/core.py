@@ -142,7 +142,7 @@ class EngineCore:
 
     def _emit(self, item) -> None:
         self._pending.append(item)
-        self._pending_bytes += 64 + len(getattr(item, "pcm16", b""))
+        self._pending_bytes += ipc.num_bytes(item)
         self._wake.set()
 
     async def _send_loop(self) -> None:

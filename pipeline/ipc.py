@@ -62,6 +62,11 @@ class Outputs(msgspec.Struct, tag=True):
 FromCore = Ready | StartFailed | Outputs | EngineStats
 
 
+def num_bytes(item) -> int:
+    """What an output item weighs in the byte bounds on either side (its PCM, plus a fixed cost)."""
+    return 64 + len(item.pcm16) if isinstance(item, AudioChunk) else 64
+
+
 def _enc_hook(obj):
     if isinstance(obj, np.ndarray) and obj.ndim == 1:
         return msgspec.msgpack.Ext(FLOAT32_AUDIO, obj.astype("<f4", copy=False).tobytes())
