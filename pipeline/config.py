@@ -41,6 +41,7 @@ class StageConfig:
     default_sampling_params: dict[str, Any] = field(default_factory=dict)
     routing: str = "least_loaded"  # how a replica pool places new requests: least_loaded | round_robin
     own_process: bool = False  # a worker process even as one replica on the engine's device
+    device_ipc: bool = True  # device tensors to/from its workers through shared device memory where the platform can
     ray_resources: dict[str, float] = field(default_factory=dict)  # per replica actor, e.g. {num_gpus: 1}
 
     @property

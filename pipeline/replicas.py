@@ -257,7 +257,8 @@ def make_stage(name: str, cfg: EngineConfig, models: Any, on_step: StepSink) -> 
         return build_stage(name, cfg, models, on_step)
     _check_devices(cfg, name)
     threads = torch.get_num_threads()  # workers use the engine's intra-op thread count (--threads)
-    specs = [WorkerSpec(name, i, sc.replica_device(i), cfg, threads) for i in range(sc.num_replicas)]
+    specs = [WorkerSpec(name, i, sc.replica_device(i), cfg, threads, device_ipc=sc.device_ipc)
+             for i in range(sc.num_replicas)]
     replica_cls = ProcessReplica
     if cfg.distributed == "ray":
         from pipeline.ray_replica import RayReplica

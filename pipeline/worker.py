@@ -23,8 +23,9 @@ import torch.multiprocessing as mp
 
 from pipeline.config import EngineConfig
 from pipeline.connector import Command, Message
+from pipeline.platform import get_platform
 from pipeline.request import StepResult
-from pipeline.shm_transport import Channel, ShmRing
+from pipeline.transport import Channel, ChannelClosed, remove_driver_files
 
 log = logging.getLogger(__name__)
 HEARTBEAT_S = 0.2
@@ -42,6 +43,8 @@ class WorkerSpec:
     cfg: EngineConfig
     num_threads: int = 1
     pin_device: bool = True  # False where the runtime (Ray) assigns the device
+    ring_bytes: int = 64 * 2**20  # each transport ring (host, and device where the platform shares device memory)
+    device_ipc: bool = True  # False: device tensors are staged through host memory (the ablation)
 
 
 @dataclass(slots=True)
@@ -52,6 +55,15 @@ class ReplicaLoad:
     num_slots: int = 0
     num_steps: int = 0
     num_consumed: int = 0  # messages applied so far; the engine's sent count minus this is the inbox backlog
+
+
+@dataclass(slots=True, frozen=True)
+class DeviceLink:
+    """A worker's first message: the handles of the device memory behind both of its channels' device
+    rings, for the engine to open (where the platform shares device memory between processes)."""
+
+    inbox: tuple
+    outbox: tuple
 
 
 @dataclass(slots=True)
@@ -68,7 +80,6 @@ class StageHost:
 
     def __init__(self, spec: WorkerSpec, emit: Callable[[StepReport], None]):
         from pipeline.models import load_models
-        from pipeline.platform import get_platform
         from pipeline.stage import build_stage
 
         platform = get_platform(spec.cfg.platform)
@@ -127,15 +138,22 @@ def watch_parent(parent_pid: int, on_gone: Callable[[], None]) -> None:
     threading.Thread(target=watch, name="omnirt-parent-watch", daemon=True).start()
 
 
+def _exit_orphaned() -> None:
+    remove_driver_files(os.getpid())  # nobody is left to do it once we are gone
+    os._exit(1)
+
+
 def worker_main(spec: WorkerSpec, inbox_spec: tuple, outbox_spec: tuple, parent_pid: int) -> None:
     """Entry point of a spawned worker process: serve one stage until told to stop (None)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the engine leads the stop
-    watch_parent(parent_pid, lambda: os._exit(1))
+    watch_parent(parent_pid, _exit_orphaned)
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s %(levelname)s {spec.stage}[{spec.replica}] "
                                                       "%(name)s: %(message)s")
-    outbox = Channel.attach(outbox_spec)
-    host = StageHost(spec, outbox.put)
-    inbox = Channel.attach(inbox_spec, host.device)
+    host = StageHost(spec, lambda report: outbox.put(report))  # reports start with `host.start()`
+    outbox = Channel.attach(outbox_spec, host.device)
+    inbox = Channel.attach(inbox_spec, host.device, consumer_stream=host.stage.stream)
+    if inbox.device_ring is not None and outbox.device_ring is not None:
+        outbox.put(DeviceLink(inbox.device_handle(), outbox.device_handle()))
     host.start()
     while (msg := inbox.get()) is not None:
         host.send(msg)
@@ -153,9 +171,8 @@ class ProcessReplica:
 
     kind = "process"
 
-    def __init__(self, spec: WorkerSpec, on_report: Callable, on_death: Callable, ring_bytes: int = 64 * 2**20):
+    def __init__(self, spec: WorkerSpec, on_report: Callable, on_death: Callable):
         self.spec, self.on_report, self.on_death = spec, on_report, on_death
-        self.ring_bytes = ring_bytes
         self.process: Any = None
         self.inbox: Channel | None = None
 
@@ -165,8 +182,9 @@ class ProcessReplica:
 
     def start(self) -> None:
         ctx = mp.get_context("spawn")
-        self.inbox = Channel(ctx.Queue(), ShmRing(self.ring_bytes))
-        self.outbox = Channel(ctx.Queue(), ShmRing(self.ring_bytes))
+        device_ring = self.spec.device_ipc and get_platform(self.spec.cfg.platform).ipc_transport == "cuda_ipc"
+        self.inbox = Channel.create(ctx.Queue(), self.spec.ring_bytes, device_ring)
+        self.outbox = Channel.create(ctx.Queue(), self.spec.ring_bytes, device_ring)
         self.process = ctx.Process(target=worker_main, args=(self.spec, self.inbox.spec(), self.outbox.spec(),
                                                              os.getpid()),
                                    name=f"omnirt-{self.spec.stage}-{self.spec.replica}", daemon=True)
@@ -182,6 +200,8 @@ class ProcessReplica:
     def stop(self) -> None:
         self._stopping = True
         if self.process is not None and self.process.is_alive():
+            for ch in (self.inbox, self.outbox):
+                ch.unmap_device_ring()  # nothing is in flight now; the worker owns that memory
             self.inbox.put_end()
             self.process.join(timeout=5)
             if self.process.is_alive():
@@ -195,7 +215,7 @@ class ProcessReplica:
     def mark_dead(self) -> None:
         """Unblock writers waiting on a ring nobody reads any more."""
         if self.inbox is not None:
-            self.inbox.ring.closed = True
+            self.inbox.mark_closed()
 
     def _read(self) -> None:
         last_report = None  # monotonic time of the last report; None until the worker is up
@@ -204,10 +224,13 @@ class ProcessReplica:
                 report = self.outbox.get(timeout=HEARTBEAT_S)
             except queue.Empty:
                 report = None
-            except (EOFError, OSError):  # the pipe broke: the process is going away
+            except (EOFError, OSError, ChannelClosed):  # the pipe broke, or we are stopping: the process is going
                 report = None
                 time.sleep(HEARTBEAT_S)
-            if report is not None:
+            if isinstance(report, DeviceLink):
+                self.inbox.open_device_ring(report.inbox)
+                self.outbox.open_device_ring(report.outbox)
+            elif report is not None:
                 last_report = time.monotonic()
                 self.on_report(self, report)
             elif last_report is not None and time.monotonic() - last_report > HANG_TIMEOUT_S:
@@ -223,8 +246,10 @@ class ProcessReplica:
                 return
 
     def _close_channels(self) -> None:
-        """Unlink both rings; a restart makes new ones."""
+        """Unlink both rings (a restart makes new ones) and what the driver left for the exited process."""
         for ch in (self.inbox, self.outbox):
             if ch is not None:
                 ch.close()
         self.inbox = self.outbox = None
+        if self.process is not None and self.process.exitcode is not None:
+            remove_driver_files(self.process.pid)

@@ -34,6 +34,6 @@ point() {  # point NAME "CONCURRENCY..." [serve args...]: a server of its own, t
   local name=$1 conc=$2; shift 2
   start_server "$name" "$@" || return 1
   timeout "${PT_LIMIT:-200}" python3 -m app.cli bench --model $MODEL --name "h200-$name" --out "$OUT" --prompt-lens 160 \
-    --concurrency $conc --requests-per-point 2 --rounds 1 --warmup "${WARM:-2}" 2>&1 | grep -E "^\| 160|Error" | sed "s/^/$name /"
+    --concurrency $conc --requests-per-point 2 --rounds ${ROUNDS:-1} --warmup "${WARM:-2}" 2>&1 | grep -E "^\| 160|Error" | sed "s/^/$name /"
   stop_server
 }
