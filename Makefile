@@ -8,7 +8,7 @@ HOST   ?= 127.0.0.1
 PORT   ?= 8091
 export OMNIRT_THREADS ?= 2
 
-.PHONY: serve test lint venv sysdeps clean loadtest soak fuzz
+.PHONY: serve test test-fast lint venv sysdeps clean loadtest soak fuzz
 
 # torch is installed first and pinned: the local CPU wheel, never a several-GB CUDA build.
 $(STAMP): pyproject.toml
@@ -31,6 +31,10 @@ serve: $(STAMP)
 test: $(STAMP) sysdeps
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
 
+# The edit loop's tier (under 3 minutes): unit, engine and parity tests; no server, browser or soak.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m fast tests
+
 # Locust, headless, against a server it starts on 127.0.0.1; CSV + HTML + raw samples in docs/loadtest/.
 LOADTEST_USERS ?= 8
 LOADTEST_TIME  ?= 60s
@@ -40,7 +44,8 @@ loadtest: $(STAMP)
 # The full soaks, chat and Realtime (CI runs 8 chat clients / 6 Realtime clients for 30 s), and a longer
 # fuzz run; figures go to tests/artifacts/.
 soak: $(STAMP) sysdeps
-	OMNIRT_SOAK_N=64 OMNIRT_SOAK_S=600 OMNIRT_RT_SOAK_N=64 OMNIRT_RT_SOAK_S=600 $(BIN)/python -m pytest -q -s \
+	OMNIRT_SOAK_N=64 OMNIRT_SOAK_S=600 OMNIRT_RT_SOAK_N=64 OMNIRT_RT_SOAK_S=600 OMNIRT_SOAK_CHECK_RSS=1 \
+	  $(BIN)/python -m pytest -q -s \
 	  -p no:cacheprovider -o timeout=1800 tests/test_soak.py tests/test_realtime_soak.py
 
 fuzz: $(STAMP)

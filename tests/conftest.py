@@ -16,6 +16,16 @@ import torch
 torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "tests" / "artifacts"
+# `make test-fast` (under 3 minutes, for the edit loop): the modules that start no server, browser or soak.
+# `make test` (CI) runs everything.
+FAST_MODULES = {"test_batching", "test_config", "test_cudagraph", "test_parity", "test_platform",
+                "test_realtime_units", "test_transport", "test_units", "test_webrtc_track", "test_engine_core"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.module.__name__.rpartition(".")[2] in FAST_MODULES:
+            item.add_marker(pytest.mark.fast)
 
 
 def free_port() -> int:

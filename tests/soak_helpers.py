@@ -16,6 +16,14 @@ import psutil
 from tests.conftest import ARTIFACTS
 
 MAX_GROWTH_MB = float(os.environ.get("OMNIRT_SOAK_MAX_GROWTH_MB", "150"))
+# The plateau is a figure of `make soak` (minutes, enough samples); the short CI run reports it but
+# asserts only counts and invariants: a loaded 2-core machine can make 30 s of RSS samples say anything.
+CHECK_PLATEAU = os.environ.get("OMNIRT_SOAK_CHECK_RSS") == "1"
+
+
+def check_plateau(summary: dict) -> None:
+    if CHECK_PLATEAU:
+        assert summary["rss_trend_mb"] < MAX_GROWTH_MB, summary
 
 
 class RssSampler:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import time
 
 import pytest
 from replica_helpers import (
@@ -73,8 +72,9 @@ async def test_killed_replica_fails_its_requests_others_finish_and_it_returns(po
     assert victims and len(victims) < 4
     old_pid = replica(pooled, "talker", 0)["pid"]
     kill(old_pid)
-    noticed_s = await wait_for(lambda: replica(pooled, "talker", 0)["state"] != "up", 5, "the death to be noticed")
-    assert noticed_s < 1.5  # the reader polls the process every 0.2 s
+    await wait_for(lambda: replica(pooled, "talker", 0)["state"] != "up", 60, "the death to be noticed")
+    # noticed by polling the process (every 0.2 s), not by the 10 s silence that ends a hung worker
+    assert "exited with code -9" in replica(pooled, "talker", 0)["last_error"]
     results = await asyncio.wait_for(asyncio.gather(*tasks), 180)
     for i, res in enumerate(results):
         if f"kill-{i}" in victims:
@@ -132,7 +132,7 @@ class _Recorder:
         self.sent.append(msg.request_id)
 
     def stop(self):
-        pass
+        self.stopped = True
 
 
 @pytest.mark.parametrize("routing,expected", [("round_robin", [3, 3, 3]), ("least_loaded", [3, 3, 3])])
@@ -154,9 +154,8 @@ def test_routing_policies(routing, expected):
     pool.send(Message(Command.ADD, "busy"))
     got = [i for i, slot in enumerate(pool._slots) if "busy" in slot.handle.sent]
     assert got == ([0] if routing == "round_robin" else [1])
-    t0 = time.monotonic()
     pool.stop()
-    assert time.monotonic() - t0 < 1
+    assert all(slot.handle.stopped for slot in pool._slots)
 
 
 async def test_thinker_in_a_worker_process_matches_in_process(baseline):

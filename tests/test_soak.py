@@ -1,8 +1,8 @@
 """Soak: N concurrent streaming audio requests for a bounded time against a real server. Every response
-must arrive whole (PCM length == every codec frame of its usage, then [DONE]); the server's memory may
-plateau (tests/soak_helpers.py: the last third's median RSS at most MAX_GROWTH_MB above the middle
-third's); all slots are free at the end. CI runs 8 clients for 30 s; `make soak` runs 64 for 600 s
-(OMNIRT_SOAK_N, OMNIRT_SOAK_S)."""
+must arrive whole (PCM length == every codec frame of its usage, then [DONE]); all slots are free at the
+end. CI runs 8 clients for 30 s; `make soak` runs 64 for 600 s (OMNIRT_SOAK_N, OMNIRT_SOAK_S) and also
+checks that the server's memory plateaus (tests/soak_helpers.py: the last third's median RSS at most
+MAX_GROWTH_MB above the middle third's; CI only reports it)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from tests.conftest import ServerProcess
-from tests.soak_helpers import MAX_GROWTH_MB, RssSampler, report
+from tests.soak_helpers import RssSampler, check_plateau, report
 from tests.sse_client import audio_body, stream_chat
 
 NUM_CLIENTS = int(os.environ.get("OMNIRT_SOAK_N", "8"))
@@ -48,7 +48,7 @@ def test_soak_streaming_audio():
                    **rss.summary(), "slots_free_at_end": h["free_slots"] == h["slots"]}
         report(f"soak-{NUM_CLIENTS}x{int(DURATION_S)}s", summary)
         assert results and not incomplete, [(r.status, r.error, r.done, r.audio_frames) for r in incomplete[:5]]
-        assert summary["rss_trend_mb"] < MAX_GROWTH_MB, summary
+        check_plateau(summary)
         assert h["free_slots"] == h["slots"] and h["active_requests"] == 0
     finally:
         srv.stop()

