@@ -56,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "address, else every interface but loopback)")
     s.add_argument("--webrtc-connect-timeout-s", type=float, default=30.0,
                    help="a WebRTC call that is not connected this long after its answer is closed")
-    sub.add_parser("bench", help="benchmark a running server (see `omnirt bench --help`)", add_help=False)
+    sub.add_parser("bench", help="benchmark a running server: chat (`omnirt bench --help`) or voice sessions "
+                                 "(`omnirt bench realtime --help`)", add_help=False)
     s.add_argument("--log-format", choices=["text", "json"], default="text", help="structured log lines")
     add_reliability_args(s)
     return p
@@ -137,8 +138,10 @@ def _ice_addresses(args: argparse.Namespace) -> tuple[str, ...]:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["bench"]:  # the benchmark client is its own program (`omnirt-bench`); app/ never imports it
-        os.execv(sys.executable, [sys.executable, "-m", "loadtest.bench", *argv[1:]])
+    if argv[:1] == ["bench"]:  # the benchmark clients are programs of their own; app/ never imports them
+        realtime = argv[1:2] == ["realtime"]
+        module = "loadtest.realtime_bench" if realtime else "loadtest.bench"
+        os.execv(sys.executable, [sys.executable, "-m", module, *argv[1 + realtime:]])
     args = build_parser().parse_args(argv)
     from app.logs import setup
 

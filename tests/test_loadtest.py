@@ -11,6 +11,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import ROOT
 
 
@@ -18,7 +20,7 @@ def test_locust_headless_short_run(server, tmp_path):
     prefix = tmp_path / "lt"
     run = subprocess.run(
         [sys.executable, "-m", "locust", "-f", str(ROOT / "loadtest" / "locustfile.py"), "--headless",
-         "--host", server.url, "-u", "2", "-r", "2", "-t", "12s", "--stop-timeout", "30", "--csv", str(prefix),
+         "--host", server.url, "-u", "2", "-r", "2", "-t", "20s", "--stop-timeout", "60", "--csv", str(prefix),
          "--raw-samples", str(prefix), "--only-summary"],
         cwd=ROOT, capture_output=True, text=True, timeout=120, env={**os.environ, "OMNIRT_LOADTEST_MAX_TOKENS": "8"})
     out = run.stdout + run.stderr
@@ -31,10 +33,29 @@ def test_locust_headless_short_run(server, tmp_path):
                  "realtime turn_latency", "realtime first_audio_after_speech_stopped", "realtime audio_gap"):
         assert summary[f"audio {name}"]["count"] >= 1, name
     assert summary["realtime connect"]["count"] == 1 and summary["realtime turn"]["count"] >= 1, summary
-    assert 0 < summary["realtime connect"]["p50"] < 10_000 and summary["audio realtime turn_latency"]["p50"] > 0
+    assert summary["realtime connect"]["p50"] > 0 and summary["audio realtime turn_latency"]["p50"] > 0
     rows = list(csv.DictReader((tmp_path / "lt_samples.csv").open()))
     stats = {r["Name"]: r for r in csv.DictReader((tmp_path / "lt_stats.csv").open())}
     for name in ("chat time_to_first_audio", "realtime turn_latency"):
         raw = [float(r["value_ms"]) for r in rows if r["name"] == name]
         assert raw and any(v != round(v, -1) for v in raw), name  # raw, not Locust's rounded values
         assert 1 <= int(stats[name]["Request Count"]) <= len(raw), name  # raw also keeps the stop phase
+
+
+@pytest.mark.parametrize("mode", ["cancel", "no-responses"])
+def test_bench_realtime_short_run(server, tmp_path, mode):
+    """`omnirt bench realtime`: 2 spoken sessions x 2 turns over 2 client processes; every turn is detected
+    (and, with responses, answered with audio), nothing fails, and the report has its figures."""
+    run = subprocess.run([sys.executable, "-m", "app.cli", "bench", "realtime", "--url", server.url, "--sessions", "2",
+                          "--turns", "2", "--clients", "2", "--mode", mode, "--name", "rt", "--out", str(tmp_path)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+    row = json.loads((tmp_path / "rt.json").read_text())["results"][0]
+    assert row["turns"] == row["expected_turns"] == 4 and row["errors"] == 0, row
+    assert row["turns_without_speech_stopped"] == 0 and row["vad_lag_ms"]["n"] == 4
+    if mode == "cancel":
+        assert row["turns_without_audio"] == 0 and row["response_ms"]["n"] == row["voice_to_voice_ms"]["n"] == 4
+    else:
+        assert row["response_ms"]["n"] == 0  # no responses: the front end alone
+    assert row["server_cpu_per_session"] is not None and row["client_cpu"] > 0
+    assert (tmp_path / "rt.md").read_text().count("\n| 2 |") == 1 and (tmp_path / "rt.png").stat().st_size > 0

@@ -1,0 +1,330 @@
+"""`omnirt bench realtime`: N concurrent voice sessions over the Realtime WebSocket, as microphones.
+
+Each session streams a spoken utterance in real time in 20 ms PCM16 chunks with server VAD, keeps
+sending silence between turns as a microphone does, and does T turns; sessions start staggered. The
+sessions are spread over several client processes so that the client is not the bottleneck (its own
+CPU is reported). Per session count N it reports p50/p90/p99 of
+
+- VAD lag: end of speech (the last speech chunk sent) -> `speech_stopped`, less the VAD's silence;
+- response latency: `speech_stopped` -> first audio delta;
+- voice-to-voice: end of speech -> first audio delta;
+
+plus underruns while playing the reply (full mode), turns that never got audio, `error` events, and
+the API process's CPU per session (from its /metrics). Modes: `cancel` (each reply is cancelled at its
+first audio: turn latency alone), `full` (whole replies), `no-responses` (VAD only: the front end
+alone). JSON, markdown and a plot per run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import multiprocessing
+import queue
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from loadtest.bench import _underruns
+
+RATE = 24000
+CHUNK_S = 0.02
+SILENCE_MS = 500  # the VAD's silence_duration_ms
+GAP_S = 1.0  # silence between a turn's end and the next utterance
+
+
+@dataclass(slots=True)
+class Turn:
+    session: int
+    index: int
+    speech_end: float  # perf_counter of the chunk that ended the speech
+    speech_stopped: float | None = None
+    first_audio: float | None = None
+    audio_s: float = 0.0
+    underruns: int = 0
+    status: str | None = None  # response.done status
+
+    @property
+    def vad_lag_ms(self) -> float | None:
+        return None if self.speech_stopped is None else (self.speech_stopped - self.speech_end) * 1000 - SILENCE_MS
+
+    @property
+    def response_ms(self) -> float | None:
+        ok = self.first_audio is not None and self.speech_stopped is not None
+        return (self.first_audio - self.speech_stopped) * 1000 if ok else None
+
+    @property
+    def voice_to_voice_ms(self) -> float | None:
+        return None if self.first_audio is None else (self.first_audio - self.speech_end) * 1000
+
+
+@dataclass(slots=True)
+class ClientResult:
+    turns: list[dict] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    cpu_s: float = 0.0
+
+
+def utterance(wav: str | None) -> tuple[np.ndarray, float]:
+    """(24 kHz float32 samples, seconds of speech in them): `wav`, else an espeak-ng phrase made now."""
+    if wav:
+        import soundfile
+        import soxr
+
+        audio, rate = soundfile.read(wav, dtype="float32")
+        audio = audio if audio.ndim == 1 else audio.mean(1)
+        audio = soxr.resample(audio, rate, RATE) if rate != RATE else audio
+    else:
+        from loadtest.speech import speech
+
+        audio = speech(RATE)
+    loud = np.flatnonzero(np.abs(audio) > 0.02)
+    audio = audio[loud[0]:loud[-1] + 1] if loud.size else audio  # speech from its first to its last sample
+    return audio.astype(np.float32), len(audio) / RATE
+
+
+def _chunks(audio: np.ndarray) -> list[str]:
+    pcm = (np.clip(audio, -1, 1) * 32767).astype("<i2").tobytes()
+    step = int(RATE * CHUNK_S) * 2
+    return [base64.b64encode(pcm[i:i + step]).decode() for i in range(0, len(pcm), step)]
+
+
+class Session:
+    """One microphone: paced chunks, speech then silence, while a reader notes what comes back."""
+
+    def __init__(self, ws, index: int, speech: list[str], args: argparse.Namespace, result: ClientResult):
+        self.ws, self.index, self.speech, self.args, self.result = ws, index, speech, args, result
+        self.silence = _chunks(np.zeros(int(RATE * CHUNK_S), np.float32))[0]
+        self.turn: Turn | None = None
+        self.turn_over = asyncio.Event()
+        self._arrivals: list[tuple[float, float]] = []
+
+    async def run(self, start_at: float) -> None:
+        reader = asyncio.create_task(self._read())
+        try:
+            await self._wait_until(start_at)
+            clock = time.perf_counter()
+            for t in range(self.args.turns):
+                clock = await self._send(self.speech, clock)
+                self.turn = Turn(self.index, t, speech_end=time.perf_counter())
+                self.turn_over.clear()
+                while not self.turn_over.is_set():  # a microphone goes on sending silence
+                    clock = await self._send([self.silence], clock)
+                    if time.perf_counter() - self.turn.speech_end > self.args.turn_timeout:
+                        self.result.errors.append(f"session {self.index} turn {t}: no end within "
+                                                  f"{self.args.turn_timeout:.0f} s")
+                        break
+                self._finish_turn()
+                clock = await self._send([self.silence] * int(GAP_S / CHUNK_S), clock)
+        finally:
+            reader.cancel()
+
+    async def _send(self, chunks: list[str], clock: float) -> float:
+        for chunk in chunks:  # paced on an absolute schedule, so that a late chunk does not push all later ones
+            await self.ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": chunk}))
+            clock += CHUNK_S
+            await asyncio.sleep(max(0.0, clock - time.perf_counter()))
+        return clock
+
+    @staticmethod
+    async def _wait_until(t: float) -> None:
+        await asyncio.sleep(max(0.0, t - time.perf_counter()))
+
+    def _finish_turn(self) -> None:
+        turn, self.turn = self.turn, None
+        turn.audio_s = sum(d for _, d in self._arrivals)
+        turn.underruns = _underruns([(t - self._arrivals[0][0], d) for t, d in self._arrivals])
+        self._arrivals = []
+        self.result.turns.append({**asdict(turn), "vad_lag_ms": turn.vad_lag_ms, "response_ms": turn.response_ms,
+                                  "voice_to_voice_ms": turn.voice_to_voice_ms})
+
+    async def _read(self) -> None:
+        async for raw in self.ws:
+            ev, now, turn = json.loads(raw), time.perf_counter(), self.turn
+            kind = ev["type"]
+            if kind == "error":
+                self.result.errors.append(f"session {self.index}: {ev['error'].get('message')}")
+            if turn is None:
+                continue
+            if kind == "input_audio_buffer.speech_stopped" and turn.speech_stopped is None:
+                turn.speech_stopped = now
+                if self.args.mode == "no-responses":
+                    self.turn_over.set()
+            elif kind in ("response.output_audio.delta", "response.audio.delta"):
+                if turn.first_audio is None:
+                    turn.first_audio = now
+                    if self.args.mode == "cancel":
+                        await self.ws.send(json.dumps({"type": "response.cancel"}))
+                self._arrivals.append((now, len(base64.b64decode(ev["delta"])) / 2 / RATE))
+            elif kind == "response.done":
+                turn.status = ev["response"]["status"]
+                self.turn_over.set()
+
+
+async def _client(index: int, sessions: list[int], args: argparse.Namespace, start_at: float) -> ClientResult:
+    import websockets
+
+    result = ClientResult()
+    speech = _chunks(utterance(args.wav)[0])
+    url = args.url.replace("http", "ws", 1) + f"/v1/realtime?model={args.model}"
+    session_cfg = {"turn_detection": {"type": "server_vad", "silence_duration_ms": SILENCE_MS,
+                                      "create_response": args.mode != "no-responses"},
+                   "input_audio_format": "pcm16", "output_audio_format": "pcm16", "voice": args.voice,
+                   "modalities": ["text", "audio"]}
+
+    async def one(i: int) -> None:
+        try:
+            async with websockets.connect(url, max_size=None, open_timeout=60,
+                                          additional_headers={"OpenAI-Beta": "realtime=v1"}) as ws:
+                json.loads(await ws.recv())  # session.created
+                await ws.send(json.dumps({"type": "session.update", "session": session_cfg}))
+                await Session(ws, i, speech, args, result).run(start_at + i * args.stagger)
+        except Exception as exc:  # a refused or dropped session is a result, not a crash
+            result.errors.append(f"session {i}: {type(exc).__name__}: {exc}")
+
+    await asyncio.gather(*(one(i) for i in sessions))
+    result.cpu_s = time.process_time()
+    return result
+
+
+def _client_main(index: int, sessions: list[int], args: argparse.Namespace, start_at: float, outbox) -> None:
+    outbox.put(asdict(asyncio.run(_client(index, sessions, args, start_at))))
+
+
+def _server_cpu_s(url: str) -> float | None:
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith("process_cpu_seconds_total "):
+            return float(line.split()[1])
+    return None
+
+
+def run_point(args: argparse.Namespace, n: int) -> dict:
+    """N sessions spread over the client processes; the row of figures."""
+    clients = max(1, min(args.clients, n))
+    ctx = multiprocessing.get_context("spawn")
+    inbox = ctx.Queue()
+    cpu0, t0 = _server_cpu_s(args.url), time.time()
+    start_at = time.perf_counter() + 3.0  # perf_counter is one clock for every process of this host
+    procs = [ctx.Process(target=_client_main, args=(c, list(range(c, n, clients)), args, start_at, inbox))
+             for c in range(clients)]
+    for p in procs:
+        p.start()
+    results = _gather(procs, inbox)
+    wall, cpu1 = time.time() - t0, _server_cpu_s(args.url)
+    turns = [t for r in results for t in r["turns"]]
+    return summarize(n, turns, [e for r in results for e in r["errors"]], args,
+                     server_cpu=(cpu1 - cpu0) / wall if cpu0 is not None and cpu1 is not None else None,
+                     client_cpu=sum(r["cpu_s"] for r in results) / wall)
+
+
+def _gather(procs: list, inbox) -> list[dict]:
+    """Every client's result; a client process that died without one is an error, not a hang."""
+    results: list[dict] = []
+    while len(results) < len(procs):
+        try:
+            results.append(inbox.get(timeout=1.0))
+        except queue.Empty:
+            dead = [p for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                raise SystemExit(f"a client process failed (exit code {dead[0].exitcode})") from None
+    for p in procs:
+        p.join()
+    return results
+
+
+def _pcts(values: list[float]) -> dict:
+    xs = sorted(v for v in values if v is not None)
+    pick = (lambda q: xs[min(len(xs) - 1, int(q * len(xs)))]) if xs else (lambda q: None)
+    return {"p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99), "n": len(xs)}
+
+
+def summarize(n: int, turns: list[dict], errors: list[str], args: argparse.Namespace, server_cpu: float | None,
+              client_cpu: float) -> dict:
+    wants_audio = args.mode != "no-responses"
+    return {"sessions": n, "mode": args.mode, "turns": len(turns), "expected_turns": n * args.turns,
+            "vad_lag_ms": _pcts([t["vad_lag_ms"] for t in turns]),
+            "response_ms": _pcts([t["response_ms"] for t in turns]),
+            "voice_to_voice_ms": _pcts([t["voice_to_voice_ms"] for t in turns]),
+            "turns_without_audio": sum(t["first_audio"] is None for t in turns) if wants_audio else 0,
+            "turns_without_speech_stopped": sum(t["speech_stopped"] is None for t in turns),
+            "underruns": sum(t["underruns"] for t in turns) if args.mode == "full" else None,
+            "errors": len(errors), "error_samples": errors[:5],
+            "server_cpu_per_session": server_cpu / n if server_cpu is not None else None,
+            "client_cpu": client_cpu}
+
+
+def _cell(row: dict, key: str) -> str:
+    p = row[key]
+    return "-" if p["p50"] is None else f"{p['p50']:.0f} / {p['p90']:.0f} / {p['p99']:.0f}"
+
+
+def markdown(rows: list[dict], title: str) -> str:
+    head = ("| sessions | mode | turns | VAD lag ms p50/p90/p99 | response ms p50/p90/p99 | voice-to-voice ms "
+            "p50/p90/p99 | no audio | underruns | errors | server CPU per session | client CPU |\n|"
+            + "---|" * 11 + "\n")
+    return f"### {title}\n\n{head}" + "".join(_row(r) for r in rows)
+
+
+def _row(r: dict) -> str:
+    server_cpu = "-" if r["server_cpu_per_session"] is None else f"{r['server_cpu_per_session']:.3f}"
+    underruns = "-" if r["underruns"] is None else r["underruns"]
+    return (f"| {r['sessions']} | {r['mode']} | {r['turns']}/{r['expected_turns']} | {_cell(r, 'vad_lag_ms')} | "
+            f"{_cell(r, 'response_ms')} | {_cell(r, 'voice_to_voice_ms')} | {r['turns_without_audio']} | "
+            f"{underruns} | {r['errors']} | {server_cpu} | {r['client_cpu']:.2f} |\n")
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    n = [r["sessions"] for r in rows]
+    for ax, key, label in zip(axes, ("vad_lag_ms", "response_ms", "voice_to_voice_ms"),
+                              ("VAD lag (ms)", "response latency (ms)", "voice-to-voice (ms)")):
+        for q in ("p50", "p90", "p99"):
+            ax.plot(n, [r[key][q] for r in rows], marker="o", label=q)
+        ax.set_xlabel("sessions")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="omnirt bench realtime", description=__doc__.split("\n")[0])
+    p.add_argument("--url", default="http://127.0.0.1:8091")
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--voice", default="ethan")
+    p.add_argument("--sessions", type=int, nargs="+", default=[1, 8, 16], help="session counts to run, in turn")
+    p.add_argument("--turns", type=int, default=3, help="turns per session")
+    p.add_argument("--mode", choices=("cancel", "full", "no-responses"), default="cancel")
+    p.add_argument("--clients", type=int, default=4, help="client processes the sessions are spread over")
+    p.add_argument("--stagger", type=float, default=0.1, help="seconds between session starts")
+    p.add_argument("--wav", help="the utterance (any rate, mono or not); default: an espeak-ng phrase")
+    p.add_argument("--turn-timeout", type=float, default=120.0)
+    p.add_argument("--name", default="realtime")
+    p.add_argument("--out", default="bench-results", help="folder for the JSON, markdown and plot")
+    args = p.parse_args(argv)
+    rows = []
+    for n in args.sessions:
+        rows.append(run_point(args, n))
+        print(markdown(rows[-1:], f"{args.name}: {n} sessions"), flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{args.name}.json").write_text(json.dumps({"args": vars(args), "results": rows}, indent=1))
+    (out / f"{args.name}.md").write_text(markdown(rows, args.name))
+    plot(rows, out / f"{args.name}.png", args.name)
+    print(markdown(rows, args.name))
+
+
+if __name__ == "__main__":
+    main()
