@@ -1,4 +1,5 @@
-"""Overlay `omnirt bench` runs of the same sweep: req/s, mean audio TTFP and mean RTF against concurrency.
+"""Overlay `omnirt bench` runs of the same sweep (req/s, mean audio TTFP and mean RTF against concurrency), or
+`omnirt bench realtime` runs (VAD lag, response latency and voice-to-voice p90 against sessions).
 
     python -m loadtest.plot_compare OUT.png FILE.json[=LABEL] ...
 
@@ -17,23 +18,39 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-METRICS = [("req_per_s", "requests / s"), ("ttfp_mean_ms", "mean audio TTFP (ms)"), ("rtf_mean", "mean RTF")]
+CHAT = [("req_per_s", "requests / s"), ("ttfp_mean_ms", "mean audio TTFP (ms)"), ("rtf_mean", "mean RTF")]
+VOICE = [("vad_lag_ms", "VAD lag p90 (ms)"), ("response_ms", "response latency p90 (ms)"),
+         ("voice_to_voice_ms", "voice-to-voice p90 (ms)")]
+
+
+def _points(results: list[dict]) -> tuple[str, list[dict]]:
+    """The x axis and the rows to draw: sessions for `omnirt bench realtime`, else concurrency at the first
+    prompt length of `omnirt bench`."""
+    if "sessions" in results[0]:
+        return "sessions", sorted(results, key=lambda r: r["sessions"])
+    return "concurrency", sorted((r for r in results if r["prompt_len"] == results[0]["prompt_len"]),
+                                 key=lambda r: r["concurrency"])
+
+
+def _value(row: dict, key: str) -> float | None:
+    v = row[key]
+    return v["p90"] if isinstance(v, dict) else v
 
 
 def main(out: str, runs: list[str]) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     for run in runs:
         path, _, label = run.partition("=")
-        results = json.loads(Path(path).read_text())["results"]
-        rows = sorted((r for r in results if r["prompt_len"] == results[0]["prompt_len"]),
-                      key=lambda r: r["concurrency"])
-        for ax, (key, _) in zip(axes, METRICS):
-            ax.plot([r["concurrency"] for r in rows], [r[key] for r in rows], marker="o",
-                    label=label or Path(path).stem)
-    for ax, (_, name) in zip(axes, METRICS):
-        ax.set_xlabel("concurrency")
+        x, rows = _points(json.loads(Path(path).read_text())["results"])
+        metrics = VOICE if x == "sessions" else CHAT
+        for ax, (key, _) in zip(axes, metrics):
+            ax.plot([r[x] for r in rows], [_value(r, key) for r in rows], marker="o", label=label or Path(path).stem)
+    for ax, (_, name) in zip(axes, metrics):
+        ax.set_xlabel(x)
         ax.set_ylabel(name)
         ax.grid(alpha=0.3)
+    if x == "sessions":
+        axes[0].set_yscale("log")  # a front end that falls behind does so by orders of magnitude
     axes[0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out, dpi=110)

@@ -284,10 +284,12 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    panels = [(key, label) for key, label in (("vad_lag_ms", "VAD lag (ms)"), ("response_ms", "response latency (ms)"),
+                                              ("voice_to_voice_ms", "voice-to-voice (ms)"))
+              if any(r[key]["p50"] is not None for r in rows)]  # no-responses: the VAD lag alone
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
     n = [r["sessions"] for r in rows]
-    for ax, key, label in zip(axes, ("vad_lag_ms", "response_ms", "voice_to_voice_ms"),
-                              ("VAD lag (ms)", "response latency (ms)", "voice-to-voice (ms)")):
+    for ax, (key, label) in zip(axes[0], panels):
         for q in ("p50", "p90", "p99"):
             ax.plot(n, [r[key][q] for r in rows], marker="o", label=q)
         ax.set_xlabel("sessions")
