@@ -203,11 +203,26 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="omnirt bench", description=__doc__.split("\n")[0])
+def server_args(p: argparse.ArgumentParser) -> None:
+    """The flags both benches take to reach a server."""
     p.add_argument("--url", default="http://127.0.0.1:8091")
     p.add_argument("--model", default="tiny")
     p.add_argument("--voice", default="ethan")
+
+
+def write_report(args: argparse.Namespace, rows: list[dict], markdown, plot) -> None:
+    """NAME.json (arguments and rows), NAME.md and NAME.png under --out; the table to stdout."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{args.name}.json").write_text(json.dumps({"args": vars(args), "results": rows}, indent=1))
+    (out / f"{args.name}.md").write_text(markdown(rows, args.name))
+    plot(rows, out / f"{args.name}.png", args.name)
+    print(markdown(rows, args.name))
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="omnirt bench", description=__doc__.split("\n")[0])
+    server_args(p)
     p.add_argument("--prompt-lens", type=int, nargs="+", default=[10, 160, 320, 640])
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 32, 64])
     p.add_argument("--thinker-tokens", type=int, default=40)
@@ -220,13 +235,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--name", default="bench")
     p.add_argument("--out", default="docs/benchmarks")
     args = p.parse_args(argv)
-    rows = asyncio.run(sweep(args))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{args.name}.json").write_text(json.dumps({"args": vars(args), "results": rows}, indent=1))
-    (out / f"{args.name}.md").write_text(markdown(rows, args.name))
-    plot(rows, out / f"{args.name}.png", args.name)
-    print(markdown(rows, args.name))
+    write_report(args, asyncio.run(sweep(args)), markdown, plot)
 
 
 if __name__ == "__main__":

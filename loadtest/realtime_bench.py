@@ -30,7 +30,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from loadtest.bench import _underruns
+from loadtest.bench import _underruns, server_args, write_report
 
 RATE = 24000
 CHUNK_S = 0.02
@@ -303,9 +303,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="omnirt bench realtime", description=__doc__.split("\n")[0])
-    p.add_argument("--url", default="http://127.0.0.1:8091")
-    p.add_argument("--model", default="tiny")
-    p.add_argument("--voice", default="ethan")
+    server_args(p)
     p.add_argument("--sessions", type=int, nargs="+", default=[1, 8, 16], help="session counts to run, in turn")
     p.add_argument("--turns", type=int, default=3, help="turns per session")
     p.add_argument("--mode", choices=("cancel", "full", "no-responses"), default="cancel")
@@ -320,12 +318,7 @@ def main(argv: list[str] | None = None) -> None:
     for n in args.sessions:
         rows.append(run_point(args, n))
         print(markdown(rows[-1:], f"{args.name}: {n} sessions"), flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{args.name}.json").write_text(json.dumps({"args": vars(args), "results": rows}, indent=1))
-    (out / f"{args.name}.md").write_text(markdown(rows, args.name))
-    plot(rows, out / f"{args.name}.png", args.name)
-    print(markdown(rows, args.name))
+    write_report(args, rows, markdown, plot)
 
 
 if __name__ == "__main__":
