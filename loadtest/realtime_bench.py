@@ -1,9 +1,9 @@
 """`omnirt bench realtime`: N concurrent voice sessions over the Realtime WebSocket, as microphones.
 
 Each session streams a spoken utterance in real time in 20 ms PCM16 chunks with server VAD, keeps
-sending silence between turns as a microphone does, and does T turns; sessions start staggered. The
-sessions are spread over several client processes so that the client is not the bottleneck (its own
-CPU is reported). Per session count N it reports p50/p90/p99 of
+sending silence between turns as a microphone does, and does T measured turns after a warm-up turn;
+sessions start staggered. The sessions are spread over several client processes so that the client is
+not the bottleneck (its own CPU is reported). Per session count N it reports p50/p90/p99 of
 
 - VAD lag: end of speech (the last speech chunk sent) -> `speech_stopped`, less the VAD's silence;
 - response latency: `speech_stopped` -> first audio delta;
@@ -109,7 +109,7 @@ class Session:
         try:
             await self._wait_until(start_at)
             clock = time.perf_counter()
-            for t in range(self.args.turns):
+            for t in range(self.args.warmup_turns + self.args.turns):
                 clock = await self._send(self.speech, clock)
                 self.turn = Turn(self.index, t, speech_end=time.perf_counter())
                 self.turn_over.clear()
@@ -216,7 +216,7 @@ def run_point(args: argparse.Namespace, n: int) -> dict:
         p.start()
     results = _gather(procs, inbox)
     wall, cpu1 = time.time() - t0, _server_cpu_s(args.url)
-    turns = [t for r in results for t in r["turns"]]
+    turns = [t for r in results for t in r["turns"] if t["index"] >= args.warmup_turns]  # warm-up turns not counted
     return summarize(n, turns, [e for r in results for e in r["errors"]], args,
                      server_cpu=(cpu1 - cpu0) / wall if cpu0 is not None and cpu1 is not None else None,
                      client_cpu=sum(r["cpu_s"] for r in results) / wall)
@@ -305,7 +305,9 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="omnirt bench realtime", description=__doc__.split("\n")[0])
     server_args(p)
     p.add_argument("--sessions", type=int, nargs="+", default=[1, 8, 16], help="session counts to run, in turn")
-    p.add_argument("--turns", type=int, default=3, help="turns per session")
+    p.add_argument("--turns", type=int, default=3, help="turns per session that are measured")
+    p.add_argument("--warmup-turns", type=int, default=1, help="turns per session before those, not counted "
+                   "(a fresh server's first turns pay for one-time work)")
     p.add_argument("--mode", choices=("cancel", "full", "no-responses"), default="cancel")
     p.add_argument("--clients", type=int, default=4, help="client processes the sessions are spread over")
     p.add_argument("--stagger", type=float, default=0.1, help="seconds between session starts")
