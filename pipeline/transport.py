@@ -150,13 +150,12 @@ class DeviceRing:
         n, cap = end - start, self.cursors.capacity
         pos = start % cap
         first = min(n, cap - pos)
-        if self.device.type == "cpu":
-            return torch.cat((self.data[pos:pos + first], self.data[:n - first]))
-        if self._stream is None:
+        if self.device.type != "cpu" and self._stream is None:
             self._stream = torch.cuda.Stream(self.device)
-        with torch.cuda.stream(self._stream):
+        with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
             out = torch.cat((self.data[pos:pos + first], self.data[:n - first]))
-        self._stream.synchronize()
+        if self._stream is not None:
+            self._stream.synchronize()
         return out
 
 
@@ -210,29 +209,30 @@ class _RingPickler(pickle.Pickler):
         return None
 
     def _put(self, raw: np.ndarray) -> tuple[int, int] | None:
-        head = self.ring.alloc(raw.nbytes, self.host_start) if raw.nbytes else 0
+        if not raw.nbytes:
+            return 0, 0
+        head = self.ring.alloc(raw.nbytes, self.host_start)
         if head is None:
             self.stats.num_inline_bytes += raw.nbytes
             return None
-        if raw.nbytes:
-            self.host_start = head if self.host_start is None else self.host_start
-            offset = head % self.ring.capacity
-            self.ring.data[offset:offset + raw.nbytes] = raw.data
+        self.host_start = head if self.host_start is None else self.host_start
+        offset = head % self.ring.capacity
+        self.ring.data[offset:offset + raw.nbytes] = raw.data
         self.stats.num_shm_bytes += raw.nbytes
-        return head % self.ring.capacity if raw.nbytes else 0, raw.nbytes
+        return offset, raw.nbytes
 
     def _put_device(self, t: torch.Tensor) -> tuple | None:
         if not t.numel():
             return "d", 0, 0, _dtype_name(t.dtype), tuple(t.shape)
         raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
-        cursors = self.device_ring.cursors
-        head = cursors.alloc(raw.numel(), self.span[0] if self.span else None)
+        cursors, start = self.device_ring.cursors, self.span[0] if self.span else None
+        head = cursors.alloc(raw.numel(), start)
         if head is None:
             return None
         offset = head % cursors.capacity
         self._dst.append(self.device_ring.data[offset:offset + raw.numel()])
         self._src.append(raw)
-        self.span = (self.span[0] if self.span else head, cursors.head)
+        self.span = (head if start is None else start, cursors.head)
         self.stats.num_device_bytes += raw.numel()
         return "d", head, raw.numel(), _dtype_name(t.dtype), tuple(t.shape)
 
