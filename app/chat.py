@@ -22,7 +22,16 @@ from app.admission import check_draining, overloaded_error
 from app.audio import encode_wav
 from app.chat_protocol import ChatRequest, to_engine_messages
 from app.errors import APIError
-from pipeline.api import AudioChunk, EngineOverloaded, Finished, OmniRequest, RequestError, TextDelta, collect_reply
+from pipeline.api import (
+    AudioChunk,
+    EngineDeadError,
+    EngineOverloaded,
+    Finished,
+    OmniRequest,
+    RequestError,
+    TextDelta,
+    collect_reply,
+)
 
 router = APIRouter()
 AUDIO_TTL_S = 3600
@@ -59,6 +68,8 @@ async def chat_completions(body: ChatRequest, request: Request):
     except EngineOverloaded as exc:
         server.metrics.requests.labels("chat", "rejected").inc()
         raise overloaded_error(exc) from exc
+    except EngineDeadError as exc:  # the core died before it took the request: nothing was streamed yet
+        raise APIError(503, str(exc), code="engine_unavailable") from exc
     events = server.metrics.observe(events, req.request_id, "chat", started)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

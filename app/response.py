@@ -25,7 +25,16 @@ from app.outbox import Outbox
 from app.realtime_config import ResponseOptions, format_object
 from app.realtime_events import ProtocolError, error_event, new_id
 from app.wire_audio import PCM16, LowDelayResampler, encode
-from pipeline.api import AudioChunk, EngineClient, EngineOverloaded, Finished, OmniRequest, RequestError, TextDelta
+from pipeline.api import (
+    AudioChunk,
+    EngineClient,
+    EngineDeadError,
+    EngineOverloaded,
+    Finished,
+    OmniRequest,
+    RequestError,
+    TextDelta,
+)
 
 log = logging.getLogger(__name__)
 OUTPUT_SAMPLE_RATE = 24000
@@ -106,6 +115,8 @@ class Response:
                 self.metrics.requests.labels("realtime", "rejected").inc()
             return await self._fail(ProtocolError(f"the server is at capacity: {exc}", "rate_limit_exceeded",
                                                   error_type="server_error"))
+        except EngineDeadError as exc:
+            return await self._fail(ProtocolError(str(exc), "engine_unavailable", error_type="server_error"))
         except Exception:
             log.exception("response %s: the engine refused it", self.id, extra=self._ids)
             return await self._fail(ProtocolError("the response could not start", "internal_error",

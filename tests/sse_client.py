@@ -48,12 +48,20 @@ def pcm_samples_for_frames(frames: int) -> int:
     return frames * 1920 - 555
 
 
+def _json_error(body: str) -> dict | None:
+    try:
+        return json.loads(body).get("error")
+    except (ValueError, AttributeError):
+        return None
+
+
 def stream_chat(url: str, body: dict, headers: dict | None = None, timeout: float = 120) -> StreamResult:
     res, start = StreamResult(), time.monotonic()
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, headers=headers, timeout=timeout) as r:
         res.status, res.headers = r.status_code, dict(r.headers)
         if r.status_code != 200:
             res.body = r.read().decode()
+            res.error = _json_error(res.body)
             return res
         for line in r.iter_lines():
             if not line.startswith("data: "):

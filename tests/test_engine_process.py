@@ -77,6 +77,8 @@ def test_killed_api_process_takes_the_core_with_it(tmp_path):
 
 
 def test_core_killed_mid_stream_ends_streams_and_stops_the_server(tmp_path):
+    """Each request either started streaming (200, then an in-stream error and no [DONE]) or had not
+    yet been taken by the core when it died (a 503): both name the dead engine."""
     srv = server(tmp_path)
     try:
         with ThreadPoolExecutor(2) as pool:
@@ -88,7 +90,7 @@ def test_core_killed_mid_stream_ends_streams_and_stops_the_server(tmp_path):
             core_of(srv).kill()
             results = [s.result(timeout=60) for s in streams]
         for r in results:
-            assert r.status == 200 and not r.done
+            assert (r.status == 200 and not r.done) or r.status == 503
             assert r.error["type"] == "server_error" and "engine core process exited" in r.error["message"]
         assert srv.proc.wait(timeout=60) not in (0, -signal.SIGTERM)  # a dead engine is a failed server
         log = srv.log.read_text()
