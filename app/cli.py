@@ -93,10 +93,10 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
 def serve(args: argparse.Namespace) -> None:
     import uvicorn
 
-    from app.lifecycle import DrainingServer
-    from app.logs import setup
+    from app.ops.lifecycle import DrainingServer
+    from app.ops.logs import setup
+    from app.realtime.session import RealtimeLimits
     from app.server import ServerSettings, create_app
-    from app.session import RealtimeLimits
 
     try:
         engine = start_engine(engine_options(args), log_setup=setup)
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
         module = "loadtest.realtime_bench" if realtime else "loadtest.bench"
         os.execv(sys.executable, [sys.executable, "-m", module, *argv[1 + realtime:]])
     args = build_parser().parse_args(argv)
-    from app.logs import setup
+    from app.ops.logs import setup
 
     setup(args.log_level, getattr(args, "log_format", "text"))
     if args.command == "serve":

@@ -14,12 +14,14 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from fastapi.staticfiles import StaticFiles
 
-from app import chat, metrics, realtime, security
+from app.chat import routes as chat
 from app.errors import install_error_handlers
-from app.lifecycle import Lifecycle
-from app.limits import BodySizeLimit, SlowClientGuard
-from app.metrics import Metrics, StatusCounter
-from app.session import RealtimeLimits
+from app.ops import metrics, security
+from app.ops.lifecycle import Lifecycle
+from app.ops.limits import BodySizeLimit, SlowClientGuard
+from app.ops.metrics import Metrics, StatusCounter
+from app.realtime.session import RealtimeLimits
+from app.transports import websocket
 from pipeline.api import EngineClient
 
 log = logging.getLogger(__name__)
@@ -105,11 +107,11 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
         return JSONResponse({"voices": list(info.voices), "default": info.default_voice})
 
     app.include_router(chat.router)
-    realtime.install(app, settings.realtime)
+    websocket.install(app, settings.realtime)
     if importlib.util.find_spec("aiortc") is not None:  # the `webrtc` extra
-        from app import webrtc_routes
+        from app.transports import webrtc
 
-        webrtc_routes.install(app, settings.ice_addresses, settings.webrtc_connect_timeout_s)
+        webrtc.install(app, settings.ice_addresses, settings.webrtc_connect_timeout_s)
     app.include_router(metrics.router)
     if WEB_DIR.is_dir():
         app.mount("/", StaticFiles(directory=WEB_DIR, html=True), name="web")

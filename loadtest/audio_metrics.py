@@ -7,7 +7,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from app.playback import PCM16_24K_BYTES_PER_S, UNDERRUN_S, PlaybackClock
+from app.audio.playback import UNDERRUN_S, PlaybackClock, pcm16_seconds
+from app.audio.wire import PCM16
 
 METRIC_TYPE = "audio"
 
@@ -21,7 +22,7 @@ class AudioTrace:
     num_bytes: int = 0
 
     def on_audio(self, pcm16: bytes) -> None:
-        self.clock.on_packet(time.perf_counter(), len(pcm16) / PCM16_24K_BYTES_PER_S)
+        self.clock.on_packet(time.perf_counter(), pcm16_seconds(pcm16, PCM16.sample_rate))
         self.num_bytes += len(pcm16)
 
     def report(self, environment, prefix: str, ended: float | None = None,

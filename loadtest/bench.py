@@ -21,8 +21,8 @@ from pathlib import Path
 
 import httpx
 
-SAMPLE_RATE = 24000
-UNDERRUN_S = 0.1
+from app.audio.playback import PlaybackClock, pcm16_seconds
+from app.audio.wire import PCM16
 
 
 @dataclass(slots=True)
@@ -41,15 +41,11 @@ class Sample:
 
 
 def _underruns(arrivals: list[tuple[float, float]]) -> int:
-    """arrivals: (time since send, seconds of audio in the packet). Playback starts at the first packet."""
-    if not arrivals:
-        return 0
-    owed_until, count = arrivals[0][0] + arrivals[0][1], 0
-    for t, dur in arrivals[1:]:
-        if t - owed_until >= UNDERRUN_S:
-            count += 1
-        owed_until = max(owed_until, t) + dur
-    return count
+    """arrivals: (time since send, seconds of audio in the packet), through the server's own playback clock."""
+    clock = PlaybackClock()
+    for t, dur in arrivals:
+        clock.on_packet(t, dur)
+    return clock.num_underruns
 
 
 async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> Sample:
@@ -72,7 +68,7 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> Sample
                     if has_text and s.ttft_s is None and choice["delta"].get("role") is None:
                         s.ttft_s = now
                     if audio.get("data"):
-                        dur = len(base64.b64decode(audio["data"])) / 2 / SAMPLE_RATE
+                        dur = pcm16_seconds(base64.b64decode(audio["data"]), PCM16.sample_rate)
                         arrivals.append((now, dur))
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
         s.error = f"{type(exc).__name__}: {exc}"

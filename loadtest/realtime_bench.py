@@ -30,9 +30,10 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from app.audio.wire import PCM16
 from loadtest.bench import _underruns, server_args, write_report
 
-RATE = 24000
+RATE = PCM16.sample_rate
 CHUNK_S = 0.02
 SILENCE_MS = 500  # the VAD's silence_duration_ms
 GAP_S = 1.0  # silence between a turn's end and the next utterance

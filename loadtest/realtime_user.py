@@ -19,10 +19,11 @@ import websocket
 from gevent.queue import Empty, Queue
 from locust import User, between, task
 
+from app.audio.wire import PCM16
 from loadtest.audio_metrics import AudioTrace
 from loadtest.speech import pcm16, speech
 
-RATE, CHUNK_MS = 24000, 40
+RATE, CHUNK_MS = PCM16.sample_rate, 40
 CHUNK_BYTES = RATE * 2 * CHUNK_MS // 1000
 TURN_TIMEOUT_S = 90.0
 SESSION = {"type": "realtime", "output_modalities": ["audio"],

@@ -25,8 +25,10 @@ from pathlib import Path
 
 import httpx
 
+from app.audio.wire import PCM16
+
 ROOT = Path(__file__).resolve().parents[1]
-SAMPLES_PER_FRAME, SAMPLE_RATE = 1920, 24000
+SAMPLES_PER_FRAME = 1920
 
 
 def free_port() -> int:
@@ -92,7 +94,7 @@ async def load(url: str, concurrency: int, num_requests: int, talker_tokens: int
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.perf_counter() - t0
     ttfps = sorted(r[0] for r in results)
-    audio_s = sum(r[2] for r in results) / SAMPLE_RATE
+    audio_s = sum(r[2] for r in results) / PCM16.sample_rate
     return {"requests": num_requests, "concurrency": concurrency, "wall_s": round(wall, 2),
             "req_per_s": round(num_requests / wall, 3), "audio_s_per_s": round(audio_s / wall, 2),
             "ttfp_mean_s": round(statistics.mean(ttfps), 3), "ttfp_p90_s": round(ttfps[int(0.9 * (len(ttfps) - 1))], 3),

@@ -27,7 +27,7 @@ class Command(enum.Enum):
 
 
 @dataclass(slots=True, frozen=True)
-class Message:
+class StageMessage:
     command: Command
     request_id: str
     payload: Any = None

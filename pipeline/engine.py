@@ -14,7 +14,6 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable
 
-from pipeline.admission import Admission
 from pipeline.api import (
     AudioChunk,
     EngineInfo,
@@ -29,7 +28,7 @@ from pipeline.api import (
     Usage,
 )
 from pipeline.config import EngineConfig
-from pipeline.connector import Command, Message
+from pipeline.connector import Command, StageMessage
 from pipeline.detokenizer import IncrementalDetokenizer
 from pipeline.models import OmniModels
 from pipeline.output import RequestOutput
@@ -37,6 +36,7 @@ from pipeline.replicas import make_stage, replica_status
 from pipeline.request import FINISH_REASONS, Finish, RequestStatus, StepResult
 from pipeline.sampling import SamplingError, SamplingParams, numerically_safe
 from pipeline.stage import Stage
+from pipeline.stage_admission import Admission
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +178,7 @@ class OmniEngine(EngineBase):
         try:
             first = self.graph.new_requests(self.models, self.cfg, req, prompt, voice, params)
             for name in reversed(path):  # downstream stages know the request before its first hand-off
-                self.stage(name).send(Message(Command.ADD, req.request_id, first[name]))
+                self.stage(name).send(StageMessage(Command.ADD, req.request_id, first[name]))
         except BaseException:
             self.abort(req.request_id)  # never leave a half-started request holding its admission
             raise
@@ -191,7 +191,7 @@ class OmniEngine(EngineBase):
             self._starting[request_id] = error or ""
         stream = self._streams.get(request_id)
         for stage in self.stages:
-            stage.send(Message(Command.ABORT, request_id))
+            stage.send(StageMessage(Command.ABORT, request_id))
         if stream is not None:
             self._close(stream, "abort", error)
 
@@ -263,7 +263,7 @@ class OmniEngine(EngineBase):
             stream.num_completion_tokens = fin.num_output_tokens
         nxt = self.graph.next_stage(stage, stream.request.wants_audio)
         if nxt is not None:
-            self.stage(nxt).send(Message(Command.INPUT_DONE, fin.request_id))
+            self.stage(nxt).send(StageMessage(Command.INPUT_DONE, fin.request_id))
         else:
             self._close_soon(stream)
 
@@ -273,7 +273,7 @@ class OmniEngine(EngineBase):
             return True
         if fin.status is RequestStatus.FINISHED_ERROR:
             for stage in self.stages:
-                stage.send(Message(Command.ABORT, fin.request_id))
+                stage.send(StageMessage(Command.ABORT, fin.request_id))
             self._close_soon(stream, "error", fin.error)
             return True
         return False

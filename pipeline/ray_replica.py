@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from pipeline.connector import Message
+from pipeline.connector import StageMessage
 from pipeline.worker import HEARTBEAT_S, StageHost, StepReport, WorkerSpec
 
 log = logging.getLogger(__name__)
@@ -44,12 +44,12 @@ class StageActor:
 
     def __init__(self, spec: WorkerSpec):
         self._reports: queue.SimpleQueue[StepReport] = queue.SimpleQueue()
-        self._pending: dict[int, Message] = {}
+        self._pending: dict[int, StageMessage] = {}
         self._next_seq = 0
         self.host = StageHost(spec, self._reports.put)
         self.host.start()
 
-    async def send(self, seq: int, msg: Message) -> None:
+    async def send(self, seq: int, msg: StageMessage) -> None:
         self._pending[seq] = msg
         while self._next_seq in self._pending:
             self.host.send(self._pending.pop(self._next_seq))
@@ -118,7 +118,7 @@ class RayReplica:
                                         name=f"omnirt-{self.spec.stage}-{self.spec.replica}-ray")
         self._reader.start()
 
-    def send(self, msg: Message) -> None:
+    def send(self, msg: StageMessage) -> None:
         with self._lock:  # seq order == call order
             self.actor.send.remote(self._seq, msg)
             self._seq += 1

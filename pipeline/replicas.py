@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from pipeline.config import EngineConfig, ProfileError
-from pipeline.connector import Command, Message
+from pipeline.connector import Command, StageMessage
 from pipeline.request import Finish, RequestStatus, StepResult
 from pipeline.stage import Stage, StepSink, build_stage
 from pipeline.worker import ProcessReplica, ReplicaLoad, StepReport, WorkerSpec
@@ -65,7 +65,7 @@ class ReplicaPool:
         self._replica_cls = replica_cls
         self._slots = [_Slot(s.replica, replica_cls(s, self._on_report, self._on_death)) for s in specs]
         self.requests: dict[str, int] = {}  # request id -> replica index (sticky)
-        self._replay: dict[str, list[Message]] = {}  # sent so far, kept until the first report
+        self._replay: dict[str, list[StageMessage]] = {}  # sent so far, kept until the first report
         self._lock = threading.RLock()
         self._rr = itertools.cycle(range(len(self._slots)))
         self._stopping = False
@@ -88,7 +88,7 @@ class ReplicaPool:
         for slot in self._slots:
             slot.handle.stop()
 
-    def send(self, msg: Message) -> None:
+    def send(self, msg: StageMessage) -> None:
         with self._lock:
             if msg.command is Command.ADD:
                 slot = self._pick()
@@ -116,9 +116,9 @@ class ReplicaPool:
                     continue  # finished (or never added) here
                 by_slot.setdefault(index, []).append((rid, payload))
                 if rid in self._replay:
-                    self._replay[rid].append(Message(Command.INPUT, rid, payload))
+                    self._replay[rid].append(StageMessage(Command.INPUT, rid, payload))
             for index, batch in by_slot.items():
-                self._deliver(self._slots[index], Message(Command.INPUTS, "", batch))
+                self._deliver(self._slots[index], StageMessage(Command.INPUTS, "", batch))
 
     @property
     def num_steps(self) -> int:
@@ -163,7 +163,7 @@ class ReplicaPool:
             counts[index] += 1
         return counts
 
-    def _deliver(self, slot: _Slot, msg: Message) -> None:
+    def _deliver(self, slot: _Slot, msg: StageMessage) -> None:
         try:
             slot.handle.send(msg)
             slot.num_sent += 1

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from pipeline.connector import Command, Message
+from pipeline.connector import Command, StageMessage
 from pipeline.request import Finish, Output, RequestStatus, StageRequest, StepResult
 from pipeline.sampling import Sampler
 from pipeline.scheduler import Batch, StepOutput
@@ -69,7 +69,7 @@ class Stage:
         self.batch_size_counts = [0] * (scheduler.max_num_seqs + 1)  # steps per batch size, for /metrics
         self.busy_s = 0.0  # seconds inside steps (host work + waiting for the device), for /metrics
         self.device_wait_s = 0.0  # the part of busy_s spent waiting for the device
-        self._inbox: queue.SimpleQueue[Message | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[StageMessage | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name=f"omnirt-{name}", daemon=True)
 
     @property
@@ -91,13 +91,13 @@ class Stage:
         self._inbox.put(None)
         self._thread.join(timeout=10)
 
-    def send(self, msg: Message) -> None:
+    def send(self, msg: StageMessage) -> None:
         self._inbox.put(msg)
 
     def send_inputs(self, items: list[tuple[str, object]]) -> None:
         """One upstream step's chunks, for several requests."""
         for rid, payload in items:
-            self._inbox.put(Message(Command.INPUT, rid, payload))
+            self._inbox.put(StageMessage(Command.INPUT, rid, payload))
 
     # ---- the stage thread ----------------------------------------------------------------------------
 
@@ -171,7 +171,7 @@ class Stage:
             self._apply(msg)
             block = False
 
-    def _apply(self, msg: Message) -> None:
+    def _apply(self, msg: StageMessage) -> None:
         if msg.command is Command.ADD:
             self.requests[msg.request_id] = msg.payload
             self.scheduler.add(msg.payload)

@@ -22,7 +22,7 @@ import torch
 import torch.multiprocessing as mp
 
 from pipeline.config import EngineConfig
-from pipeline.connector import Command, Message
+from pipeline.connector import Command, StageMessage
 from pipeline.platform import get_platform
 from pipeline.request import StepResult
 from pipeline.transport import Channel, ChannelClosed, remove_driver_files
@@ -100,7 +100,7 @@ class StageHost:
         self._beat.start()
         self.emit(StepReport(load=self.load(), is_ready=True))
 
-    def send(self, msg: Message) -> None:
+    def send(self, msg: StageMessage) -> None:
         if msg.command is Command.INPUTS:
             self.stage.send_inputs(msg.payload)
         else:
@@ -194,7 +194,7 @@ class ProcessReplica:
         self._stopping = False
         self._reader.start()
 
-    def send(self, msg: Message) -> None:
+    def send(self, msg: StageMessage) -> None:
         self.inbox.put(msg)
 
     def stop(self) -> None:

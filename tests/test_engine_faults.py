@@ -15,8 +15,8 @@ from types import SimpleNamespace
 import pytest
 from faults import MARK, inject
 
-from app.admission import session_refusal
-from app.lifecycle import Lifecycle
+from app.ops.admission import session_refusal
+from app.ops.lifecycle import Lifecycle
 from pipeline.api import AudioChunk, EngineOverloaded, Finished, OmniRequest, TextDelta
 
 

@@ -16,7 +16,7 @@ import schemathesis
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from app.audio import encode_wav
+from app.audio.pcm import encode_wav
 from tests.conftest import ServerProcess
 from tests.fuzz_helpers import CHEAP, junk, small_ints, sometimes_junk
 

@@ -11,8 +11,9 @@ import numpy as np
 import openai
 import pytest
 
-from app.audio import float_to_pcm16, resample
-from app.wire_audio import G711_ALAW, G711_ULAW, decode, encode
+from app.audio.pcm import float_to_pcm16
+from app.audio.resample import resample
+from app.audio.wire import G711_ALAW, G711_ULAW, decode, encode
 from tests.realtime_helpers import LEAD_S, b64_chunks, collect_until, espeak_utterance, response_done
 
 MANUAL_TEXT = {"type": "realtime", "output_modalities": ["text"], "audio": {"input": {"turn_detection": None}}}

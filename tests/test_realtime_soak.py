@@ -23,10 +23,10 @@ import pytest
 import websockets
 from starlette.testclient import TestClient
 
-from app.input_audio import InputAudio
-from app.response import Response
+from app.realtime.input_buffer import InputBuffer
+from app.realtime.response import Response
+from app.realtime.session import RealtimeSession
 from app.server import ServerSettings, create_app
-from app.session import RealtimeSession
 from tests.conftest import ServerProcess
 from tests.realtime_helpers import ask, b64_chunks, espeak_utterance, lost_audio, recv_type, until_done, ws_url
 from tests.soak_helpers import RssSampler, check_plateau, report
@@ -151,7 +151,7 @@ def test_lost_audio_notices_a_missing_or_misplaced_delta():
 
 def test_no_session_outlives_its_connection(engine, speech):
     """In process: 12 sessions, each with a spoken turn, open and close; afterwards no RealtimeSession,
-    InputAudio (with its VAD) or Response object is left (a leak per session would keep them)."""
+    InputBuffer (with its VAD) or Response object is left (a leak per session would keep them)."""
     app = create_app(engine, ServerSettings())
     with TestClient(app) as client:
         for _ in range(12):
@@ -169,6 +169,6 @@ def test_no_session_outlives_its_connection(engine, speech):
         while app.state.realtime.sessions and time.monotonic() < deadline:
             time.sleep(0.05)
     gc.collect()
-    kinds = (RealtimeSession, InputAudio, Response)
+    kinds = (RealtimeSession, InputBuffer, Response)
     alive = collections.Counter(type(o).__name__ for o in gc.get_objects() if type(o) in kinds)
     assert not alive and not app.state.realtime.sessions, alive

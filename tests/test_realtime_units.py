@@ -11,14 +11,15 @@ import pytest
 import soxr
 from scipy.signal import resample_poly
 
-from app.conversation import Content, Conversation, Item
-from app.input_audio import BufferFull, InputAudio, TurnEnded, TurnStarted
-from app.outbox import Outbox
-from app.realtime_config import SessionConfig, apply_session_update, session_object
-from app.realtime_events import ProtocolError
-from app.session import RealtimeLimits, RealtimeSession
-from app.vad import WINDOW, TurnDetector, VadBatcher, VadConfig, VadStream
-from app.wire_audio import G711_ALAW, G711_ULAW, LowDelayResampler, StreamResampler, decode, encode
+from app.audio.resample import LowDelayResampler, StreamResampler
+from app.audio.vad import WINDOW, TurnDetector, VadBatcher, VadConfig, VadStream
+from app.audio.wire import G711_ALAW, G711_ULAW, decode, encode
+from app.realtime.config import SessionConfig, apply_session_update, session_object
+from app.realtime.conversation import Content, Conversation, Item
+from app.realtime.events import ProtocolError
+from app.realtime.input_buffer import BufferFull, InputBuffer, TurnEnded, TurnStarted
+from app.realtime.outbox import Outbox
+from app.realtime.session import RealtimeLimits, RealtimeSession
 from pipeline.api import OmniRequest, RequestError
 from tests.realtime_helpers import LEAD_S, espeak_utterance
 
@@ -111,7 +112,7 @@ async def test_input_buffer_stays_bounded_with_vad(tmp_path):
     (and the next one is still detected); without VAD a full buffer refuses audio."""
     samples, speech_s = espeak_utterance(tmp_path)
     assert speech_s > 2.0
-    vad = InputAudio(2.0, VadConfig(), VadBatcher())
+    vad = InputBuffer(2.0, VadConfig(), VadBatcher())
     events = [ev for _ in range(2) for i in range(0, len(samples), 2400)
               for ev in await vad.append(samples[i:i + 2400], 24000)]
     assert vad.num_samples <= 16000 * 0.3 + 2400
@@ -119,7 +120,7 @@ async def test_input_buffer_stays_bounded_with_vad(tmp_path):
     assert kinds[:2] == [TurnStarted, TurnEnded] and TurnStarted in kinds[2:]  # cut at 2 s, then heard again
     assert abs(events[0].audio_start_ms - (LEAD_S * 1000 - 300)) < 250
     assert 28000 < len(events[1].audio) <= 32000  # the whole 2 s buffer went into the cut turn
-    manual = InputAudio(2.0, None, VadBatcher())
+    manual = InputBuffer(2.0, None, VadBatcher())
     await manual.append(samples[:36000], 24000)
     with pytest.raises(BufferFull):
         await manual.append(samples[:24000], 24000)
@@ -268,8 +269,8 @@ async def test_a_long_append_does_not_hold_up_other_sessions():
 
 
 async def test_vad_counts_reach_metrics(engine):
-    from app.metrics import Metrics
-    from app.session_registry import SessionRegistry
+    from app.ops.metrics import Metrics
+    from app.realtime.registry import SessionRegistry
 
     metrics = Metrics(engine)
     registry = SessionRegistry(RealtimeLimits(), metrics)

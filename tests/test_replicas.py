@@ -20,7 +20,7 @@ from replica_helpers import (
     wait_for,
 )
 
-from pipeline.connector import Command, Message
+from pipeline.connector import Command, StageMessage
 from pipeline.replicas import ReplicaPool
 from pipeline.worker import ReplicaLoad, StepReport, WorkerSpec
 
@@ -143,15 +143,15 @@ def test_routing_policies(routing, expected):
     pool = ReplicaPool("code2wav", specs, on_step=lambda *a: None, routing=routing, replica_cls=_Recorder)
     pool.start()
     for i in range(9):
-        pool.send(Message(Command.ADD, f"r{i}"))
-        pool.send(Message(Command.INPUT, f"r{i}", [0] * 16))
+        pool.send(StageMessage(Command.ADD, f"r{i}"))
+        pool.send(StageMessage(Command.INPUT, f"r{i}", [0] * 16))
     counts = [len({rid for rid in slot.handle.sent}) for slot in pool._slots]
     assert counts == expected
     for slot in pool._slots:  # sticky: every message of a request went to the replica that got its ADD
         assert all(slot.handle.sent.count(rid) == 2 for rid in slot.handle.sent)
     # least-loaded skips a busy replica; round-robin does not
     pool._slots[0].num_sent += 100  # 100 unapplied messages queued at replica 0
-    pool.send(Message(Command.ADD, "busy"))
+    pool.send(StageMessage(Command.ADD, "busy"))
     got = [i for i, slot in enumerate(pool._slots) if "busy" in slot.handle.sent]
     assert got == ([0] if routing == "round_robin" else [1])
     pool.stop()

@@ -19,9 +19,9 @@ from starlette.routing import WebSocketRoute
 from starlette.testclient import TestClient
 from starlette.websockets import WebSocketDisconnect
 
-from app.audio import encode_wav
+from app.audio.pcm import encode_wav
 from app.cli import build_parser
-from app.security import ApiKeyAuth, is_authorized
+from app.ops.security import ApiKeyAuth, is_authorized
 from tests.conftest import ServerProcess
 from tests.realtime_helpers import ask, recv_type, ws_url
 

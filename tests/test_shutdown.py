@@ -15,7 +15,7 @@ import websockets
 from starlette.testclient import TestClient
 from starlette.websockets import WebSocketDisconnect
 
-from app.lifecycle import SHUTDOWN_REASON
+from app.ops.lifecycle import SHUTDOWN_REASON
 from app.server import ServerSettings, create_app
 from tests.conftest import ServerProcess
 from tests.realtime_helpers import ask, lost_audio, recv, recv_type, ws_url

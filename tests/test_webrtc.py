@@ -15,7 +15,7 @@ import pytest
 from aiortc import RTCConfiguration, RTCPeerConnection
 
 from app.server import ServerSettings, create_app
-from app.webrtc import CLOSE_STEP_TIMEOUT_S, MEDIA_TIMEOUT_S, Call
+from app.transports.webrtc import CLOSE_STEP_TIMEOUT_S, MEDIA_TIMEOUT_S, Call
 from tests.conftest import ROOT, ServerProcess
 from tests.realtime_helpers import LEAD_S, espeak_utterance
 from tests.webrtc_client import RealtimeCall, connect
@@ -228,9 +228,9 @@ async def test_a_closing_step_that_never_ends_does_not_hold_up_the_close(caplog)
             await asyncio.sleep(3600)
 
     call = Call.__new__(Call)
-    call.id, call.log = "rtc_test", logging.getLogger("app.webrtc")
+    call.id, call.log = "rtc_test", logging.getLogger("app.transports.webrtc")
     started = time.monotonic()
-    with caplog.at_level(logging.WARNING, "app.webrtc"):
+    with caplog.at_level(logging.WARNING, "app.transports.webrtc"):
         await call._bounded("peer connection close", stubborn())
     assert time.monotonic() - started >= CLOSE_STEP_TIMEOUT_S  # given up on (it would sleep an hour), not sooner
     assert "peer connection close did not finish" in caplog.text

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import soundfile
 
-from app.audio import resample
+from app.audio.resample import resample
 from tests.conftest import ARTIFACTS
 from tests.realtime_helpers import espeak_utterance
 

@@ -7,8 +7,8 @@ import time
 
 import numpy as np
 
-from app.audio import float_to_pcm16
-from app.webrtc_track import FRAME_SAMPLES, PacedAudioTrack
+from app.audio.pcm import float_to_pcm16
+from app.transports.webrtc_track import FRAME_SAMPLES, PacedAudioTrack
 
 
 def tone(seconds: float, rate: int = 24000) -> bytes:

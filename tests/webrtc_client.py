@@ -21,9 +21,9 @@ import numpy as np
 from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamError
 
-from app.audio import float_to_pcm16
-from app.webrtc import offer_host_addresses
-from app.webrtc_track import PacedAudioTrack
+from app.audio.pcm import float_to_pcm16
+from app.transports.webrtc import offer_host_addresses
+from app.transports.webrtc_track import PacedAudioTrack
 
 
 @dataclass

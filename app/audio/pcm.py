@@ -1,4 +1,4 @@
-"""Audio containers and rates for the transports: WAV in/out, PCM16, G.711, resampling (numpy and libsoxr)."""
+"""Audio containers: audio files in, WAV out, PCM16 bytes to and from float32 samples."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import wave
 
 import numpy as np
 import soundfile
-import soxr
 
 
 class AudioFormatError(ValueError):
@@ -43,11 +42,3 @@ def pcm16_to_float(pcm16: bytes) -> np.ndarray:
 
 def float_to_pcm16(samples: np.ndarray) -> bytes:
     return (np.clip(samples, -1.0, 1.0) * 32767.0).round().astype("<i2").tobytes()
-
-
-def resample(samples: np.ndarray, from_rate: int, to_rate: int) -> np.ndarray:
-    """A whole clip through libsoxr (anti-aliased; what `StreamResampler` gives for the same stream in
-    chunks); a no-op when the rates agree."""
-    if from_rate == to_rate or samples.size == 0:
-        return samples.astype(np.float32, copy=False)
-    return soxr.resample(samples.astype(np.float32, copy=False), from_rate, to_rate)

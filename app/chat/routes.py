@@ -18,10 +18,10 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from app.admission import check_draining, overloaded_error
-from app.audio import encode_wav
-from app.chat_protocol import ChatRequest, to_engine_messages
+from app.audio.pcm import encode_wav
+from app.chat.protocol import ChatRequest, to_engine_messages
 from app.errors import APIError
+from app.ops.admission import check_draining, overloaded_error
 from pipeline.api import (
     AudioChunk,
     EngineDeadError,
@@ -75,7 +75,8 @@ async def chat_completions(body: ChatRequest, request: Request):
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return ClosingStreamingResponse(_sse(body, req, events, include_usage), media_type="text/event-stream",
                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    return await _until_done_or_gone(_collect(body, req, events), request)
+    rate = server.engine.info().output_sample_rate
+    return await _until_done_or_gone(_collect(body, req, events, rate), request)
 
 
 class ClosingStreamingResponse(StreamingResponse):
@@ -103,13 +104,13 @@ async def _until_done_or_gone(work, request: Request) -> JSONResponse:
     return task.result()
 
 
-async def _collect(body: ChatRequest, req: OmniRequest, events: AsyncIterator) -> JSONResponse:
+async def _collect(body: ChatRequest, req: OmniRequest, events: AsyncIterator, rate: int) -> JSONResponse:
     reply = await collect_reply(events)
     fin = reply.finished
     _raise_if_failed(fin)
     message: dict = {"role": "assistant", "content": reply.text, "refusal": None}
     if req.wants_audio:
-        data = encode_wav(reply.pcm16, 24000) if body.audio.format == "wav" else reply.pcm16
+        data = encode_wav(reply.pcm16, rate) if body.audio.format == "wav" else reply.pcm16
         message["content"] = None
         message["audio"] = {"id": f"audio_{uuid.uuid4().hex}", "data": base64.b64encode(data).decode(),
                             "expires_at": int(time.time()) + AUDIO_TTL_S, "transcript": reply.text}

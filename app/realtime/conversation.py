@@ -1,7 +1,7 @@
 """A session's conversation: ordered items, their wire shapes, truncation, and the history the
 Thinker gets on each response (earlier user audio and assistant text included).
 
-User audio is kept at the Thinker's 16 kHz (float32). Assistant audio is not kept: the Thinker
+User audio is kept at the Thinker's input rate (float32). Assistant audio is not kept: the Thinker
 is fed the assistant's transcript, which is also what a truncation cuts.
 """
 
@@ -14,10 +14,10 @@ from typing import Any
 
 import numpy as np
 
-from app.audio import AudioFormatError, resample
-from app.realtime_events import ProtocolError, new_id, require
-from app.vad import SAMPLE_RATE
-from app.wire_audio import AudioFormat, decode
+from app.audio.pcm import AudioFormatError
+from app.audio.resample import resample
+from app.audio.wire import AudioFormat, decode
+from app.realtime.events import ProtocolError, new_id, require
 
 _ROLES = {"user": ("input_text", "input_audio"), "system": ("input_text",),
           "assistant": ("output_text", "output_audio", "text", "audio")}
@@ -30,7 +30,7 @@ class Content:
     type: str  # input_text | input_audio | output_text | output_audio
     text: str | None = None
     transcript: str | None = None
-    audio: np.ndarray | None = None  # user audio at 16 kHz
+    audio: np.ndarray | None = None  # user audio at the Thinker's input rate
     audio_ms: int = 0  # assistant audio delivered so far
 
     @property
@@ -120,8 +120,8 @@ def item_object(item: Item, beta: bool) -> dict[str, Any]:
             "content": content}
 
 
-def parse_item(obj: dict[str, Any], input_format: AudioFormat) -> Item:
-    """`conversation.item.create`'s `item` -> an Item (audio decoded and resampled to 16 kHz)."""
+def parse_item(obj: dict[str, Any], input_format: AudioFormat, audio_rate: int) -> Item:
+    """`conversation.item.create`'s `item` -> an Item (audio decoded and resampled to `audio_rate`)."""
     kind = require(obj, "type", (str,), "item", "message")
     if kind != "message":
         raise ProtocolError(f"item type {kind!r} is not supported (function calling is not)", "unsupported_parameter",
@@ -135,10 +135,11 @@ def parse_item(obj: dict[str, Any], input_format: AudioFormat) -> Item:
     parts = require(obj, "content", (list,), "item")
     if not parts:
         raise ProtocolError("item.content must be a non-empty list", "invalid_value", "item.content")
-    return Item(item_id, role, [_content(p, role, f"item.content.{i}", input_format) for i, p in enumerate(parts)])
+    return Item(item_id, role, [_content(p, role, f"item.content.{i}", input_format, audio_rate)
+                                for i, p in enumerate(parts)])
 
 
-def _content(part: Any, role: str, where: str, fmt: AudioFormat) -> Content:
+def _content(part: Any, role: str, where: str, fmt: AudioFormat, audio_rate: int) -> Content:
     if not isinstance(part, dict):
         raise ProtocolError(f"`{where}` must be an object", "invalid_type", where)
     kind = require(part, "type", (str,), where)
@@ -154,7 +155,7 @@ def _content(part: Any, role: str, where: str, fmt: AudioFormat) -> Content:
         raise ProtocolError(f"`{where}.audio` is required", "missing_required_parameter", f"{where}.audio")
     samples = decode_audio_b64(data, fmt, f"{where}.audio")
     return Content(kind, transcript=require(part, "transcript", (str,), where),
-                   audio=resample(samples, fmt.sample_rate, SAMPLE_RATE))
+                   audio=resample(samples, fmt.sample_rate, audio_rate))
 
 
 def decode_audio_b64(data: str, fmt: AudioFormat, param: str) -> np.ndarray:

@@ -18,13 +18,14 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from app.audio import pcm16_to_float
-from app.conversation import Content, Item, item_object
-from app.metrics import Metrics
-from app.outbox import Outbox
-from app.realtime_config import ResponseOptions, format_object
-from app.realtime_events import ProtocolError, error_event, new_id
-from app.wire_audio import PCM16, LowDelayResampler, encode
+from app.audio.pcm import pcm16_to_float
+from app.audio.resample import LowDelayResampler
+from app.audio.wire import PCM16, encode
+from app.ops.metrics import Metrics
+from app.realtime.config import ResponseOptions, format_object
+from app.realtime.conversation import Content, Item, item_object
+from app.realtime.events import ProtocolError, error_event, new_id
+from app.realtime.outbox import Outbox
 from pipeline.api import (
     AudioChunk,
     EngineClient,
@@ -37,7 +38,6 @@ from pipeline.api import (
 )
 
 log = logging.getLogger(__name__)
-OUTPUT_SAMPLE_RATE = 24000
 _STATUS = {"stop": ("completed", None), "length": ("incomplete", "max_output_tokens"),
            "abort": ("cancelled", "client_cancelled"), "error": ("failed", None)}
 
@@ -46,7 +46,7 @@ class AudioSink(Protocol):
     """Where a transport that plays audio itself (WebRTC) takes the output instead of audio deltas."""
 
     async def write(self, response_id: str, item_id: str, pcm16: bytes) -> None:
-        """Queue 24 kHz mono PCM16 for playback (may wait: the queue is bounded)."""
+        """Queue mono PCM16 at the engine's output rate for playback (may wait: the queue is bounded)."""
 
     def clear(self) -> None:
         """Drop everything queued (barge-in)."""
@@ -70,7 +70,8 @@ class Response:
         self._is_open = False  # the output item was announced
         self._num_samples_out = 0
         fmt = opts.output_format
-        self._resampler = LowDelayResampler(OUTPUT_SAMPLE_RATE, fmt.sample_rate)
+        self._engine_rate = engine.info().output_sample_rate
+        self._resampler = LowDelayResampler(self._engine_rate, fmt.sample_rate)
         item.content = [Content("output_audio", transcript="") if opts.wants_audio else Content("output_text", text="")]
 
     @property
@@ -183,17 +184,18 @@ class Response:
             part.text += text
             await self._emit("response.output_text.delta", **self._where(), delta=text)
 
-    async def _audio(self, samples: np.ndarray, pcm16_24k: bytes) -> None:
-        """Deltas in the output format, or the 24 kHz PCM to the audio sink; `audio_ms` counts what left."""
+    async def _audio(self, samples: np.ndarray, engine_pcm16: bytes) -> None:
+        """Deltas in the output format, or the engine's PCM16 to the audio sink; `audio_ms` counts what left."""
         part = self.item.content[0]
         if self.audio_sink is not None:
-            if pcm16_24k:
-                part.audio_ms += len(pcm16_24k) // 2 * 1000 // OUTPUT_SAMPLE_RATE
-                await self.audio_sink.write(self.id, self.item.id, pcm16_24k)
+            if engine_pcm16:
+                part.audio_ms += len(engine_pcm16) // 2 * 1000 // self._engine_rate
+                await self.audio_sink.write(self.id, self.item.id, engine_pcm16)
             return
         if not samples.size:
             return
-        data = pcm16_24k if self.opts.output_format is PCM16 else encode(samples, self.opts.output_format)
+        fmt = self.opts.output_format
+        data = engine_pcm16 if fmt is PCM16 and self._resampler.is_identity else encode(samples, fmt)
         self._num_samples_out += samples.size
         part.audio_ms = self._num_samples_out * 1000 // self.opts.output_format.sample_rate
         await self._emit("response.output_audio.delta", **self._where(), delta=base64.b64encode(data).decode())

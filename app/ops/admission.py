@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 from app.errors import APIError
-from app.lifecycle import SHUTDOWN_REASON
+from app.ops.lifecycle import SHUTDOWN_REASON
 from pipeline.api import EngineOverloaded
 
 WS_TRY_AGAIN_LATER = 1013

@@ -11,10 +11,10 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from app.metrics import Metrics
-from app.realtime_events import ProtocolError
-from app.session import RealtimeLimits, RealtimeSession
-from app.vad import VadBatcher
+from app.audio.vad import VadBatcher
+from app.ops.metrics import Metrics
+from app.realtime.events import ProtocolError
+from app.realtime.session import RealtimeLimits, RealtimeSession
 
 log = logging.getLogger(__name__)
 Ender = Callable[[str], Awaitable[object]]  # end(reason): the transport closes the session, saying why

@@ -11,7 +11,7 @@ import asyncio
 from collections import deque
 from typing import Any
 
-from app.realtime_events import AUDIO_DELTA, to_beta
+from app.realtime.events import AUDIO_DELTA, to_beta
 
 
 class Outbox:

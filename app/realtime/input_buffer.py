@@ -1,7 +1,7 @@
-"""A session's input side: audio at any rate -> the Thinker's 16 kHz stream -> a bounded buffer,
+"""A session's input audio buffer: audio at any rate -> one stream at the VAD's rate -> a bounded buffer,
 with server VAD turning it into user turns (or the client committing it by hand).
 
-Positions are absolute samples of the session's 16 kHz stream, so `audio_start_ms` / `audio_end_ms`
+Positions are absolute samples of the session's stream at `VAD_RATE`, so `audio_start_ms` / `audio_end_ms`
 count from the first audio of the session, as in OpenAI's events.
 """
 
@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from app.vad import SAMPLE_RATE, SpeechStarted, TurnDetector, VadBatcher, VadConfig
-from app.wire_audio import StreamResampler
+from app.audio.resample import StreamResampler
+from app.audio.vad import VAD_RATE, SpeechStarted, TurnDetector, VadBatcher, VadConfig
 
 
 class BufferFull(Exception):
@@ -27,22 +27,22 @@ class TurnStarted:
 @dataclass(slots=True, frozen=True)
 class TurnEnded:
     audio_end_ms: int
-    audio: np.ndarray  # the turn at 16 kHz, from the start (with prefix padding) to where the end was detected
+    audio: np.ndarray  # the turn at VAD_RATE, from the start (with prefix padding) to where the end was detected
 
 
 TurnEvent = TurnStarted | TurnEnded
 
 
 def _ms(sample: int) -> int:
-    return sample * 1000 // SAMPLE_RATE
+    return sample * 1000 // VAD_RATE
 
 
-class InputAudio:
+class InputBuffer:
     """`vad` is the process's `VadBatcher` (shared by every session); `vad_config` the session's settings."""
 
     def __init__(self, max_buffer_s: float, vad_config: VadConfig | None, vad: VadBatcher):
         self.vad = vad
-        self.max_samples = int(max_buffer_s * SAMPLE_RATE)
+        self.max_samples = int(max_buffer_s * VAD_RATE)
         self._resamplers: dict[int, StreamResampler] = {}
         self._chunks: list[np.ndarray] = []
         self._start = self._end = 0  # absolute positions of the buffered samples
@@ -65,18 +65,22 @@ class InputAudio:
         return self._end - self._start
 
     @property
+    def duration_ms(self) -> int:
+        return _ms(self.num_samples)
+
+    @property
     def is_speaking(self) -> bool:
         return self._turn_start is not None
 
     async def append(self, samples: np.ndarray, sample_rate: int) -> list[TurnEvent]:
         """Add audio; past the limit a turn in progress is ended there, otherwise BufferFull is raised
         (and none of the audio kept). One append at a time per session (the session's lock)."""
-        resampler = self._resamplers.setdefault(sample_rate, StreamResampler(sample_rate, SAMPLE_RATE))
+        resampler = self._resamplers.setdefault(sample_rate, StreamResampler(sample_rate, VAD_RATE))
         x = resampler(samples)
         events: list[TurnEvent] = []
         if self.num_samples + len(x) > self.max_samples:
             if self._turn_start is None or len(x) > self.max_samples:
-                raise BufferFull(f"the input audio buffer holds at most {self.max_samples / SAMPLE_RATE:.0f} s")
+                raise BufferFull(f"the input audio buffer holds at most {self.max_samples / VAD_RATE:.0f} s")
             # a turn longer than the buffer ends here; the VAD goes on listening for the next one
             events.append(TurnEnded(_ms(self._end), self._take(self._turn_start, self._end)))
             self._turn_start, self.detector.is_speaking = None, False

@@ -13,8 +13,8 @@ from fastapi.responses import Response
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from app.audio.playback import PlaybackClock, pcm16_seconds
 from app.errors import error_type
-from app.playback import PCM16_24K_BYTES_PER_S, PlaybackClock
 from pipeline.api import AudioChunk, Event, Finished, StageStats
 
 log = logging.getLogger("omnirt.requests")
@@ -23,6 +23,7 @@ router = APIRouter()
 
 class Metrics:
     def __init__(self, engine):
+        self.engine = engine
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("omnirt_requests", "Requests by endpoint and final state "
@@ -55,12 +56,12 @@ class Metrics:
                       session_id: str | None = None) -> AsyncIterator[Event]:
         """Pass a request's events through, recording TTFP, RTF, underruns and its final state (logged with
         the request id, and the session id of a Realtime response)."""
-        clock, state, fin = PlaybackClock(), "abort", None
+        clock, state, fin, rate = PlaybackClock(), "abort", None, self.engine.info().output_sample_rate
         self.active.labels(endpoint).inc()
         try:
             async for ev in events:
                 if isinstance(ev, AudioChunk):
-                    clock.on_packet(time.monotonic(), len(ev.pcm16) / PCM16_24K_BYTES_PER_S)
+                    clock.on_packet(time.monotonic(), pcm16_seconds(ev.pcm16, rate))
                 elif isinstance(ev, Finished):
                     fin, state = ev, ev.finish_reason
                 yield ev

@@ -1,4 +1,4 @@
-"""`GET /v1/realtime`: the OpenAI Realtime protocol over a WebSocket, on top of `app.session`.
+"""`GET /v1/realtime`: the OpenAI Realtime protocol over a WebSocket, on top of `app.realtime.session`.
 
 One reader loop (client events, size limit, idle timeout) and one writer task (the session's
 outbox -> text frames) per connection. A client that sends `OpenAI-Beta: realtime=v1` (or offers the
@@ -21,11 +21,11 @@ import logging
 from fastapi import APIRouter, FastAPI, WebSocket
 from starlette.websockets import WebSocketDisconnect, WebSocketState
 
-from app.admission import WS_GOING_AWAY, WS_TRY_AGAIN_LATER, session_refusal
-from app.lifecycle import SHUTDOWN_REASON
-from app.realtime_events import ProtocolError, error_event
-from app.session import RealtimeLimits, RealtimeSession
-from app.session_registry import SessionRegistry
+from app.ops.admission import WS_GOING_AWAY, WS_TRY_AGAIN_LATER, session_refusal
+from app.ops.lifecycle import SHUTDOWN_REASON
+from app.realtime.events import ProtocolError, error_event
+from app.realtime.registry import SessionRegistry
+from app.realtime.session import RealtimeLimits, RealtimeSession
 
 log = logging.getLogger(__name__)
 router = APIRouter()

@@ -3,7 +3,7 @@
 aiortc's RTP sender sends whatever `recv()` returns as fast as it returns it, so the track paces
 itself: every `recv()` sleeps until `start + pts / 48000` on the wall clock and returns one 20 ms
 frame, `pts` counted in samples (strictly increasing, no drift). The session writes the response's
-24 kHz PCM16 (`write`); it is resampled to 48 kHz and queued in a bounded buffer (a full buffer
+PCM16 at the engine's rate (`write`); it is resampled to 48 kHz and queued in a bounded buffer (a full buffer
 makes the writer wait). An empty buffer gives silence, so RTP keeps flowing; while a response's
 audio is still owed that silence is an underrun. The track also knows what was really sent
 (`played_ms`, the truncation point on barge-in) and reports playback on the data channel:
@@ -25,12 +25,13 @@ import av
 import numpy as np
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 
-from app.audio import float_to_pcm16, pcm16_to_float
-from app.realtime_events import new_id
-from app.wire_audio import LowDelayResampler
+from app.audio.pcm import float_to_pcm16, pcm16_to_float
+from app.audio.resample import LowDelayResampler
+from app.audio.wire import PCM16
+from app.realtime.events import new_id
 
-SAMPLE_RATE = 48000
-FRAME_SAMPLES = SAMPLE_RATE // 50  # 20 ms
+OPUS_RATE = 48000  # WebRTC's Opus clock
+FRAME_SAMPLES = OPUS_RATE // 50  # 20 ms
 UNDERRUN_FRAMES = 5  # a gap of 100 ms or more while audio is owed (DESIGN.md §6)
 
 
@@ -38,15 +39,15 @@ class PacedAudioTrack(MediaStreamTrack):
     kind = "audio"
 
     def __init__(self, on_event: Callable[[dict[str, Any]], None], max_buffer_s: float = 30.0,
-                 input_rate: int = 24000):
+                 input_rate: int = PCM16.sample_rate):
         super().__init__()
         self.on_event, self.input_rate = on_event, input_rate
-        self.max_buffer_samples = int(max_buffer_s * SAMPLE_RATE)
+        self.max_buffer_samples = int(max_buffer_s * OPUS_RATE)
         self._buf = np.zeros(0, np.int16)
         self._owners: deque[list] = deque()  # [response_id, item_id, samples]: whose samples are queued, in order
         self._played: dict[str, int] = {}  # item_id -> samples sent
         self._space = asyncio.Event()  # set whenever samples leave the buffer (or it is cleared)
-        self._resampler = LowDelayResampler(input_rate, SAMPLE_RATE)
+        self._resampler = LowDelayResampler(input_rate, OPUS_RATE)
         self._writing: tuple[str, str] | None = None  # (response_id, item_id) being written
         self._dropped: set[str] = set()  # cleared responses: their late writes are ignored
         self._done: set[str] = set()  # responses with all their audio written
@@ -78,13 +79,13 @@ class PacedAudioTrack(MediaStreamTrack):
         if self._writing is not None:
             self._dropped.add(self._writing[0])
         self._writing = self._playing = None
-        self._resampler = LowDelayResampler(self.input_rate, SAMPLE_RATE)
+        self._resampler = LowDelayResampler(self.input_rate, OPUS_RATE)
         self._buf = np.zeros(0, np.int16)
         self._owners.clear()
         self._space.set()
 
     def played_ms(self, item_id: str) -> int:
-        return self._played.get(item_id, 0) * 1000 // SAMPLE_RATE
+        return self._played.get(item_id, 0) * 1000 // OPUS_RATE
 
     # ---- from the transport ------------------------------------------------------------------------
 
@@ -110,9 +111,9 @@ class PacedAudioTrack(MediaStreamTrack):
         if self._start is None:
             self._start = time.monotonic()
         else:
-            await asyncio.sleep(max(0.0, self._start + self._pts / SAMPLE_RATE - time.monotonic()))
+            await asyncio.sleep(max(0.0, self._start + self._pts / OPUS_RATE - time.monotonic()))
         frame = av.AudioFrame.from_ndarray(self._take(FRAME_SAMPLES)[None, :], format="s16", layout="mono")
-        frame.sample_rate, frame.pts, frame.time_base = SAMPLE_RATE, self._pts, Fraction(1, SAMPLE_RATE)
+        frame.sample_rate, frame.pts, frame.time_base = OPUS_RATE, self._pts, Fraction(1, OPUS_RATE)
         self._pts += FRAME_SAMPLES
         return frame
 
@@ -172,7 +173,7 @@ class PacedAudioTrack(MediaStreamTrack):
 
     def _stopped(self) -> None:
         self._emit("output_audio_buffer.stopped", response_id=self._playing, omnirt_playback={
-            "audio_ms": self._num_response_samples * 1000 // SAMPLE_RATE, "num_underruns": self._num_underruns})
+            "audio_ms": self._num_response_samples * 1000 // OPUS_RATE, "num_underruns": self._num_underruns})
         self._playing = None
 
     def _emit(self, kind: str, **fields: Any) -> None:

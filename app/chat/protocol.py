@@ -8,7 +8,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from app.audio import AudioFormatError, decode_audio_file, resample
+from app.audio.pcm import AudioFormatError, decode_audio_file
+from app.audio.resample import resample
 from app.errors import APIError
 
 

@@ -13,10 +13,10 @@ The transport interface (WebSocket and WebRTC):
     await session.close()                     # aborts the running response in every engine stage
 
 Output audio goes out as `response.output_audio.delta` events (base64 in the session's output
-format), or, when the transport passes an `audio_sink` (see `app.response.AudioSink`), as 24 kHz
-PCM16 to that sink: WebRTC plays it on its media track, reports `played_ms(item_id)`, and on
-barge-in the session clears the sink and truncates the assistant item at the played position
-itself (and emits `output_audio_buffer.cleared`), as OpenAI does for WebRTC. Every queue is bounded:
+format), or, when the transport passes an `audio_sink` (see `app.realtime.response.AudioSink`), as
+PCM16 at the engine's output rate to that sink: WebRTC plays it on its media track, reports
+`played_ms(item_id)`, and on barge-in the session clears the sink and truncates the assistant item at
+the played position itself (and emits `output_audio_buffer.cleared`), as OpenAI does for WebRTC. Every queue is bounded:
 the outbox (producers wait), the input buffer (`input_audio_buffer_full` error), the sink (its own).
 With `metrics`, each response is counted like a chat request (endpoint "realtime") and logs a
 "request finished" line with its response id and the session id.
@@ -31,14 +31,15 @@ from typing import Any
 
 import numpy as np
 
-from app.conversation import Content, Conversation, Item, decode_audio_b64, item_object, parse_item
-from app.input_audio import BufferFull, InputAudio, TurnEnded, TurnStarted
-from app.metrics import Metrics
-from app.outbox import Outbox
-from app.realtime_config import ResponseOptions, SessionConfig, apply_session_update, response_options, session_object
-from app.realtime_events import ProtocolError, error_event, new_id, parse_client_event, validate_client_event
-from app.response import AudioSink, Response
-from app.vad import SAMPLE_RATE, VadBatcher
+from app.audio.resample import resample
+from app.audio.vad import VAD_RATE, VadBatcher
+from app.ops.metrics import Metrics
+from app.realtime.config import ResponseOptions, SessionConfig, apply_session_update, response_options, session_object
+from app.realtime.conversation import Content, Conversation, Item, decode_audio_b64, item_object, parse_item
+from app.realtime.events import ProtocolError, error_event, new_id, parse_client_event, validate_client_event
+from app.realtime.input_buffer import BufferFull, InputBuffer, TurnEnded, TurnStarted
+from app.realtime.outbox import Outbox
+from app.realtime.response import AudioSink, Response
 from pipeline.api import EngineClient
 
 log = logging.getLogger(__name__)
@@ -71,7 +72,7 @@ class RealtimeSession:
                                     wants_audio=info.has_audio_output)
         self.conversation = Conversation()
         self.outbox = Outbox(limits.max_queued_events, beta)
-        self.input: InputAudio | None = None
+        self.input: InputBuffer | None = None
         self.response: Response | None = None
         self._has_spoken = False  # the voice is fixed once audio was produced
         self._turn_item_id: str | None = None
@@ -92,7 +93,7 @@ class RealtimeSession:
     # ---- the transport-facing API ---------------------------------------------------------------------
 
     async def start(self) -> None:
-        self.input = InputAudio(self.limits.max_input_buffer_s, self.config.turn_detection, self.vad)
+        self.input = InputBuffer(self.limits.max_input_buffer_s, self.config.turn_detection, self.vad)
         await self._emit("session.created", session=session_object(self.config, self.id, self.beta))
 
     async def handle_text(self, raw: str | bytes) -> None:
@@ -174,9 +175,9 @@ class RealtimeSession:
             await self._start_response(response_options(self.config, None, self.engine.info().voices))
 
     async def _commit(self, ev: dict) -> None:
-        if self.input.num_samples < MIN_COMMIT_MS * SAMPLE_RATE // 1000:
+        if self.input.duration_ms < MIN_COMMIT_MS:
             raise ProtocolError(f"buffer too small: expected at least {MIN_COMMIT_MS} ms of audio, have "
-                                f"{self.input.num_samples * 1000 // SAMPLE_RATE} ms", "input_audio_buffer_commit_empty")
+                                f"{self.input.duration_ms} ms", "input_audio_buffer_commit_empty")
         item_id, self._turn_item_id = self._turn_item_id or new_id("item"), None
         await self._add_user_audio(self.input.commit(), item_id)
 
@@ -186,6 +187,7 @@ class RealtimeSession:
         await self._emit("input_audio_buffer.cleared")
 
     async def _add_user_audio(self, audio: np.ndarray, item_id: str) -> None:
+        audio = resample(audio, VAD_RATE, self.engine.info().input_sample_rate)
         item = Item(item_id, "user", [Content("input_audio", audio=audio)])
         previous = self.conversation.add(item)
         await self._emit("input_audio_buffer.committed", previous_item_id=previous, item_id=item_id)
@@ -194,7 +196,7 @@ class RealtimeSession:
     # ---- conversation ---------------------------------------------------------------------------------
 
     async def _item_create(self, ev: dict) -> None:
-        item = parse_item(ev["item"], self.config.input_format)
+        item = parse_item(ev["item"], self.config.input_format, self.engine.info().input_sample_rate)
         await self._item_added(item, self.conversation.add(item, ev.get("previous_item_id")))
 
     async def _item_added(self, item: Item, previous: str | None) -> None:

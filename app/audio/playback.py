@@ -7,7 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 UNDERRUN_S = 0.100
-PCM16_24K_BYTES_PER_S = 48000
+
+
+def pcm16_seconds(pcm16: bytes, sample_rate: int) -> float:
+    return len(pcm16) / 2 / sample_rate
 
 
 @dataclass(slots=True)
