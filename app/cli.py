@@ -51,6 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--realtime-max-event-bytes", type=int, default=20 * 2**20)
     r.add_argument("--realtime-max-input-buffer-s", type=float, default=120.0)
     r.add_argument("--realtime-idle-timeout-s", type=float, default=300.0)
+    r.add_argument("--realtime-max-audio-rate", type=float, default=4.0,
+                   help="input audio may come this many times faster than real time (sustained) before the "
+                        "session is closed (1008)")
+    r.add_argument("--realtime-audio-burst-s", type=float, default=30.0,
+                   help="seconds of input audio a session may send ahead of that rate at once")
     s.add_argument("--webrtc-ice-address", action="append", default=None, dest="ice_addresses",
                    help="host address WebRTC offers as ICE candidate (repeatable; default: --host when it is one "
                         "address, else every interface but loopback)")
@@ -105,7 +110,9 @@ def serve(args: argparse.Namespace) -> None:
     info = engine.info()
     name = args.served_model_name or args.model
     limits = RealtimeLimits(args.realtime_max_sessions, args.realtime_max_event_bytes,
-                            args.realtime_max_input_buffer_s, args.realtime_idle_timeout_s)
+                            args.realtime_max_input_buffer_s, args.realtime_idle_timeout_s,
+                            max_audio_rate=args.realtime_max_audio_rate, audio_burst_s=args.realtime_audio_burst_s,
+                            send_timeout_s=args.slow_client_timeout)
     settings = ServerSettings(
         model_names=(name,), system_prompt=info.system_prompt, max_body_bytes=args.max_body_bytes,
         max_audio_s=args.max_audio_seconds, api_keys=tuple(args.api_key),

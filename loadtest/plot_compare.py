@@ -27,7 +27,7 @@ def _points(results: list[dict]) -> tuple[str, list[dict]]:
     """The x axis and the rows to draw: sessions for `omnirt bench realtime`, else concurrency at the first
     prompt length of `omnirt bench`."""
     if "sessions" in results[0]:
-        return "sessions", sorted(results, key=lambda r: r["sessions"])
+        return "sessions", sorted((r for r in results if not r.get("abusive")), key=lambda r: r["sessions"])
     return "concurrency", sorted((r for r in results if r["prompt_len"] == results[0]["prompt_len"]),
                                  key=lambda r: r["concurrency"])
 

@@ -20,10 +20,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import json
 import multiprocessing
 import queue
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -89,9 +91,9 @@ def utterance(wav: str | None) -> tuple[np.ndarray, float]:
     return audio.astype(np.float32), len(audio) / RATE
 
 
-def _chunks(audio: np.ndarray) -> list[str]:
+def _chunks(audio: np.ndarray, chunk_s: float = CHUNK_S) -> list[str]:
     pcm = (np.clip(audio, -1, 1) * 32767).astype("<i2").tobytes()
-    step = int(RATE * CHUNK_S) * 2
+    step = int(RATE * chunk_s) * 2
     return [base64.b64encode(pcm[i:i + step]).decode() for i in range(0, len(pcm), step)]
 
 
@@ -197,6 +199,109 @@ def _client_main(index: int, sessions: list[int], args: argparse.Namespace, star
     outbox.put(asdict(asyncio.run(_client(index, sessions, args, start_at))))
 
 
+# ---- abusive sessions (--abusive N) --------------------------------------------------------------------
+
+ABUSE_KINDS = ("flood", "garbage", "deaf")
+FLOOD_CHUNK_S = 0.5  # audio per append of a flood: the server's cost per event does not pace it
+
+
+async def _abuse_once(kind: str, url: str, speech: list[str], stop: asyncio.Event, deaf_s: float) -> dict:
+    """One abusive connection: `flood` sends speech as fast as the socket takes it, `garbage` sends
+    malformed events and audio in a wrong format, `deaf` asks for a long reply and reads nothing. What
+    the server answered: its error codes and how it closed the connection."""
+    import socket
+
+    import websockets
+
+    record = {"kind": kind, "errors": [], "close_code": None, "close_reason": None}
+    host, port = url.split("://", 1)[1].split("/", 1)[0].rsplit(":", 1)
+    sock = socket.socket()
+    if kind == "deaf":  # a small receive window (set before connecting), so the server's writes back up soon
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect((host, int(port)))
+    try:
+        async with websockets.connect(url, sock=sock, max_size=None, max_queue=1 if kind == "deaf" else 16,
+                                      open_timeout=60) as ws:
+            await ws.send(json.dumps({"type": "session.update", "session": _session_cfg(kind != "garbage")}))
+            if kind == "flood":
+                reader = asyncio.create_task(_errors(ws, record))
+                with contextlib.suppress(websockets.ConnectionClosed):
+                    while not stop.is_set():
+                        for chunk in speech:
+                            await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": chunk}))
+                            await asyncio.sleep(0)  # a send that does not wait on the socket yields nothing
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(reader, 30)
+            elif kind == "garbage":
+                for raw in _GARBAGE:
+                    await ws.send(raw)
+                await asyncio.wait_for(_errors(ws, record, until=len(_GARBAGE)), 30)
+            else:
+                await ws.send(json.dumps({"type": "conversation.item.create", "item": {
+                    "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Talk."}]}}))
+                await ws.send(json.dumps({"type": "response.create", "response": {
+                    "talker_sampling": {"min_tokens": 8000, "max_tokens": 8000}}}))
+                await asyncio.sleep(deaf_s)  # read nothing (past `stop` too); the server should give up
+                await asyncio.wait_for(_errors(ws, record), 30)
+    except websockets.ConnectionClosed as exc:
+        record["close_code"], record["close_reason"] = (exc.rcvd.code, exc.rcvd.reason) if exc.rcvd else (None, None)
+    except Exception as exc:  # noqa: BLE001 - a refused or dropped connection is a result
+        record["errors"].append(type(exc).__name__)
+    return record
+
+
+_GARBAGE = ("not json", json.dumps({"type": "no.such.event"}),
+            json.dumps({"type": "input_audio_buffer.append", "audio": "***"}),
+            json.dumps({"type": "input_audio_buffer.append", "audio": base64.b64encode(b"\x01\x02\x03").decode()}),
+            json.dumps({"type": "session.update", "session": {"voice": "no-such-voice"}}))
+
+
+def _session_cfg(vad: bool) -> dict:
+    return {"turn_detection": {"type": "server_vad", "silence_duration_ms": SILENCE_MS} if vad else None,
+            "input_audio_format": "pcm16", "output_audio_format": "pcm16", "modalities": ["text", "audio"]}
+
+
+async def _errors(ws, record: dict, until: int | None = None) -> None:
+    """Read events, noting `error` codes, until the connection closes (or `until` errors arrived)."""
+    import websockets
+
+    try:
+        async for raw in ws:
+            ev = json.loads(raw)
+            if ev["type"] == "error":
+                record["errors"].append(ev["error"].get("code"))
+                if until is not None and len(record["errors"]) >= until:
+                    return
+    except websockets.ConnectionClosed as exc:
+        if exc.rcvd:
+            record["close_code"], record["close_reason"] = exc.rcvd.code, exc.rcvd.reason
+        raise
+
+
+def _abusers_main(n: int, args: argparse.Namespace, stop, outbox) -> None:
+    """N abusive sessions, each going through the kinds in turn (a new connection each time) until `stop`."""
+
+    async def run() -> list[dict]:
+        speech, done, records = _chunks(utterance(args.wav)[0], FLOOD_CHUNK_S), asyncio.Event(), []
+        url = args.url.replace("http", "ws", 1) + f"/v1/realtime?model={args.model}"
+
+        async def one(i: int) -> None:
+            k = i
+            while not done.is_set():
+                records.append(await _abuse_once(ABUSE_KINDS[k % len(ABUSE_KINDS)], url, speech, done, args.deaf_s))
+                k += 1
+
+        async def watch() -> None:
+            while not stop.is_set():
+                await asyncio.sleep(0.2)
+            done.set()
+
+        await asyncio.gather(watch(), *(one(i) for i in range(n)))
+        return records
+
+    outbox.put(asyncio.run(run()))
+
+
 def _server_cpu_s(url: str) -> float | None:
     for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
         if line.startswith("process_cpu_seconds_total "):
@@ -204,11 +309,15 @@ def _server_cpu_s(url: str) -> float | None:
     return None
 
 
-def run_point(args: argparse.Namespace, n: int) -> dict:
-    """N sessions spread over the client processes; the row of figures."""
+def run_point(args: argparse.Namespace, n: int, abusive: int = 0) -> dict:
+    """N sessions spread over the client processes (and `abusive` abusers in a process of their own, from
+    before the first session starts until the last one ends); the row of figures."""
     clients = max(1, min(args.clients, n))
     ctx = multiprocessing.get_context("spawn")
-    inbox = ctx.Queue()
+    inbox, abuse_box, stop = ctx.Queue(), ctx.Queue(), ctx.Event()
+    abusers = ctx.Process(target=_abusers_main, args=(abusive, args, stop, abuse_box)) if abusive else None
+    if abusers is not None:
+        abusers.start()
     cpu0, t0 = _server_cpu_s(args.url), time.time()
     start_at = time.perf_counter() + 3.0  # perf_counter is one clock for every process of this host
     procs = [ctx.Process(target=_client_main, args=(c, list(range(c, n, clients)), args, start_at, inbox))
@@ -217,10 +326,24 @@ def run_point(args: argparse.Namespace, n: int) -> dict:
         p.start()
     results = _gather(procs, inbox)
     wall, cpu1 = time.time() - t0, _server_cpu_s(args.url)
+    stop.set()
+    records = _gather([abusers], abuse_box)[0] if abusers is not None else []
     turns = [t for r in results for t in r["turns"] if t["index"] >= args.warmup_turns]  # warm-up turns not counted
-    return summarize(n, turns, [e for r in results for e in r["errors"]], args,
-                     server_cpu=(cpu1 - cpu0) / wall if cpu0 is not None and cpu1 is not None else None,
-                     client_cpu=sum(r["cpu_s"] for r in results) / wall)
+    row = summarize(n, turns, [e for r in results for e in r["errors"]], args,
+                    server_cpu=(cpu1 - cpu0) / wall if cpu0 is not None and cpu1 is not None else None,
+                    client_cpu=sum(r["cpu_s"] for r in results) / wall)
+    return {**row, "abusive": abusive, "abuse": _abuse_summary(records)}
+
+
+def _abuse_summary(records: list[dict]) -> dict:
+    """Per abuse kind: connections, how the server closed them, and the error codes it sent."""
+    out: dict[str, dict] = {}
+    for r in records:
+        k = out.setdefault(r["kind"], {"connections": 0, "closes": Counter(), "errors": Counter()})
+        k["connections"] += 1
+        k["closes"][f"{r['close_code']} {r['close_reason'] or ''}".strip()] += 1
+        k["errors"].update(str(e) for e in r["errors"])
+    return {kind: {**v, "closes": dict(v["closes"]), "errors": dict(v["errors"])} for kind, v in out.items()}
 
 
 def _gather(procs: list, inbox) -> list[dict]:
@@ -265,18 +388,20 @@ def _cell(row: dict, key: str) -> str:
 
 
 def markdown(rows: list[dict], title: str) -> str:
-    head = ("| sessions | mode | turns | VAD lag ms p50/p90/p99 | response ms p50/p90/p99 | voice-to-voice ms "
-            "p50/p90/p99 | no audio | underruns | errors | server CPU per session | client CPU |\n|"
-            + "---|" * 11 + "\n")
-    return f"### {title}\n\n{head}" + "".join(_row(r) for r in rows)
+    head = ("| sessions | abusive | mode | turns | VAD lag ms p50/p90/p99 | response ms p50/p90/p99 | voice-to-voice "
+            "ms p50/p90/p99 | no audio | underruns | errors | server CPU per session | client CPU |\n|"
+            + "---|" * 12 + "\n")
+    abuse = "".join(f"\n- {r['sessions']} sessions, {r['abusive']} abusive: {kind}: {a['connections']} connections, "
+                    f"closed {a['closes']}, errors {a['errors']}" for r in rows for kind, a in r["abuse"].items())
+    return f"### {title}\n\n{head}" + "".join(_row(r) for r in rows) + abuse + "\n"
 
 
 def _row(r: dict) -> str:
     server_cpu = "-" if r["server_cpu_per_session"] is None else f"{r['server_cpu_per_session']:.3f}"
     underruns = "-" if r["underruns"] is None else r["underruns"]
-    return (f"| {r['sessions']} | {r['mode']} | {r['turns']}/{r['expected_turns']} | {_cell(r, 'vad_lag_ms')} | "
-            f"{_cell(r, 'response_ms')} | {_cell(r, 'voice_to_voice_ms')} | {r['turns_without_audio']} | "
-            f"{underruns} | {r['errors']} | {server_cpu} | {r['client_cpu']:.2f} |\n")
+    return (f"| {r['sessions']} | {r['abusive']} | {r['mode']} | {r['turns']}/{r['expected_turns']} | "
+            f"{_cell(r, 'vad_lag_ms')} | {_cell(r, 'response_ms')} | {_cell(r, 'voice_to_voice_ms')} | "
+            f"{r['turns_without_audio']} | {underruns} | {r['errors']} | {server_cpu} | {r['client_cpu']:.2f} |\n")
 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:
@@ -289,10 +414,12 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
                                               ("voice_to_voice_ms", "voice-to-voice (ms)"))
               if any(r[key]["p50"] is not None for r in rows)]  # no-responses: the VAD lag alone
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
-    n = [r["sessions"] for r in rows]
     for ax, (key, label) in zip(axes[0], panels):
-        for q in ("p50", "p90", "p99"):
-            ax.plot(n, [r[key][q] for r in rows], marker="o", label=q)
+        for abusive in sorted({r["abusive"] for r in rows}):
+            part = [r for r in rows if r["abusive"] == abusive]
+            for q in ("p50", "p90", "p99"):
+                ax.plot([r["sessions"] for r in part], [r[key][q] for r in part], marker="o",
+                        linestyle="--" if abusive else "-", label=f"{q}, {abusive} abusive" if abusive else q)
         ax.set_xlabel("sessions")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
@@ -314,13 +441,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--stagger", type=float, default=0.1, help="seconds between session starts")
     p.add_argument("--wav", help="the utterance (any rate, mono or not); default: an espeak-ng phrase")
     p.add_argument("--turn-timeout", type=float, default=120.0)
+    p.add_argument("--abusive", type=int, default=0, help="also run each point with this many abusive sessions "
+                   "beside the normal ones (flooding audio, malformed events, not reading), after the same point "
+                   "without them")
+    p.add_argument("--deaf-s", type=float, default=60.0, help="how long an abusive session reads nothing (long "
+                   "enough for the kernel's socket buffers to fill)")
     p.add_argument("--name", default="realtime")
     p.add_argument("--out", default="bench-results", help="folder for the JSON, markdown and plot")
     args = p.parse_args(argv)
     rows = []
     for n in args.sessions:
-        rows.append(run_point(args, n))
-        print(markdown(rows[-1:], f"{args.name}: {n} sessions"), flush=True)
+        for abusive in sorted({0, args.abusive}):
+            rows.append(run_point(args, n, abusive))
+            print(markdown(rows[-1:], f"{args.name}: {n} sessions, {abusive} abusive"), flush=True)
     write_report(args, rows, markdown, plot)
 
 

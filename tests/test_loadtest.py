@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, ServerProcess
 
 
 def test_locust_headless_short_run(server, tmp_path):
@@ -60,3 +60,34 @@ def test_bench_realtime_short_run(server, tmp_path, mode):
         assert row["response_ms"]["n"] == 0  # no responses: the front end alone
     assert row["server_cpu_per_session"] is not None and row["client_cpu"] > 0
     assert (tmp_path / "rt.md").read_text().count("\n| 2 |") == 1 and (tmp_path / "rt.png").stat().st_size > 0
+
+
+def test_bench_realtime_abusive_session_leaves_others_whole(tmp_path):
+    """16 spoken sessions, then the same 16 beside an abusive session that floods audio, sends malformed
+    events and wrong-format audio, and stops reading, in turn: every normal turn is answered with audio
+    and no normal session sees an error either time; the abuser gets its errors, and is closed (1008,
+    with the reason) for the flood and for not reading."""
+    srv = ServerProcess(["--realtime-audio-burst-s", "2", "--slow-client-timeout", "3",
+                         "--realtime-max-sessions", "40"])
+    try:
+        run = subprocess.run([sys.executable, "-m", "app.cli", "bench", "realtime", "--url", srv.url,
+                              "--sessions", "16", "--turns", "1", "--warmup-turns", "0", "--clients", "4",
+                              "--abusive", "1", "--deaf-s", "60", "--name", "abuse", "--out", str(tmp_path)],
+                             cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+        slow = srv.metric("omnirt_sessions_total", state="slow_client")
+        policy = srv.metric("omnirt_sessions_total", state="policy")
+    finally:
+        srv.stop()
+    without, beside = json.loads((tmp_path / "abuse.json").read_text())["results"]
+    assert (without["abusive"], beside["abusive"]) == (0, 1)
+    for row in (without, beside):
+        assert row["turns"] == row["expected_turns"] == 16 and row["errors"] == 0, row
+        assert row["turns_without_audio"] == 0 and row["turns_without_speech_stopped"] == 0, row
+    abuse = beside["abuse"]
+    assert without["abuse"] == {} and set(abuse) == {"flood", "garbage", "deaf"}, abuse
+    assert "input_audio_rate_exceeded" in abuse["flood"]["errors"], abuse
+    assert any(c.startswith("1008 input audio arrives faster than 4x real time") for c in abuse["flood"]["closes"])
+    garbage = set(abuse["garbage"]["errors"])
+    assert {"invalid_json", "invalid_event_type", "invalid_base64", "invalid_audio_format"} <= garbage, abuse
+    assert policy >= abuse["flood"]["connections"] and slow >= 1, (policy, slow, abuse)

@@ -14,6 +14,7 @@ from scipy.signal import resample_poly
 from app.audio.resample import LowDelayResampler, StreamResampler
 from app.audio.vad import WINDOW, TurnDetector, VadBatcher, VadConfig, VadStream
 from app.audio.wire import G711_ALAW, G711_ULAW, decode, encode
+from app.ops.limits import AudioRateLimit
 from app.realtime.config import SessionConfig, apply_session_update, session_object
 from app.realtime.conversation import Content, Conversation, Item
 from app.realtime.events import ProtocolError
@@ -278,3 +279,15 @@ async def test_vad_counts_reach_metrics(engine):
     await asyncio.gather(*(registry.vad.probabilities(s, np.zeros((2, WINDOW), np.float32)) for s in streams))
     text = metrics.render().decode()
     assert "omnirt_vad_windows_total 6.0" in text and "omnirt_vad_model_calls_total 2.0" in text
+
+
+def test_audio_rate_limit_allows_real_time_and_a_burst_then_refuses():
+    """A microphone (1x) never runs the bucket dry; audio ahead of `rate` is allowed up to the burst."""
+    now = [0.0]
+    limit = AudioRateLimit(rate=4.0, burst_s=2.0, clock=lambda: now[0])
+    for _ in range(1000):  # 20 s of real-time audio in 20 ms chunks
+        now[0] += 0.02
+        assert limit.take(0.02)
+    assert limit.take(1.9) and not limit.take(0.2)  # nearly the whole burst at once, then no more
+    now[0] += 0.5  # refills at 4 s of audio per second, up to the burst
+    assert limit.take(1.9) and not limit.take(0.2)

@@ -1,11 +1,14 @@
-"""Transport limits, as pure ASGI middlewares (so that client disconnects still reach the routes):
+"""Transport limits. As pure ASGI middlewares (so that client disconnects still reach the routes):
 request bodies over a size (declared or streamed in chunks) get 413, and a client that stops reading
-a streamed response is disconnected once one write has waited `timeout_s`, without slowing others."""
+a streamed response is disconnected once one write has waited `timeout_s`, without slowing others.
+For Realtime sessions: how far ahead of real time input audio may come (`AudioRateLimit`)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections.abc import Callable
 
 from fastapi import HTTPException
 from starlette.requests import ClientDisconnect
@@ -45,6 +48,26 @@ class BodySizeLimit:
             return message
 
         return await self.app(scope, limited_receive, send)
+
+
+class AudioRateLimit:
+    """How far ahead of real time a client may send input audio: a bucket of `burst_s` seconds of audio
+    that refills at `rate` seconds per second. A microphone (1x) never empties it; a client that pushes
+    audio as fast as the network takes it does within seconds, and would otherwise spend the event
+    loop's time (decoding, resampling, VAD) that every other session shares."""
+
+    def __init__(self, rate: float, burst_s: float, clock: Callable[[], float] = time.monotonic):
+        self.rate, self.burst_s, self._clock = rate, burst_s, clock
+        self._level, self._at = burst_s, clock()
+
+    def take(self, seconds: float) -> bool:
+        """Spend `seconds` of audio; False (and nothing spent) if the bucket does not hold that much."""
+        now = self._clock()
+        self._level, self._at = min(self.burst_s, self._level + (now - self._at) * self.rate), now
+        if seconds > self._level:
+            return False
+        self._level -= seconds
+        return True
 
 
 class ClientTooSlow(OSError):

@@ -31,7 +31,8 @@ class Metrics:
         self.active = Gauge("omnirt_requests_active", "Requests being served", ["endpoint"], registry=r)
         self.sessions = Counter("omnirt_sessions", "Realtime sessions by transport and how they ended: closed "
                                 "(by the client), timeout, shutdown (by the server's drain), failed, refused (at "
-                                "connect)", ["transport", "state"], registry=r)
+                                "connect), policy (input audio too fast), slow_client (took no events)",
+                                ["transport", "state"], registry=r)
         self.sessions_active = Gauge("omnirt_sessions_active", "Open realtime sessions", ["transport"], registry=r)
         self.errors = Counter("omnirt_errors", "Errors by type (OpenAI error type or stream error code)", ["type"],
                               registry=r)

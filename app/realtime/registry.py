@@ -51,7 +51,7 @@ class SessionRegistry:
         return True
 
     def remove(self, session: RealtimeSession, state: str) -> None:
-        """The session ended (`state`: closed, timeout, shutdown, failed); idempotent."""
+        """The session ended (`state`: closed, timeout, shutdown, failed, policy, slow_client); idempotent."""
         entry = self.sessions.pop(session, None)
         if entry is not None:
             self.metrics.sessions_active.labels(entry.transport).dec()

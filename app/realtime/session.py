@@ -33,6 +33,7 @@ import numpy as np
 
 from app.audio.resample import resample
 from app.audio.vad import VAD_RATE, VadBatcher
+from app.ops.limits import AudioRateLimit
 from app.ops.metrics import Metrics
 from app.realtime.config import ResponseOptions, SessionConfig, apply_session_update, response_options, session_object
 from app.realtime.conversation import Content, Conversation, Item, decode_audio_b64, item_object, parse_item
@@ -53,10 +54,14 @@ class RealtimeLimits:
     max_input_buffer_s: float = 120.0
     idle_timeout_s: float = 300.0  # no client event and no response running
     max_queued_events: int = 512
+    max_audio_rate: float = 4.0  # input audio may come this many times faster than real time, sustained,
+    audio_burst_s: float = 30.0  # after a burst of this many seconds of audio ahead of real time
+    send_timeout_s: float = 30.0  # one server event the client does not take within this ends the session
 
     def __post_init__(self):
         assert self.max_sessions >= 1 and self.max_event_bytes >= 1024 and self.max_input_buffer_s > 0
         assert self.idle_timeout_s > 0 and self.max_queued_events >= 16
+        assert self.max_audio_rate >= 1 and self.audio_burst_s > 0 and self.send_timeout_s > 0
 
 
 class RealtimeSession:
@@ -74,6 +79,8 @@ class RealtimeSession:
         self.outbox = Outbox(limits.max_queued_events, beta)
         self.input: InputBuffer | None = None
         self.response: Response | None = None
+        self.audio_rate = AudioRateLimit(limits.max_audio_rate, limits.audio_burst_s)
+        self.violation: str | None = None  # why the transport must close the session (policy), once set
         self._has_spoken = False  # the voice is fixed once audio was produced
         self._turn_item_id: str | None = None
         self._lock = asyncio.Lock()  # client events and input audio apply one at a time, in arrival order
@@ -146,7 +153,13 @@ class RealtimeSession:
 
     async def _append(self, ev: dict) -> None:
         fmt = self.config.input_format
-        await self._feed(decode_audio_b64(ev["audio"], fmt, "audio"), fmt.sample_rate)
+        samples = decode_audio_b64(ev["audio"], fmt, "audio")
+        if not self.audio_rate.take(len(samples) / fmt.sample_rate):
+            lim = self.limits
+            self.violation = (f"input audio arrives faster than {lim.max_audio_rate:g}x real time (after a "
+                              f"{lim.audio_burst_s:g} s burst)")
+            raise ProtocolError(f"{self.violation}; closing the session", "input_audio_rate_exceeded", "audio")
+        await self._feed(samples, fmt.sample_rate)
 
     async def _feed(self, samples: np.ndarray, sample_rate: int) -> None:
         try:  # the VAD runs batched with every other session's, off the event loop

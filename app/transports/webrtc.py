@@ -173,8 +173,9 @@ class Call:
                 await self.session.append_audio(samples, VAD_RATE)
 
     async def _read(self) -> None:
-        while True:
+        while self.session.violation is None:
             await self.session.handle_text(await self.inbox.get())
+        self.end(self.session.violation, "policy")
 
     async def _write(self) -> None:
         """The session's events -> the data channel; `response.done` tells the track the audio is all there.

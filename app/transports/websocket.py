@@ -5,7 +5,10 @@ outbox -> text frames) per connection. A client that sends `OpenAI-Beta: realtim
 `openai-beta.realtime-v1` subprotocol, as browsers must) gets the beta event names and session shape.
 Refusals at connect are an `error` event followed by a close code whose reason says why: 1008 for an
 unknown model, 1013 when `max_sessions` are open or the engine's wait queues are full, 1001 while the
-server drains. The idle timeout sends an `error` event, then closes with 1000. On shutdown, once the
+server drains. The idle timeout sends an `error` event, then closes with 1000. A client that sends
+input audio faster than the session's audio rate limit gets an `error` event
+(`input_audio_rate_exceeded`) and a close 1008 saying why; one that takes no event for
+`send_timeout_s` is closed with 1008 "client not reading". On shutdown, once the
 running responses have finished (or the drain deadline passed), each session gets an `error` event
 (`server_shutting_down`) and a close 1001 "server shutting down". Log lines carry the session id.
 """
@@ -31,6 +34,8 @@ log = logging.getLogger(__name__)
 router = APIRouter()
 CLOSE_POLICY, CLOSE_TRY_AGAIN, CLOSE_GOING_AWAY = 1008, WS_TRY_AGAIN_LATER, WS_GOING_AWAY
 MAX_CLOSE_REASON = 123  # bytes a close frame's reason may hold (the reasons here are ASCII)
+CLOSE_TIMEOUT_S = 5.0
+Close = tuple[int, str, str]  # (close code, reason, how the session ended for /metrics)
 TRANSPORT = "websocket"
 
 
@@ -86,20 +91,27 @@ class _Connection:
         self.ws, self.session = ws, session
         self.log = logging.LoggerAdapter(log, {"session_id": session.id})
         self.writer: asyncio.Task | None = None
-        self.state = "closed"  # how it ended, for /metrics: closed (by the client), timeout, shutdown
+        self.state = "closed"  # how it ended, for /metrics: closed (by the client), timeout, policy, shutdown
 
     async def serve(self, limits: RealtimeLimits) -> None:
-        self.writer = asyncio.create_task(self._write())
-        close_code = None
+        """Until the client goes, the session idles out or breaks a limit, or the client stops reading."""
+        self.writer = asyncio.create_task(self._write(limits.send_timeout_s))
+        reader, close = None, None
         try:
             await self.session.start()
-            close_code = await self._read(limits)
+            reader = asyncio.create_task(self._read(limits))
+            await asyncio.wait({reader, self.writer}, return_when=asyncio.FIRST_COMPLETED)
+            close = reader.result() if reader.done() else self.writer.result()
         finally:
+            if reader is not None:
+                reader.cancel()
             await self._drain()
-        if close_code is not None and self.ws.application_state is WebSocketState.CONNECTED:
-            self.state = "timeout"
+        if close is not None and self.ws.application_state is WebSocketState.CONNECTED:
+            code, reason, self.state = close
+            self.log.info("closing the session (%d %s)", code, reason or self.state)
             with contextlib.suppress(Exception):
-                await self.ws.close(close_code)
+                async with asyncio.timeout(CLOSE_TIMEOUT_S):  # a client that reads nothing takes no close either
+                    await self.ws.close(code, reason=reason[:MAX_CLOSE_REASON])
 
     async def end(self, reason: str) -> None:
         """The server ends the session: what is queued goes out, then the close (1001) says why."""
@@ -115,8 +127,8 @@ class _Connection:
             await asyncio.wait_for(asyncio.shield(self.writer), timeout=5)
         self.writer.cancel()
 
-    async def _read(self, limits: RealtimeLimits) -> int | None:
-        """Client events until the client goes (None) or the session idles out (a close code)."""
+    async def _read(self, limits: RealtimeLimits) -> Close | None:
+        """Client events until the client goes (None), or the session idles out or breaks a limit (a close)."""
         ws, session = self.ws, self.session
         while True:
             try:
@@ -126,7 +138,7 @@ class _Connection:
                     continue
                 await session.send_error(ProtocolError(f"no client event for {limits.idle_timeout_s:g} s: closing "
                                                        "the session", "session_idle_timeout"))
-                return 1000
+                return 1000, "", "timeout"
             except (WebSocketDisconnect, RuntimeError):  # RuntimeError: `end` closed it meanwhile
                 return None
             if msg["type"] == "websocket.disconnect":
@@ -139,13 +151,20 @@ class _Connection:
                                                        f"{limits.max_event_bytes}", "event_too_large"))
                 continue
             await session.handle_text(data)
+            if session.violation is not None:
+                return CLOSE_POLICY, session.violation, "policy"
 
-    async def _write(self) -> None:
+    async def _write(self, timeout_s: float) -> Close | None:
+        """The outbox -> text frames, until it closes (None) or one frame waits `timeout_s` (a close)."""
         while (event := await self.session.outbox.get()) is not None:
             try:
-                await self.ws.send_text(json.dumps(event))
+                async with asyncio.timeout(timeout_s):
+                    await self.ws.send_text(json.dumps(event))
+            except TimeoutError:
+                return CLOSE_POLICY, f"client not reading: an event waited {timeout_s:g} s", "slow_client"
             except Exception:  # the client is gone: keep draining so that producers never block
                 continue
+        return None
 
 
 async def _refuse(ws: WebSocket, registry: SessionRegistry | None, exc: ProtocolError, code: int) -> None:
