@@ -32,6 +32,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from app.audio.pcm import float_to_pcm16
 from app.audio.wire import PCM16
 from loadtest.bench import _underruns, server_args, write_report
 
@@ -97,96 +98,200 @@ def _chunks(audio: np.ndarray, chunk_s: float = CHUNK_S) -> list[str]:
     return [base64.b64encode(pcm[i:i + step]).decode() for i in range(0, len(pcm), step)]
 
 
-class Session:
-    """One microphone: paced chunks, speech then silence, while a reader notes what comes back."""
+class Mic:
+    """One microphone's turns: speech, then silence until the turn is over (its reply, or in `no-responses`
+    mode `speech_stopped`), then a gap; a transport subclass sends the audio and feeds `on_event`."""
 
-    def __init__(self, ws, index: int, speech: list[str], args: argparse.Namespace, result: ClientResult):
-        self.ws, self.index, self.speech, self.args, self.result = ws, index, speech, args, result
-        self.silence = _chunks(np.zeros(int(RATE * CHUNK_S), np.float32))[0]
+    def __init__(self, index: int, args: argparse.Namespace, result: ClientResult):
+        self.index, self.args, self.result = index, args, result
         self.turn: Turn | None = None
         self.turn_over = asyncio.Event()
-        self._arrivals: list[tuple[float, float]] = []
+        self._arrivals: list[tuple[float, float]] = []  # (arrival, seconds of audio) per delta
+        self._playback: dict | None = None  # the server's own playback report (WebRTC)
 
     async def run(self, start_at: float) -> None:
-        reader = asyncio.create_task(self._read())
-        try:
-            await self._wait_until(start_at)
-            clock = time.perf_counter()
-            for t in range(self.args.warmup_turns + self.args.turns):
-                clock = await self._send(self.speech, clock)
-                self.turn = Turn(self.index, t, speech_end=time.perf_counter())
-                self.turn_over.clear()
-                while not self.turn_over.is_set():  # a microphone goes on sending silence
-                    clock = await self._send([self.silence], clock)
-                    if time.perf_counter() - self.turn.speech_end > self.args.turn_timeout:
-                        self.result.errors.append(f"session {self.index} turn {t}: no end within "
-                                                  f"{self.args.turn_timeout:.0f} s")
-                        break
-                self._finish_turn()
-                clock = await self._send([self.silence] * int(GAP_S / CHUNK_S), clock)
-        finally:
-            reader.cancel()
+        await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
+        for t in range(self.args.warmup_turns + self.args.turns):
+            self.turn = Turn(self.index, t, speech_end=await self.speak(t))
+            self.turn_over.clear()
+            if not await self.silence_until(self.turn_over, self.args.turn_timeout):
+                self.result.errors.append(f"session {self.index} turn {t}: no end within "
+                                          f"{self.args.turn_timeout:.0f} s")
+            self._finish_turn()
+            await self.silence_until(None, GAP_S)
 
-    async def _send(self, chunks: list[str], clock: float) -> float:
-        for chunk in chunks:  # paced on an absolute schedule, so that a late chunk does not push all later ones
-            await self.ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": chunk}))
-            clock += CHUNK_S
-            await asyncio.sleep(max(0.0, clock - time.perf_counter()))
-        return clock
+    async def speak(self, t: int) -> float:
+        """Send the utterance in real time; the perf_counter at which its last sample went out."""
+        raise NotImplementedError
 
-    @staticmethod
-    async def _wait_until(t: float) -> None:
-        await asyncio.sleep(max(0.0, t - time.perf_counter()))
+    async def silence_until(self, event: asyncio.Event | None, timeout: float) -> bool:
+        """Send silence until `event` is set (True) or `timeout` seconds passed (False)."""
+        raise NotImplementedError
+
+    async def cancel(self) -> None:
+        raise NotImplementedError
+
+    async def on_event(self, ev: dict, now: float) -> None:
+        kind, turn = ev["type"], self.turn
+        if kind == "error":
+            self.result.errors.append(f"session {self.index}: {ev['error'].get('message')}")
+        if turn is None:
+            return
+        if kind == "input_audio_buffer.speech_stopped" and turn.speech_stopped is None:
+            turn.speech_stopped = now
+            if self.args.mode == "no-responses":
+                self.turn_over.set()
+        elif kind in ("response.output_audio.delta", "response.audio.delta", "output_audio_buffer.started"):
+            if turn.first_audio is None:  # a delta (WebSocket), or the first frame sent on the track (WebRTC)
+                turn.first_audio = now
+                if self.args.mode == "cancel":
+                    await self.cancel()
+            if "delta" in ev:
+                self._arrivals.append((now, len(base64.b64decode(ev["delta"])) / 2 / RATE))
+        elif kind == "output_audio_buffer.stopped":
+            self._playback = ev.get("omnirt_playback")
+        elif kind == "response.done":
+            turn.status = ev["response"]["status"]
+            self.turn_over.set()
 
     def _finish_turn(self) -> None:
         turn, self.turn = self.turn, None
-        turn.audio_s = sum(d for _, d in self._arrivals)
-        turn.underruns = _underruns([(t - self._arrivals[0][0], d) for t, d in self._arrivals])
-        self._arrivals = []
+        if self._playback is not None:  # WebRTC: the server's track counted what it played
+            turn.audio_s, turn.underruns = self._playback["audio_ms"] / 1000, self._playback["num_underruns"]
+        elif self._arrivals:
+            turn.audio_s = sum(d for _, d in self._arrivals)
+            turn.underruns = _underruns([(t - self._arrivals[0][0], d) for t, d in self._arrivals])
+        self._arrivals, self._playback = [], None
         self.result.turns.append({**asdict(turn), "vad_lag_ms": turn.vad_lag_ms, "response_ms": turn.response_ms,
                                   "voice_to_voice_ms": turn.voice_to_voice_ms})
 
+
+class WebSocketMic(Mic):
+    """Paced 20 ms `input_audio_buffer.append` events; a reader task notes what comes back."""
+
+    def __init__(self, ws, index: int, speech: list[str], args: argparse.Namespace, result: ClientResult):
+        super().__init__(index, args, result)
+        self.ws, self.speech = ws, speech
+        self.silence = _chunks(np.zeros(int(RATE * CHUNK_S), np.float32))[0]
+        self.clock = 0.0
+
+    async def run(self, start_at: float) -> None:
+        reader = asyncio.create_task(self._read())
+        self.clock = start_at
+        try:
+            await super().run(start_at)
+        finally:
+            reader.cancel()
+
+    async def speak(self, t: int) -> float:
+        for chunk in self.speech:
+            await self._send(chunk)
+        return time.perf_counter()
+
+    async def silence_until(self, event: asyncio.Event | None, timeout: float) -> bool:
+        deadline = time.perf_counter() + timeout
+        while event is None or not event.is_set():  # a microphone goes on sending silence
+            if time.perf_counter() >= deadline:
+                return False
+            await self._send(self.silence)
+        return True
+
+    async def cancel(self) -> None:
+        await self.ws.send(json.dumps({"type": "response.cancel"}))
+
+    async def _send(self, chunk: str) -> None:
+        """Paced on an absolute schedule, so that a late chunk does not push all later ones."""
+        await self.ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": chunk}))
+        self.clock += CHUNK_S
+        await asyncio.sleep(max(0.0, self.clock - time.perf_counter()))
+
     async def _read(self) -> None:
         async for raw in self.ws:
-            ev, now, turn = json.loads(raw), time.perf_counter(), self.turn
-            kind = ev["type"]
-            if kind == "error":
-                self.result.errors.append(f"session {self.index}: {ev['error'].get('message')}")
-            if turn is None:
-                continue
-            if kind == "input_audio_buffer.speech_stopped" and turn.speech_stopped is None:
-                turn.speech_stopped = now
-                if self.args.mode == "no-responses":
-                    self.turn_over.set()
-            elif kind in ("response.output_audio.delta", "response.audio.delta"):
-                if turn.first_audio is None:
-                    turn.first_audio = now
-                    if self.args.mode == "cancel":
-                        await self.ws.send(json.dumps({"type": "response.cancel"}))
-                self._arrivals.append((now, len(base64.b64decode(ev["delta"])) / 2 / RATE))
-            elif kind == "response.done":
-                turn.status = ev["response"]["status"]
-                self.turn_over.set()
+            await self.on_event(json.loads(raw), time.perf_counter())
+
+
+class WebRtcMic(Mic):
+    """The utterance goes out on the call's paced microphone track (silence flows whenever nothing is
+    written); events come on the data channel; first audio is the server's `output_audio_buffer.started`
+    (the reply's first frame left on its track), underruns are its track's own count."""
+
+    def __init__(self, index: int, pcm16: bytes, args: argparse.Namespace, result: ClientResult):
+        super().__init__(index, args, result)
+        self.pcm16, self.call = pcm16, None
+        self._spoken: dict[str, float] = {}
+        self._sent = asyncio.Event()
+
+    async def connect(self, url: str) -> None:
+        from loadtest.webrtc_client import connect
+
+        loop = asyncio.get_running_loop()
+        self.call = await connect(url, f"/v1/realtime?model={self.args.model}",
+                                  on_event=lambda ev: loop.create_task(self.on_event(ev, time.perf_counter())),
+                                  on_mic_event=self._mic_event)
+
+    async def speak(self, t: int) -> float:
+        name = f"utterance-{t}"
+        self._sent.clear()
+        await self.call.mic.write(name, name, self.pcm16)
+        self.call.mic.response_done(name)
+        await self._sent.wait()
+        return self._spoken.pop(name)
+
+    async def silence_until(self, event: asyncio.Event | None, timeout: float) -> bool:
+        if event is None:
+            await asyncio.sleep(timeout)
+            return False
+        try:
+            await asyncio.wait_for(event.wait(), timeout)
+            return True
+        except TimeoutError:
+            return False
+
+    async def cancel(self) -> None:
+        self.call.send({"type": "response.cancel"})
+
+    def _mic_event(self, ev: dict) -> None:
+        if ev["type"] == "output_audio_buffer.stopped":  # the utterance's last frame went out
+            self._spoken[ev["response_id"]] = time.perf_counter()
+            self._sent.set()
+
+
+def _session_update(args: argparse.Namespace) -> dict:
+    return {"type": "session.update", "session": {
+        "turn_detection": {"type": "server_vad", "silence_duration_ms": SILENCE_MS,
+                           "create_response": args.mode != "no-responses"},
+        "input_audio_format": "pcm16", "output_audio_format": "pcm16", "voice": args.voice,
+        "modalities": ["text", "audio"]}}
 
 
 async def _client(index: int, sessions: list[int], args: argparse.Namespace, start_at: float) -> ClientResult:
     import websockets
 
     result = ClientResult()
-    speech = _chunks(utterance(args.wav)[0])
+    audio = utterance(args.wav)[0]
+    speech, pcm16 = _chunks(audio), float_to_pcm16(audio)
     url = args.url.replace("http", "ws", 1) + f"/v1/realtime?model={args.model}"
-    session_cfg = {"turn_detection": {"type": "server_vad", "silence_duration_ms": SILENCE_MS,
-                                      "create_response": args.mode != "no-responses"},
-                   "input_audio_format": "pcm16", "output_audio_format": "pcm16", "voice": args.voice,
-                   "modalities": ["text", "audio"]}
+
+    async def over_websocket(i: int) -> None:
+        async with websockets.connect(url, max_size=None, open_timeout=60,
+                                      additional_headers={"OpenAI-Beta": "realtime=v1"}) as ws:
+            json.loads(await ws.recv())  # session.created
+            await ws.send(json.dumps(_session_update(args)))
+            await WebSocketMic(ws, i, speech, args, result).run(start_at + i * args.stagger)
+
+    async def over_webrtc(i: int) -> None:
+        mic = WebRtcMic(i, pcm16, args, result)
+        await mic.connect(args.url)
+        try:
+            await mic.call.wait_for(lambda e: e["type"] == "session.created", 60)
+            mic.call.send(_session_update(args))
+            await mic.run(start_at + i * args.stagger)
+        finally:
+            await mic.call.close()
 
     async def one(i: int) -> None:
         try:
-            async with websockets.connect(url, max_size=None, open_timeout=60,
-                                          additional_headers={"OpenAI-Beta": "realtime=v1"}) as ws:
-                json.loads(await ws.recv())  # session.created
-                await ws.send(json.dumps({"type": "session.update", "session": session_cfg}))
-                await Session(ws, i, speech, args, result).run(start_at + i * args.stagger)
+            await (over_webrtc if args.transport == "webrtc" else over_websocket)(i)
         except Exception as exc:  # a refused or dropped session is a result, not a crash
             result.errors.append(f"session {i}: {type(exc).__name__}: {exc}")
 
@@ -205,7 +310,7 @@ ABUSE_KINDS = ("flood", "garbage", "deaf")
 FLOOD_CHUNK_S = 0.5  # audio per append of a flood: the server's cost per event does not pace it
 
 
-async def _abuse_once(kind: str, url: str, speech: list[str], stop: asyncio.Event, deaf_s: float) -> dict:
+async def _abuse_once(kind: str, url: str, speech: list[str], stop: asyncio.Event, args: argparse.Namespace) -> dict:
     """One abusive connection: `flood` sends speech as fast as the socket takes it, `garbage` sends
     malformed events and audio in a wrong format, `deaf` asks for a long reply and reads nothing. What
     the server answered: its error codes and how it closed the connection."""
@@ -222,7 +327,7 @@ async def _abuse_once(kind: str, url: str, speech: list[str], stop: asyncio.Even
     try:
         async with websockets.connect(url, sock=sock, max_size=None, max_queue=1 if kind == "deaf" else 16,
                                       open_timeout=60) as ws:
-            await ws.send(json.dumps({"type": "session.update", "session": _session_cfg(kind != "garbage")}))
+            await ws.send(json.dumps(_session_update(args)))
             if kind == "flood":
                 reader = asyncio.create_task(_errors(ws, record))
                 with contextlib.suppress(websockets.ConnectionClosed):
@@ -241,7 +346,7 @@ async def _abuse_once(kind: str, url: str, speech: list[str], stop: asyncio.Even
                     "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Talk."}]}}))
                 await ws.send(json.dumps({"type": "response.create", "response": {
                     "talker_sampling": {"min_tokens": 8000, "max_tokens": 8000}}}))
-                await asyncio.sleep(deaf_s)  # read nothing (past `stop` too); the server should give up
+                await asyncio.sleep(args.deaf_s)  # read nothing (past `stop` too); the server should give up
                 await asyncio.wait_for(_errors(ws, record), 30)
     except websockets.ConnectionClosed as exc:
         record["close_code"], record["close_reason"] = (exc.rcvd.code, exc.rcvd.reason) if exc.rcvd else (None, None)
@@ -254,11 +359,6 @@ _GARBAGE = ("not json", json.dumps({"type": "no.such.event"}),
             json.dumps({"type": "input_audio_buffer.append", "audio": "***"}),
             json.dumps({"type": "input_audio_buffer.append", "audio": base64.b64encode(b"\x01\x02\x03").decode()}),
             json.dumps({"type": "session.update", "session": {"voice": "no-such-voice"}}))
-
-
-def _session_cfg(vad: bool) -> dict:
-    return {"turn_detection": {"type": "server_vad", "silence_duration_ms": SILENCE_MS} if vad else None,
-            "input_audio_format": "pcm16", "output_audio_format": "pcm16", "modalities": ["text", "audio"]}
 
 
 async def _errors(ws, record: dict, until: int | None = None) -> None:
@@ -288,7 +388,7 @@ def _abusers_main(n: int, args: argparse.Namespace, stop, outbox) -> None:
         async def one(i: int) -> None:
             k = i
             while not done.is_set():
-                records.append(await _abuse_once(ABUSE_KINDS[k % len(ABUSE_KINDS)], url, speech, done, args.deaf_s))
+                records.append(await _abuse_once(ABUSE_KINDS[k % len(ABUSE_KINDS)], url, speech, done, args))
                 k += 1
 
         async def watch() -> None:
@@ -437,6 +537,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--warmup-turns", type=int, default=1, help="turns per session before those, not counted "
                    "(a fresh server's first turns pay for one-time work)")
     p.add_argument("--mode", choices=("cancel", "full", "no-responses"), default="cancel")
+    p.add_argument("--transport", choices=("websocket", "webrtc"), default="websocket",
+                   help="webrtc: each session is an aiortc call whose microphone track carries the speech")
     p.add_argument("--clients", type=int, default=4, help="client processes the sessions are spread over")
     p.add_argument("--stagger", type=float, default=0.1, help="seconds between session starts")
     p.add_argument("--wav", help="the utterance (any rate, mono or not); default: an espeak-ng phrase")

@@ -42,13 +42,15 @@ def test_locust_headless_short_run(server, tmp_path):
         assert 1 <= int(stats[name]["Request Count"]) <= len(raw), name  # raw also keeps the stop phase
 
 
-@pytest.mark.parametrize("mode", ["cancel", "no-responses"])
-def test_bench_realtime_short_run(server, tmp_path, mode):
-    """`omnirt bench realtime`: 2 spoken sessions x (1 warm-up + 1 measured turn) over 2 client processes;
-    every turn is detected (and, with responses, answered with audio), nothing fails, only measured turns
-    count, and the report has its figures."""
+@pytest.mark.parametrize(("mode", "transport"), [("cancel", "websocket"), ("no-responses", "websocket"),
+                                               ("cancel", "webrtc")])
+def test_bench_realtime_short_run(server, tmp_path, mode, transport):
+    """`omnirt bench realtime`: 2 spoken sessions x (1 warm-up + 1 measured turn) over 2 client processes,
+    over the WebSocket or as WebRTC calls; every turn is detected (and, with responses, answered with
+    audio), nothing fails, only measured turns count, and the report has its figures."""
     run = subprocess.run([sys.executable, "-m", "app.cli", "bench", "realtime", "--url", server.url, "--sessions", "2",
-                          "--turns", "1", "--clients", "2", "--mode", mode, "--name", "rt", "--out", str(tmp_path)],
+                          "--turns", "1", "--clients", "2", "--mode", mode, "--transport", transport, "--name", "rt",
+                          "--out", str(tmp_path)],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
     row = json.loads((tmp_path / "rt.json").read_text())["results"][0]

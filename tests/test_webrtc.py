@@ -16,9 +16,9 @@ from aiortc import RTCConfiguration, RTCPeerConnection
 
 from app.server import ServerSettings, create_app
 from app.transports.webrtc import CLOSE_STEP_TIMEOUT_S, MEDIA_TIMEOUT_S, Call
+from loadtest.webrtc_client import RealtimeCall, connect
 from tests.conftest import ROOT, ServerProcess
 from tests.realtime_helpers import LEAD_S, espeak_utterance
-from tests.webrtc_client import RealtimeCall, connect
 
 LONG_ANSWER = {"max_output_tokens": 16, "talker_sampling": {"min_tokens": 300, "max_tokens": 300}}  # 24 s of audio
 SILENT_PEAK = 64  # Opus-decoded digital silence stays ~0; speech-codec output peaks in the thousands
@@ -137,7 +137,7 @@ async def test_client_hangs_up_mid_answer_frees_every_stage(server):
 async def test_client_that_vanishes_is_dropped(server):
     """A client killed mid-answer (no DTLS close, no hangup; as a lost network): its media stops, and the
     server ends the call after `MEDIA_TIMEOUT_S` and frees every stage."""
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "tests.webrtc_client", server.url, cwd=ROOT,
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "tests.webrtc_vanish", server.url, cwd=ROOT,
                                                 stdout=asyncio.subprocess.PIPE)
     location = (await asyncio.wait_for(proc.stdout.readline(), 90)).decode().strip()
     assert await asyncio.wait_for(proc.wait(), 10) == -signal.SIGKILL and location.startswith("/v1/realtime/calls/")

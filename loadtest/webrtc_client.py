@@ -1,8 +1,10 @@
-"""A WebRTC Realtime client for the tests: a second aiortc peer in the test process, on loopback.
+"""A WebRTC Realtime client (the tests' and `omnirt bench realtime --transport webrtc`'s): an aiortc peer,
+on loopback.
 
-Its microphone is a `PacedAudioTrack` (the server's own paced track, fed 24 kHz speech), the agent's
-audio is recorded frame by frame with its arrival time, and the `oai-events` data channel's events
-are collected in order.
+Its microphone is a `PacedAudioTrack` (the server's own paced track, fed 24 kHz speech: it plays what is
+written in real time and silence otherwise, and reports when a written utterance has all gone out), the
+agent's audio is recorded frame by frame with its arrival time, and the `oai-events` data channel's
+events are collected in order (and passed to `on_event`, if given, as they arrive).
 """
 
 from __future__ import annotations
@@ -10,10 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
-import signal
-import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
@@ -75,14 +75,25 @@ class RealtimeCall:
         await self.pc.close()
 
 
-async def connect(base_url: str, path: str = "/v1/realtime/calls", transport=None,
-                  extra_video: bool = False) -> RealtimeCall:
+async def connect(base_url: str, path: str = "/v1/realtime/calls", transport=None, extra_video: bool = False,
+                  on_event: Callable[[dict], None] | None = None,
+                  on_mic_event: Callable[[dict], None] | None = None) -> RealtimeCall:
     """Offer, answer, connect; `transport`: an httpx transport (an in-process app), else real HTTP;
-    `extra_video`: offer a video section as well (sendrecv, no track)."""
+    `extra_video`: offer a video section as well (sendrecv, no track); `on_event`: each server event;
+    `on_mic_event`: the microphone track's own playback events (`output_audio_buffer.stopped` once a
+    written utterance has all been sent)."""
     offer_host_addresses(("127.0.0.1",))  # this process's ICE offers loopback, as the server does
     pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
-    call = RealtimeCall(pc, pc.createDataChannel("oai-events"), PacedAudioTrack(lambda ev: None))
-    call.channel.on("message", lambda m: (call.events.append(json.loads(m)), call.new_event.set()))
+    call = RealtimeCall(pc, pc.createDataChannel("oai-events"), PacedAudioTrack(on_mic_event or (lambda ev: None)))
+
+    def received(message: str) -> None:
+        event = json.loads(message)
+        call.events.append(event)
+        call.new_event.set()
+        if on_event is not None:
+            on_event(event)
+
+    call.channel.on("message", received)
     pc.addTrack(call.mic)
     if extra_video:
         pc.addTransceiver("video")
@@ -113,18 +124,3 @@ async def _record(track, frames: list[ReceivedFrame]) -> None:
         pcm = frame.to_ndarray()
         frames.append(ReceivedFrame(time.monotonic(), int(np.abs(pcm).max()), frame.samples, frame.sample_rate))
 
-
-async def _call_and_vanish(base_url: str) -> None:
-    """Connect, start a long spoken answer, print the call's location, then die without a goodbye."""
-    call = await connect(base_url)
-    await call.wait_for(lambda e: e["type"] == "session.created", 30)
-    call.send({"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": [
-        {"type": "input_text", "text": "Tell me a long story."}]}})
-    call.send({"type": "response.create", "response": {"talker_sampling": {"min_tokens": 3000, "max_tokens": 3000}}})
-    await call.wait_for(lambda e: e["type"] == "output_audio_buffer.started", 60)
-    print(call.location, flush=True)
-    os.kill(os.getpid(), signal.SIGKILL)  # no DTLS close, no hangup: as a crashed browser or a lost network
-
-
-if __name__ == "__main__":
-    asyncio.run(_call_and_vanish(sys.argv[1]))
