@@ -206,6 +206,22 @@ async def test_outbox_is_bounded_and_drops_a_cancelled_responses_audio():
     assert out == ["response.text.delta", "response.done"]  # beta names; no audio after the drop
 
 
+async def test_outbox_bounds_the_bytes_of_queued_audio():
+    """Audio deltas are ~100 KB each: the outbox also stops the producer at `max_audio_bytes` of them."""
+    box = Outbox(max_events=512, beta=False, max_audio_bytes=1000)
+    delta = {"type": "response.output_audio.delta", "response_id": "r1", "delta": "A" * 400}
+    await box.put(dict(delta))
+    await box.put(dict(delta))
+    await box.put(dict(delta))  # 1200 bytes queued: over the bound once it is reached, never before
+    blocked = asyncio.create_task(box.put({"type": "response.output_text.delta", "delta": "x"}))
+    await asyncio.sleep(0.05)
+    assert not blocked.done()
+    assert (await box.get())["type"] == "response.output_audio.delta"  # 800 left: room again
+    await asyncio.wait_for(blocked, 1)
+    assert await box.drop_audio("r1") == 2
+    await asyncio.wait_for(box.put(dict(delta)), 1)
+
+
 async def test_a_refused_request_leaves_no_stream_behind(engine):
     """Regression: bad talker sampling used to be found after the request was registered."""
     req = OmniRequest("bad-talker", [{"role": "user", "content": "hi"}], ("text", "audio"),

@@ -1,6 +1,7 @@
 """The bounded queue of server events between a session and its transport.
 
-A full queue makes the producer wait (a slow client cannot grow server memory); a barge-in drops a
+A full queue (`max_events` events, or `max_audio_bytes` of queued audio deltas: one delta may be ~100 KB)
+makes the producer wait, so a slow client cannot grow server memory; a barge-in drops a
 response's audio deltas that are still queued and any that arrive later. Events are stored with
 GA names and renamed for a beta client on the way out.
 """
@@ -15,20 +16,26 @@ from app.realtime.events import AUDIO_DELTA, to_beta
 
 
 class Outbox:
-    def __init__(self, max_events: int, beta: bool):
-        self.max_events, self.beta = max_events, beta
+    def __init__(self, max_events: int, beta: bool, max_audio_bytes: int = 4 * 2**20):
+        self.max_events, self.beta, self.max_audio_bytes = max_events, beta, max_audio_bytes
         self._events: deque[dict[str, Any]] = deque()
+        self._audio_bytes = 0  # base64 of the queued audio deltas
         self._cond = asyncio.Condition()
         self._dropped: set[str] = set()
         self._closed = False
 
     async def put(self, event: dict[str, Any]) -> None:
         async with self._cond:
-            await self._cond.wait_for(lambda: len(self._events) < self.max_events or self._closed)
+            await self._cond.wait_for(lambda: self._has_room or self._closed)
             if self._closed or (event["type"] == AUDIO_DELTA and event.get("response_id") in self._dropped):
                 return
             self._events.append(event)
+            self._audio_bytes += _audio_size(event)
             self._cond.notify_all()
+
+    @property
+    def _has_room(self) -> bool:
+        return len(self._events) < self.max_events and self._audio_bytes < self.max_audio_bytes
 
     async def get(self) -> dict[str, Any] | None:
         """The next event in the client's dialect; None once closed and drained."""
@@ -38,6 +45,7 @@ class Outbox:
                 if not self._events:
                     return None
                 event = self._events.popleft()
+                self._audio_bytes -= _audio_size(event)
                 self._cond.notify_all()
             event = to_beta(event) if self.beta else event
             if event is not None:
@@ -50,6 +58,7 @@ class Outbox:
             before = len(self._events)
             self._events = deque(e for e in self._events
                                  if not (e["type"] == AUDIO_DELTA and e.get("response_id") == response_id))
+            self._audio_bytes = sum(map(_audio_size, self._events))
             self._cond.notify_all()
             return before - len(self._events)
 
@@ -58,3 +67,7 @@ class Outbox:
         async with self._cond:
             self._closed = True
             self._cond.notify_all()
+
+
+def _audio_size(event: dict[str, Any]) -> int:
+    return len(event["delta"]) if event["type"] == AUDIO_DELTA else 0

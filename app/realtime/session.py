@@ -54,13 +54,14 @@ class RealtimeLimits:
     max_input_buffer_s: float = 120.0
     idle_timeout_s: float = 300.0  # no client event and no response running
     max_queued_events: int = 512
+    max_queued_audio_bytes: int = 4 * 2**20  # audio deltas (base64) queued for the client: ~65 s of PCM16
     max_audio_rate: float = 4.0  # input audio may come this many times faster than real time, sustained,
     audio_burst_s: float = 30.0  # after a burst of this many seconds of audio ahead of real time
     send_timeout_s: float = 30.0  # one server event the client does not take within this ends the session
 
     def __post_init__(self):
         assert self.max_sessions >= 1 and self.max_event_bytes >= 1024 and self.max_input_buffer_s > 0
-        assert self.idle_timeout_s > 0 and self.max_queued_events >= 16
+        assert self.idle_timeout_s > 0 and self.max_queued_events >= 16 and self.max_queued_audio_bytes >= 2**16
         assert self.max_audio_rate >= 1 and self.audio_burst_s > 0 and self.send_timeout_s > 0
 
 
@@ -76,7 +77,7 @@ class RealtimeSession:
         self.config = SessionConfig(model=model, voice=info.default_voice, instructions=instructions,
                                     wants_audio=info.has_audio_output)
         self.conversation = Conversation()
-        self.outbox = Outbox(limits.max_queued_events, beta)
+        self.outbox = Outbox(limits.max_queued_events, beta, limits.max_queued_audio_bytes)
         self.input: InputBuffer | None = None
         self.response: Response | None = None
         self.audio_rate = AudioRateLimit(limits.max_audio_rate, limits.audio_burst_s)
