@@ -37,6 +37,10 @@ class OmniRequest(msgspec.Struct, tag=True):
     thinker_sampling: dict[str, Any] = msgspec.field(default_factory=dict)  # overrides of the profile defaults
     talker_sampling: dict[str, Any] = msgspec.field(default_factory=dict)
     initial_codec_chunk_frames: int | None = None
+    # None: a prompt too long for the context fails the request. r in (0, 1]: the oldest messages after
+    # the leading system ones are left out until the rest fits within r of what the context leaves for
+    # them (after each stage's output budget); `Finished.truncated_messages` says how many.
+    truncation: float | None = None
 
     @property
     def wants_audio(self) -> bool:
@@ -73,6 +77,7 @@ class Finished(msgspec.Struct, frozen=True, tag=True):
     finish_reason: str  # "stop" | "length" | "abort" | "error"
     usage: Usage
     error: str | None = None
+    truncated_messages: int = 0  # leading conversation messages the prompt left out (OmniRequest.truncation)
 
 
 Event = TextDelta | AudioChunk | Finished

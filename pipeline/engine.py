@@ -84,6 +84,37 @@ class EngineBase:
                 out[name] = self._params(name, getattr(req, node.sampling_field), num_prompt + node.prefix_tokens)
         return out
 
+    def _prompt_limit(self, req: OmniRequest) -> int:
+        """The longest prompt every stage on the request's path can take and still have its output budget:
+        the requested (or default) max_tokens, at most a quarter of the stage's context."""
+        limits = []
+        for name in self.models.graph.path(req.wants_audio):
+            node, cfg = self.models.graph.node(name), self.cfg.stage(name)
+            if node.sampling_field is not None:
+                wanted = getattr(req, node.sampling_field).get("max_tokens")
+                budget = wanted if isinstance(wanted, int) and wanted > 0 else \
+                    cfg.default_sampling_params.get("max_tokens", SamplingParams().max_tokens)
+                limits.append(cfg.max_model_len - node.prefix_tokens - min(budget, cfg.max_model_len // 4))
+        return min(limits)
+
+    def _messages_to_drop(self, req: OmniRequest, message_tokens: list[int] | None) -> int:
+        """How many of the oldest conversation messages (after the leading system ones) to leave out so that
+        the prompt fits `req.truncation` of the room left for them; never the last message (a prompt whose
+        last message alone does not fit fails as without truncation)."""
+        first = _num_leading_system(req.messages)
+        if message_tokens is None or len(message_tokens) != len(req.messages) + 1:
+            return 0  # the rendering's message boundaries are not known: no truncation
+        limit = self._prompt_limit(req)
+        if sum(message_tokens) <= limit:
+            return 0
+        fixed = sum(message_tokens[:first]) + message_tokens[-1]  # instructions and the assistant header
+        target, conversation = req.truncation * (limit - fixed), message_tokens[first:-1]
+        dropped, kept = 0, sum(conversation)
+        while kept > target and dropped < len(conversation) - 1:
+            kept -= conversation[dropped]
+            dropped += 1
+        return dropped
+
     def _params(self, stage: str, overrides: dict, num_prompt: int) -> SamplingParams:
         cfg = self.cfg.stage(stage)
         room = cfg.max_model_len - num_prompt
@@ -168,11 +199,17 @@ class OmniEngine(EngineBase):
     async def _admit(self, req: OmniRequest) -> RequestOutput:
         voice = self._check_voice(req)
         prompt = await asyncio.to_thread(self.models.encoder.encode, req.messages)
+        dropped = self._messages_to_drop(req, prompt.message_tokens) if req.truncation is not None else 0
+        if dropped:
+            first = _num_leading_system(req.messages)
+            messages = req.messages[:first] + req.messages[first + dropped:]
+            prompt = await asyncio.to_thread(self.models.encoder.encode, messages)
         n_prompt = len(prompt.input_ids)
         params = self._all_params(req, n_prompt)
         path = self.graph.path(req.wants_audio)
         stream = RequestOutput(req, asyncio.get_running_loop(), asyncio.Queue(), n_prompt, path,
-                               self.cfg.max_output_buffer_bytes, self._overflow, async_output=self.cfg.async_output)
+                               self.cfg.max_output_buffer_bytes, self._overflow, async_output=self.cfg.async_output,
+                               truncated_messages=dropped)
         self.admission.admit(path)  # raises EngineOverloaded when a stage's wait queue is full
         self._streams[req.request_id] = stream
         try:
@@ -292,7 +329,15 @@ class OmniEngine(EngineBase):
         self._streams.pop(stream.request.request_id, None)
         self.admission.release(stream.stages)
         usage = Usage(stream.num_prompt_tokens, stream.num_completion_tokens, stream.num_audio_frames)
-        stream.put(("finished", Finished(stream.request.request_id, reason or stream.finish_reason, usage, error)))
+        stream.put(("finished", Finished(stream.request.request_id, reason or stream.finish_reason, usage, error,
+                                         stream.truncated_messages)))
+
+
+def _num_leading_system(messages: list[dict]) -> int:
+    n = 0
+    while n < len(messages) and messages[n]["role"] == "system":
+        n += 1
+    return n
 
 
 def _stage_stats(stage, admission_waiting: int) -> StageStats:

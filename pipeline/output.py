@@ -31,6 +31,7 @@ class RequestOutput:
     closed: bool = False
     num_buffered_bytes: int = 0
     async_output: bool = True
+    truncated_messages: int = 0  # leading conversation messages the prompt left out
 
     def push(self, item: tuple) -> None:
         """From a stage thread."""

@@ -19,7 +19,8 @@ ARTIFACTS = ROOT / "tests" / "artifacts"
 # `make test-fast` (under 3 minutes, for the edit loop): the modules that start no server, browser or soak.
 # `make test` (CI) runs everything.
 FAST_MODULES = {"test_batching", "test_config", "test_cudagraph", "test_parity", "test_platform",
-                "test_realtime_units", "test_transport", "test_units", "test_webrtc_track", "test_engine_core"}
+                "test_realtime_units", "test_transport", "test_units", "test_webrtc_track", "test_engine_core",
+                "test_truncation"}
 
 
 def pytest_collection_modifyitems(config, items):

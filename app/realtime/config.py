@@ -17,7 +17,7 @@ from app.audio.wire import FORMATS, FORMATS_BY_MIME, PCM16, AudioFormat
 from app.realtime.events import ProtocolError, require
 
 MAX_OUTPUT_TOKENS = 4096
-_IGNORED = {"type", "object", "id", "expires_at", "tracing", "tool_choice", "truncation", "include", "prompt",
+_IGNORED = {"type", "object", "id", "expires_at", "tracing", "tool_choice", "include", "prompt",
             "client_secret", "speed"}
 _VAD_KEYS = {"type", "threshold", "prefix_padding_ms", "silence_duration_ms", "create_response",
              "interrupt_response", "idle_timeout_ms"}
@@ -34,6 +34,14 @@ class SessionConfig:
     turn_detection: VadConfig | None = VadConfig()
     temperature: float | None = None  # None: the deploy profile's default
     max_output_tokens: int | None = None  # None: "inf" (the profile's limit)
+    truncation: Any = "auto"  # as the client set it: "auto", "disabled" or {"type": "retention_ratio", ...}
+
+    @property
+    def retention(self) -> float | None:
+        """The engine's `truncation`: the share of the room kept when the conversation overflows (None: off)."""
+        if self.truncation == "disabled":
+            return None
+        return 1.0 if self.truncation == "auto" else self.truncation["retention_ratio"]
 
 
 @dataclass(slots=True, frozen=True)
@@ -47,11 +55,12 @@ class ResponseOptions:
     in_conversation: bool = True
     metadata: dict | None = None
     talker_sampling: dict | None = None  # omnirt extension (as in /v1/chat/completions)
+    truncation: float | None = 1.0  # SessionConfig.retention
 
 
 def apply_session_update(cfg: SessionConfig, update: dict[str, Any], voices: tuple[str, ...]) -> SessionConfig:
     """`session.update`'s `session` over the current config; only the fields present change."""
-    _refuse_unsupported(update, "session")
+    _refuse_unsupported(update, "session", extra={"truncation"})
     audio = require(update, "audio", (dict,), "session", {})
     a_in = require(audio, "input", (dict,), "session.audio", {})
     a_out = require(audio, "output", (dict,), "session.audio", {})
@@ -83,6 +92,8 @@ def apply_session_update(cfg: SessionConfig, update: dict[str, Any], voices: tup
     for key in ("max_output_tokens", "max_response_output_tokens"):
         if key in update:
             changes["max_output_tokens"] = _max_tokens(update[key], f"session.{key}")
+    if "truncation" in update:
+        changes["truncation"] = _truncation(update["truncation"], "session.truncation")
     return dataclasses.replace(cfg, **changes)
 
 
@@ -114,7 +125,7 @@ def response_options(cfg: SessionConfig, body: dict[str, Any] | None, voices: tu
         temperature=_temperature(body, "response") if body.get("temperature") is not None else cfg.temperature,
         max_output_tokens=max_tokens, in_conversation=conversation == "auto",
         metadata=require(body, "metadata", (dict,), "response"),
-        talker_sampling=require(body, "talker_sampling", (dict,), "response"))
+        talker_sampling=require(body, "talker_sampling", (dict,), "response"), truncation=cfg.retention)
 
 
 def parse_turn_detection(value: Any, where: str) -> VadConfig | None:
@@ -155,7 +166,7 @@ def session_object(cfg: SessionConfig, session_id: str, beta: bool) -> dict[str,
                                 "noise_reduction": None, "turn_detection": td},
                       "output": {"format": format_object(cfg.output_format), "voice": cfg.voice, "speed": 1.0}},
             "tools": [], "tool_choice": "auto", "max_output_tokens": max_tokens, "tracing": None,
-            "truncation": "disabled", "prompt": None, "include": None}
+            "truncation": cfg.truncation, "prompt": None, "include": None}
 
 
 def format_object(fmt: AudioFormat) -> dict[str, Any]:
@@ -163,6 +174,19 @@ def format_object(fmt: AudioFormat) -> dict[str, Any]:
 
 
 # ---- field parsers -------------------------------------------------------------------------------------
+
+
+def _truncation(value: Any, where: str) -> Any:
+    """"auto" (drop the oldest items when the conversation overflows the context), "disabled" (the response
+    fails instead), or {"type": "retention_ratio", "retention_ratio": r}: drop down to r of the room."""
+    if value in ("auto", "disabled"):
+        return value
+    ratio = value.get("retention_ratio") if isinstance(value, dict) else None
+    if not (isinstance(value, dict) and value.get("type") == "retention_ratio" and isinstance(ratio, int | float)
+            and not isinstance(ratio, bool) and 0 < ratio <= 1):
+        raise ProtocolError(f'`{where}` must be "auto", "disabled" or {{"type": "retention_ratio", '
+                            '"retention_ratio": 0 < r <= 1}', "invalid_value", where)
+    return {"type": "retention_ratio", "retention_ratio": float(ratio)}
 
 
 def _refuse_unsupported(obj: dict, where: str, extra: frozenset | set = frozenset()) -> None:

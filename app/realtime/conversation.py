@@ -1,5 +1,7 @@
 """A session's conversation: ordered items, their wire shapes, truncation, and the history the
-Thinker gets on each response (earlier user audio and assistant text included).
+Thinker gets on each response (earlier user audio and assistant text included). When the engine had to
+leave the oldest messages out of a response's prompt (the session's `truncation`), later histories start
+after them too: the cut stays put until the conversation overflows again, so the prompt's start is stable.
 
 User audio is kept at the Thinker's input rate (float32). Assistant audio is not kept: the Thinker
 is fed the assistant's transcript, which is also what a truncation cuts.
@@ -49,6 +51,8 @@ class Item:
 class Conversation:
     def __init__(self):
         self.items: list[Item] = []
+        self.start: str | None = None  # the first item the history holds (None: the first of all)
+        self._sent: list[str] = []  # the item behind each non-system message of the last history
 
     def add(self, item: Item, previous_item_id: str | None = None) -> str | None:
         """Insert after `previous_item_id` ("root": first; None: last); returns the id it follows."""
@@ -71,6 +75,13 @@ class Conversation:
 
     def delete(self, item_id: str) -> None:
         self.items.remove(self.get(item_id))
+        if item_id == self.start:
+            self.start = None  # back to the whole conversation; the engine cuts again if it must
+
+    def leave_out(self, num_messages: int) -> None:
+        """The engine left the first `num_messages` messages of the last history out of the prompt."""
+        if 0 < num_messages < len(self._sent):
+            self.start = self._sent[num_messages]
 
     def truncate(self, item_id: str, content_index: int, audio_end_ms: int) -> None:
         """Cut an assistant audio item at what the client played. The transcript is cut at the same
@@ -92,19 +103,24 @@ class Conversation:
 
     def history(self, instructions: str) -> list[dict[str, Any]]:
         """Engine messages: the instructions as the system turn, then every item in order."""
-        messages: list[dict[str, Any]] = [{"role": "system", "content": instructions}] if instructions else []
-        for item in self.items:
-            if item.role == "assistant":
-                text = "".join(c.spoken_text for c in item.content)
-                if text:
-                    messages.append({"role": "assistant", "content": text})
-                continue
-            parts = [{"type": "audio", "audio": c.audio} if c.type == "input_audio" else
-                     {"type": "text", "text": c.text or ""} for c in item.content
-                     if c.type != "input_audio" or (c.audio is not None and c.audio.size)]
-            if parts:
-                messages.append({"role": item.role, "content": parts})
-        return messages
+        ids = [i.id for i in self.items]
+        pairs = [({"role": "system", "content": instructions}, None)] if instructions else []
+        pairs += [(m, item.id) for item in self.items[ids.index(self.start) if self.start in ids else 0:]
+                  if (m := _message(item)) is not None]
+        leading = next((n for n, (m, _) in enumerate(pairs) if m["role"] != "system"), len(pairs))
+        self._sent = [item_id for _, item_id in pairs[leading:]]  # what the engine may leave out, in order
+        return [m for m, _ in pairs]
+
+
+def _message(item: Item) -> dict[str, Any] | None:
+    """An item as an engine message (assistant items as their text); None when it holds nothing to say."""
+    if item.role == "assistant":
+        text = "".join(c.spoken_text for c in item.content)
+        return {"role": "assistant", "content": text} if text else None
+    parts = [{"type": "audio", "audio": c.audio} if c.type == "input_audio" else
+             {"type": "text", "text": c.text or ""} for c in item.content
+             if c.type != "input_audio" or (c.audio is not None and c.audio.size)]
+    return {"role": item.role, "content": parts} if parts else None
 
 
 def item_object(item: Item, beta: bool) -> dict[str, Any]:

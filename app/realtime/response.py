@@ -14,6 +14,7 @@ import asyncio
 import base64
 import logging
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import numpy as np
@@ -58,10 +59,11 @@ class AudioSink(Protocol):
 class Response:
     def __init__(self, engine: EngineClient, outbox: Outbox, response_id: str, item: Item, opts: ResponseOptions,
                  beta: bool, previous_item_id: str | None = None, audio_sink: AudioSink | None = None,
-                 metrics: Metrics | None = None, session_id: str | None = None):
+                 metrics: Metrics | None = None, session_id: str | None = None,
+                 on_truncated: Callable[[int], None] | None = None):
         self.engine, self.outbox, self.id, self.item, self.opts = engine, outbox, response_id, item, opts
         self.beta, self.previous_item_id, self.audio_sink = beta, previous_item_id, audio_sink
-        self.metrics, self.session_id = metrics, session_id
+        self.metrics, self.session_id, self.on_truncated = metrics, session_id, on_truncated
         self._ids = {"request_id": response_id, "session_id": session_id}  # for log lines
         self.status, self.reason, self.error = "in_progress", None, None
         self.cancel_reason: str | None = None
@@ -160,9 +162,11 @@ class Response:
         sampling = {"max_tokens": self.opts.max_output_tokens, "temperature": self.opts.temperature}
         return OmniRequest(self.id, messages, ("text", "audio") if self.opts.wants_audio else ("text",),
                            voice=self.opts.voice, thinker_sampling={k: v for k, v in sampling.items() if v is not None},
-                           talker_sampling=self.opts.talker_sampling or {})
+                           talker_sampling=self.opts.talker_sampling or {}, truncation=self.opts.truncation)
 
     def _finished(self, fin: Finished) -> None:
+        if fin.truncated_messages and self.on_truncated is not None:
+            self.on_truncated(fin.truncated_messages)
         self.status, self.reason = _STATUS[fin.finish_reason]
         if fin.finish_reason == "error":
             self.error = {"type": "server_error", "code": "generation_failed", "message": fin.error or "failed"}

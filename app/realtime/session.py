@@ -248,7 +248,7 @@ class RealtimeSession:
         item = Item(new_id("item"), "assistant")
         previous = self.conversation.add(item) if opts.in_conversation else None
         self.response = Response(self.engine, self.outbox, new_id("resp"), item, opts, self.beta, previous,
-                                 self.audio_sink, self.metrics, self.id)
+                                 self.audio_sink, self.metrics, self.id, self.conversation.leave_out)
         self._has_spoken |= opts.wants_audio
         self.response.start(messages)
 

@@ -20,6 +20,7 @@ class EncodedPrompt:
     input_ids: list[int]
     input_features: torch.Tensor | None = None  # [num_audios, mel, frames]
     feature_mask: torch.Tensor | None = None  # [num_audios, frames]
+    message_tokens: list[int] | None = None  # tokens of each message, then of the assistant header
 
     @property
     def audio_lengths(self) -> torch.Tensor | None:
@@ -32,6 +33,7 @@ class PromptEncoder:
 
     def __init__(self, tokenizer, n_window: int, num_mel_bins: int):
         self.tokenizer = tokenizer
+        self.im_start_id = tokenizer.convert_tokens_to_ids("<|im_start|>")  # each message starts with it
         self.n_window = n_window
         self.features = WhisperFeatureExtractor(feature_size=num_mel_bins, sampling_rate=INPUT_SAMPLE_RATE,
                                                 hop_length=160, n_fft=N_FFT, return_attention_mask=True)
@@ -49,7 +51,9 @@ class PromptEncoder:
             audio_tokens = [int(_get_feat_extract_output_lengths(n, self.n_window)) for n in mask.sum(-1)]
         text = self._render(messages, iter(audio_tokens))
         ids = self.tokenizer(text, add_special_tokens=False).input_ids
-        return EncodedPrompt(input_ids=ids, input_features=feats, feature_mask=mask)
+        starts = [i for i, t in enumerate(ids) if t == self.im_start_id] + [len(ids)]
+        return EncodedPrompt(input_ids=ids, input_features=feats, feature_mask=mask,
+                             message_tokens=[b - a for a, b in zip(starts, starts[1:])])
 
     @staticmethod
     def _render(messages: list[Message], audio_tokens) -> str:
