@@ -220,13 +220,12 @@ class WebRtcMic(Mic):
         self.pcm16, self.call = pcm16, None
         self._spoken: dict[str, float] = {}
         self._sent = asyncio.Event()
+        self._handling: set[asyncio.Task] = set()
 
     async def connect(self, url: str) -> None:
         from loadtest.webrtc_client import connect
 
-        loop = asyncio.get_running_loop()
-        self.call = await connect(url, f"/v1/realtime?model={self.args.model}",
-                                  on_event=lambda ev: loop.create_task(self.on_event(ev, time.perf_counter())),
+        self.call = await connect(url, f"/v1/realtime?model={self.args.model}", on_event=self._channel_event,
                                   on_mic_event=self._mic_event)
 
     async def speak(self, t: int) -> float:
@@ -249,6 +248,11 @@ class WebRtcMic(Mic):
 
     async def cancel(self) -> None:
         self.call.send({"type": "response.cancel"})
+
+    def _channel_event(self, ev: dict) -> None:
+        task = asyncio.get_running_loop().create_task(self.on_event(ev, time.perf_counter()))
+        self._handling.add(task)  # held until done: the loop keeps only weak references to tasks
+        task.add_done_callback(self._handling.discard)
 
     def _mic_event(self, ev: dict) -> None:
         if ev["type"] == "output_audio_buffer.stopped":  # the utterance's last frame went out

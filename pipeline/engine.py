@@ -97,23 +97,23 @@ class EngineBase:
                 limits.append(cfg.max_model_len - node.prefix_tokens - min(budget, cfg.max_model_len // 4))
         return min(limits)
 
-    def _messages_to_drop(self, req: OmniRequest, message_tokens: list[int] | None) -> int:
-        """How many of the oldest conversation messages (after the leading system ones) to leave out so that
-        the prompt fits `req.truncation` of the room left for them; never the last message (a prompt whose
-        last message alone does not fit fails as without truncation)."""
+    def _truncated(self, req: OmniRequest, message_tokens: list[int] | None) -> tuple[list[dict], int]:
+        """The messages to encode, and how many of the oldest conversation messages (after the leading
+        system ones) they leave out so that the prompt fits `req.truncation` of the room left for them;
+        never the last message (a prompt whose last message alone does not fit fails as without truncation)."""
         first = _num_leading_system(req.messages)
         if message_tokens is None or len(message_tokens) != len(req.messages) + 1:
-            return 0  # the rendering's message boundaries are not known: no truncation
+            return req.messages, 0  # the rendering's message boundaries are not known: no truncation
         limit = self._prompt_limit(req)
         if sum(message_tokens) <= limit:
-            return 0
+            return req.messages, 0
         fixed = sum(message_tokens[:first]) + message_tokens[-1]  # instructions and the assistant header
         target, conversation = req.truncation * (limit - fixed), message_tokens[first:-1]
         dropped, kept = 0, sum(conversation)
         while kept > target and dropped < len(conversation) - 1:
             kept -= conversation[dropped]
             dropped += 1
-        return dropped
+        return req.messages[:first] + req.messages[first + dropped:], dropped
 
     def _params(self, stage: str, overrides: dict, num_prompt: int) -> SamplingParams:
         cfg = self.cfg.stage(stage)
@@ -199,10 +199,9 @@ class OmniEngine(EngineBase):
     async def _admit(self, req: OmniRequest) -> RequestOutput:
         voice = self._check_voice(req)
         prompt = await asyncio.to_thread(self.models.encoder.encode, req.messages)
-        dropped = self._messages_to_drop(req, prompt.message_tokens) if req.truncation is not None else 0
+        messages, dropped = (self._truncated(req, prompt.message_tokens) if req.truncation is not None
+                             else (req.messages, 0))
         if dropped:
-            first = _num_leading_system(req.messages)
-            messages = req.messages[:first] + req.messages[first + dropped:]
             prompt = await asyncio.to_thread(self.models.encoder.encode, messages)
         n_prompt = len(prompt.input_ids)
         params = self._all_params(req, n_prompt)
