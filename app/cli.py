@@ -29,6 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help='JSON per stage id, e.g. \'{"1": {"max_num_seqs": 8}}\'')
     s.add_argument("--moe-backend", choices=["auto", "grouped_mm", "batched_mm", "eager"], default=None,
                    help="transformers experts implementation (auto: grouped_mm where graphs run)")
+    s.add_argument("--attention", choices=["auto", "slots", "dense"], default=None,
+                   help="slots: a Triton kernel reads the KV cache in place; dense: a per-layer copy for "
+                        "transformers' SDPA (auto: slots where graphs run)")
     s.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs in any stage (ablation)")
     s.add_argument("--no-async-chunk", action="store_true",
                    help="hand off whole payloads: Talker after the Thinker, Code2Wav after the Talker (ablation)")
@@ -89,10 +92,11 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
     return EngineOptions(
         model=args.model, deploy_config=str(args.deploy_config) if args.deploy_config else None,
         load_format=args.load_format, dtype=args.dtype, stage_overrides=dict(args.stage_overrides or {}),
-        moe_backend=args.moe_backend, enforce_eager=args.enforce_eager, async_chunk=not args.no_async_chunk,
-        async_output=not args.no_async_output, engine=args.engine, platform=args.platform,
-        distributed=args.distributed, threads=args.threads, max_output_buffer_bytes=args.max_output_buffer_bytes,
-        process=args.engine_process, log_level=args.log_level, log_format=args.log_format)
+        moe_backend=args.moe_backend, attention=args.attention, enforce_eager=args.enforce_eager,
+        async_chunk=not args.no_async_chunk, async_output=not args.no_async_output, engine=args.engine,
+        platform=args.platform, distributed=args.distributed, threads=args.threads,
+        max_output_buffer_bytes=args.max_output_buffer_bytes, process=args.engine_process,
+        log_level=args.log_level, log_format=args.log_format)
 
 
 def serve(args: argparse.Namespace) -> None:

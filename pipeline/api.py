@@ -209,6 +209,7 @@ class EngineOptions:
     dtype: str | None = None
     stage_overrides: dict[str, dict] = field(default_factory=dict)
     moe_backend: str | None = None
+    attention: str | None = None
     enforce_eager: bool = False
     async_chunk: bool = True
     async_output: bool = True

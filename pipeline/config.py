@@ -19,6 +19,7 @@ from pipeline.platform import PLATFORMS
 
 STAGE_NAMES = ("thinker", "talker", "code2wav")
 DTYPES = ("float32", "bfloat16", "float16")
+ATTENTION = ("auto", "slots", "dense")
 ROUTING = ("least_loaded", "round_robin")
 DISTRIBUTED = ("none", "ray")
 
@@ -102,6 +103,7 @@ class EngineConfig:
     model: str = "tiny"
     load_format: str = "auto"  # "auto" (weights from the checkpoint) | "dummy" (random, real architecture)
     moe_backend: str = "auto"  # "auto" (grouped_mm where graphs run, else eager) | "grouped_mm" | "eager"
+    attention: str = "auto"  # "auto" (slots where graphs run and Triton imports, else dense) | "slots" | "dense"
     dtype: str = "float32"
     platform: str = "cpu"
     distributed: str = "none"  # where out-of-process stage replicas run: "none" (local processes) | "ray" (actors)
@@ -118,6 +120,7 @@ class EngineConfig:
         _check(self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}")
         _check(self.moe_backend in ("auto", "grouped_mm", "batched_mm", "eager"), "moe_backend",
                "must be auto, grouped_mm, batched_mm or eager")
+        _check(self.attention in ATTENTION, "attention", f"must be one of {', '.join(ATTENTION)}")
         _check(self.platform in PLATFORMS, "platform", f"must be one of {', '.join(PLATFORMS)}")
         _check(self.distributed in DISTRIBUTED, "distributed", f"must be one of {', '.join(DISTRIBUTED)}")
         _check(self.max_output_buffer_bytes >= 4096, "max_output_buffer_bytes", "must be >= 4096")

@@ -3,7 +3,9 @@
 Every request that holds a slot owns row `slot` of each layer's K/V buffer for its whole life, so
 decode steps index fixed buffers by (slot, position) and never allocate per-request tensors. A
 `CacheView` is the per-step object that transformers' attention layers call `update()` on: it
-writes the new K/V rows in place and returns the keys/values the batch attends over. One extra
+writes the new K/V rows in place and returns what the batch attends over. With `in_place` (the
+slot-attention kernel, `pipeline/attention.py`) that is the layer's whole buffer plus a `SlotMask`;
+otherwise a dense copy of the batch's rows plus a boolean mask, for transformers' SDPA. One extra
 scratch slot (index `num_slots`) absorbs the writes of padded rows in captured graphs.
 """
 
@@ -13,18 +15,22 @@ from collections import deque
 
 import torch
 
+from pipeline.attention import SlotMask
+from pipeline.cudagraph import length_buckets
+
 
 class SlotKVCache:
     """K/V buffers of shape [layers, slots + 1, kv_heads, max_len, head_dim], plus the free-slot list."""
 
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, max_len: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str):
+                 dtype: torch.dtype, device: torch.device | str, in_place: bool = False):
         shape = (num_layers, num_slots + 1, num_kv_heads, max_len, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.num_slots = num_slots
         self.scratch_slot = num_slots
         self.max_len = max_len
+        self.in_place = in_place  # attention reads the slots themselves: no dense copy, no kv_len buckets
         self._free: deque[int] = deque(range(num_slots))
 
     @property
@@ -34,6 +40,10 @@ class SlotKVCache:
     @property
     def num_bytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
+
+    def graph_lengths(self) -> list[int] | None:
+        """The KV lengths a captured step needs a graph for: one per dense-copy size, none in place."""
+        return None if self.in_place else length_buckets(self.max_len)
 
     def allocate(self) -> int:
         return self._free.popleft()
@@ -49,9 +59,10 @@ class SlotKVCache:
         return CacheView(self, torch.tensor(slots, device=device), torch.tensor(starts, device=device),
                          torch.tensor(lengths, device=device), max(lengths), kv_len)
 
-    def dense_view(self, slots: torch.Tensor, starts: torch.Tensor, num_new: int, kv_len: int) -> CacheView:
+    def dense_view(self, slots: torch.Tensor, starts: torch.Tensor, num_new: int, kv_len: int | None) -> CacheView:
         """Every row writes exactly `num_new` tokens: built from tensors only, so it is the shape a
-        captured graph replays (decode steps, the code predictor's fixed-length loop)."""
+        captured graph replays (decode steps, the code predictor's fixed-length loop). `kv_len` bounds the
+        dense copy; in place it is not needed (None)."""
         return CacheView(self, slots, starts, None, num_new, kv_len)
 
 
@@ -59,20 +70,23 @@ class CacheView:
     """One step's window on the cache: where new K/V rows go and which keys each query may see."""
 
     def __init__(self, cache: SlotKVCache, slots: torch.Tensor, starts: torch.Tensor,
-                 lengths: torch.Tensor | None, num_new: int, kv_len: int):
-        assert kv_len <= cache.max_len, "sequence longer than the KV cache"
+                 lengths: torch.Tensor | None, num_new: int, kv_len: int | None):
+        assert kv_len is None or kv_len <= cache.max_len, "sequence longer than the KV cache"
         self.cache, self.slots, self.num_new, self.kv_len = cache, slots, num_new, kv_len
         offs = torch.arange(num_new, device=slots.device)
-        query_pos = starts[:, None] + offs[None, :]  # [B, T]
-        key_pos = torch.arange(kv_len, device=slots.device)
-        allowed = key_pos[None, None, :] <= query_pos[:, :, None]  # causal within the new tokens
-        self.query_pos = query_pos
+        self.query_pos = starts[:, None] + offs[None, :]  # [B, T]
         if lengths is None:  # dense: every row has exactly num_new valid tokens
             self.valid = None
         else:
             self.valid = offs[None, :] < lengths[:, None]  # padded query rows are not written
-            self.write_slot = slots[:, None].expand_as(query_pos)[self.valid]
-            self.write_pos = query_pos[self.valid]
+            self.write_slot = slots[:, None].expand_as(self.query_pos)[self.valid]
+            self.write_pos = self.query_pos[self.valid]
+        if cache.in_place:
+            self.mask = SlotMask(slots, starts, torch.full_like(slots, num_new) if lengths is None else lengths)
+            return
+        key_pos = torch.arange(kv_len, device=slots.device)
+        allowed = key_pos[None, None, :] <= self.query_pos[:, :, None]  # causal within the new tokens
+        if lengths is not None:
             allowed = allowed & (key_pos[None, None, :] < (starts + lengths)[:, None, None])
         self.mask = allowed[:, None, :, :]  # [B, 1, T, L], True = attend
 
@@ -85,4 +99,6 @@ class CacheView:
         else:
             k_buf[self.write_slot, :, self.write_pos] = key.transpose(1, 2)[self.valid].to(k_buf.dtype)
             v_buf[self.write_slot, :, self.write_pos] = value.transpose(1, 2)[self.valid].to(v_buf.dtype)
+        if self.cache.in_place:
+            return k_buf, v_buf
         return k_buf[self.slots, :, : self.kv_len], v_buf[self.slots, :, : self.kv_len]

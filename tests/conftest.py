@@ -14,6 +14,8 @@ import pytest
 import torch
 
 torch.set_num_threads(1)
+if not torch.cuda.is_available():  # Triton kernels run on CPU tensors under its interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "tests" / "artifacts"
 # `make test-fast` (under 3 minutes, for the edit loop): the modules that start no server, browser or soak.
@@ -33,6 +35,15 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def reference_model():
+    """The tiny checkpoint as plain transformers, for generate() parity (unchanged by any engine)."""
+    from pipeline.models.loader import load_hf_model
+
+    hf, _, _ = load_hf_model("tiny", "auto", torch.float32, torch.device("cpu"))
+    return hf
 
 
 @pytest.fixture(scope="session")

@@ -24,14 +24,6 @@ PROMPTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def reference_model():
-    from pipeline.models.loader import load_hf_model
-
-    hf, _, _ = load_hf_model("tiny", "auto", torch.float32, torch.device("cpu"))
-    return hf
-
-
 def reference_generate(hf, prompt):
     """transformers' generate(), capturing the codec codes it hands to code2wav."""
     captured = {}

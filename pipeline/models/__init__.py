@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pipeline.attention import attend_in_place, available
 from pipeline.config import STAGE_NAMES, EngineConfig
 from pipeline.graph import StageGraph
 from pipeline.kv_cache import SlotKVCache
@@ -52,12 +53,24 @@ class OmniModels:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
 
-def _kv_for(stack_config, stage_cfg, platform: Platform, dtype: torch.dtype, max_len: int | None = None,
-            num_slots: int | None = None) -> SlotKVCache:
+def _kv_for(stack_config, stage_cfg, platform: Platform, dtype: torch.dtype, in_place: bool,
+            max_len: int | None = None) -> SlotKVCache:
+    """The slot cache of one decoder stack; `in_place` also points the stack's attention at it."""
     c = stack_config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    return SlotKVCache(c.num_hidden_layers, num_slots or stage_cfg.max_num_seqs, c.num_key_value_heads,
-                       max_len or stage_cfg.max_model_len, head_dim, dtype, platform.device(0))
+    if in_place:
+        attend_in_place(c)
+    return SlotKVCache(c.num_hidden_layers, stage_cfg.max_num_seqs, c.num_key_value_heads,
+                       max_len or stage_cfg.max_model_len, head_dim, dtype, platform.device(0), in_place)
+
+
+def _in_place(attention: str, platform: Platform) -> bool:
+    """Whether attention reads the slot cache in place (Triton) rather than a dense copy per layer."""
+    if attention == "auto":
+        return platform.supports_graphs and available()
+    if attention == "slots" and not available():
+        raise ValueError("--attention slots needs Triton (pip install triton; on the CPU also TRITON_INTERPRET=1)")
+    return attention == "slots"
 
 
 def load_models(cfg: EngineConfig, platform: Platform, stages: tuple[str, ...] = STAGE_NAMES) -> OmniModels:
@@ -69,9 +82,10 @@ def load_models(cfg: EngineConfig, platform: Platform, stages: tuple[str, ...] =
     moe = cfg.moe_backend if cfg.moe_backend != "auto" else ("grouped_mm" if platform.supports_graphs else "eager")
     # grouped_mm captures in bf16; other dtypes fall back to a kernel that reads group sizes on the host
     graph_moe = "batched_mm" if moe == "grouped_mm" and dtype != torch.bfloat16 else None
+    in_place = _in_place(cfg.attention, platform)
     hf, tokenizer, _ = load_hf_model(cfg.model, cfg.load_format, dtype, device, moe, frozenset(stages))
-    log.info("weights of %s: %.2f GiB on %s (%s, experts: %s)", "+".join(stages),
-             platform.memory_allocated(device) / 2**30, device, cfg.dtype, moe)
+    log.info("weights of %s: %.2f GiB on %s (%s, experts: %s, attention: %s)", "+".join(stages),
+             platform.memory_allocated(device) / 2**30, device, cfg.dtype, moe, "slots" if in_place else "dense")
     hc = hf.config
     audio = hc.thinker_config.audio_config
     encoder = PromptEncoder(tokenizer, audio.n_window, audio.num_mel_bins)
@@ -79,15 +93,15 @@ def load_models(cfg: EngineConfig, platform: Platform, stages: tuple[str, ...] =
     kv_bytes = {}
     if "thinker" in stages:
         th_cfg = cfg.stage("thinker")
-        thinker = ThinkerModel(hf.thinker, hc, _kv_for(hc.thinker_config.text_config, th_cfg, platform, dtype),
-                               platform, th_cfg.enforce_eager, graph_moe)
+        th_kv = _kv_for(hc.thinker_config.text_config, th_cfg, platform, dtype, in_place)
+        thinker = ThinkerModel(hf.thinker, hc, th_kv, platform, th_cfg.enforce_eager, graph_moe)
         kv_bytes["thinker"] = thinker.kv.num_bytes
     has_talker = getattr(hf, "has_talker", False)
     if has_talker and "talker" in stages:
         tk_cfg = cfg.stage("talker")
         tkc = hc.talker_config
-        predictor_kv = _kv_for(tkc.code_predictor_config, tk_cfg, platform, dtype, max_len=tkc.num_code_groups)
-        talker = TalkerModel(hf.talker, hc, _kv_for(tkc.text_config, tk_cfg, platform, dtype), predictor_kv,
+        predictor_kv = _kv_for(tkc.code_predictor_config, tk_cfg, platform, dtype, in_place, tkc.num_code_groups)
+        talker = TalkerModel(hf.talker, hc, _kv_for(tkc.text_config, tk_cfg, platform, dtype, in_place), predictor_kv,
                              _special_rows(hf, device), platform, tk_cfg.enforce_eager, graph_moe)
         kv_bytes["talker"] = talker.kv.num_bytes + predictor_kv.num_bytes
     if has_talker and "code2wav" in stages:

@@ -15,7 +15,7 @@ from functools import partial
 
 import torch
 
-from pipeline.cudagraph import GraphCache, batch_buckets, length_buckets
+from pipeline.cudagraph import GraphCache, batch_buckets
 from pipeline.kv_cache import SlotKVCache
 from pipeline.models.decoder import experts_implementation, last_rows, pad_rows, run_decoder
 from pipeline.models.qwen3_omni.thinker import ThinkerRows
@@ -72,7 +72,7 @@ class TalkerModel:
         self.tts_bos, self.tts_eos, self.tts_pad = bos[0, 0], eos[0, 0], pad[0, 0]
         eager = enforce_eager
         self.decode_graphs = GraphCache("talker decode", self._decode_step, platform, not eager,
-                                        batch_buckets(kv.num_slots), length_buckets(kv.max_len))
+                                        batch_buckets(kv.num_slots), kv.graph_lengths())
         self.predictor_graphs = GraphCache("code predictor", self._predict_step, platform, not eager,
                                            batch_buckets(kv.num_slots))
 

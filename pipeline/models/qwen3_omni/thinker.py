@@ -8,7 +8,7 @@ from functools import partial
 
 import torch
 
-from pipeline.cudagraph import GraphCache, batch_buckets, length_buckets
+from pipeline.cudagraph import GraphCache, batch_buckets
 from pipeline.kv_cache import SlotKVCache
 from pipeline.models.decoder import experts_implementation, last_rows, pad_rows, run_decoder
 from pipeline.models.qwen3_omni.prompt import EncodedPrompt
@@ -57,7 +57,7 @@ class ThinkerModel:
         self.vocab_size = config.thinker_config.text_config.vocab_size
         self.eos_ids = [config.im_end_token_id]
         self.graphs = GraphCache("thinker decode", self._decode_step, platform, not enforce_eager,
-                                 batch_buckets(kv.num_slots), length_buckets(kv.max_len))
+                                 batch_buckets(kv.num_slots), kv.graph_lengths())
 
     def capture_graphs(self) -> None:
         def inputs(key):

@@ -1,0 +1,120 @@
+"""Attention over the slot KV cache in place (the Triton kernel, under Triton's interpreter on the CPU):
+the kernel against plain attention, a decoder stack against the dense-copy path, and the whole engine
+against transformers' generate()."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from pipeline.attention import SlotMask, slot_attention
+from tests.test_parity import PROMPTS, engine_generate, reference_generate
+
+
+def reference_attention(q, k_cache, v_cache, mask: SlotMask, scale: float) -> torch.Tensor:
+    """Row by row: each real new token attends over its slot's keys [0, its position]."""
+    b, heads, t, d = q.shape
+    group = heads // k_cache.shape[1]
+    out = torch.zeros(b, t, heads, d, dtype=torch.float32)
+    for i in range(b):
+        for j in range(int(mask.lengths[i])):
+            end = int(mask.starts[i]) + j + 1
+            k = k_cache[mask.slots[i], :, :end].float().repeat_interleave(group, 0)  # [heads, end, d]
+            v = v_cache[mask.slots[i], :, :end].float().repeat_interleave(group, 0)
+            weights = ((q[i, :, j, None, :].float() * k).sum(-1) * scale).softmax(-1)
+            out[i, j] = (weights[..., None] * v).sum(1)
+    return out
+
+
+@pytest.mark.parametrize("batch,heads,kv_heads,new,head_dim", [
+    (3, 8, 1, 1, 16),  # decode, a GQA group of 8 (the Thinker's and the Talker's ratio)
+    (5, 16, 8, 2, 32),  # the code predictor's two-token first step, groups of 2
+    (2, 4, 4, 5, 16),  # ragged prefill, no grouping
+    (2, 4, 2, 70, 16),  # a prefill chunk over several query blocks and key tiles
+])
+def test_kernel_matches_plain_attention(batch, heads, kv_heads, new, head_dim):
+    g = torch.Generator().manual_seed(batch * 100 + new)
+    slots_total, max_len = 7, 256
+    k_cache = torch.randn(slots_total, kv_heads, max_len, head_dim, generator=g)
+    v_cache = torch.randn(slots_total, kv_heads, max_len, head_dim, generator=g)
+    q = torch.randn(batch, new, heads, head_dim, generator=g).transpose(1, 2)  # as transformers hands it over
+    mask = SlotMask(torch.randperm(slots_total, generator=g)[:batch], torch.randint(0, 150, (batch,), generator=g),
+                    torch.randint(1, new + 1, (batch,), generator=g))
+    out = slot_attention(q, k_cache, v_cache, mask, head_dim ** -0.5)
+    ref = reference_attention(q, k_cache, v_cache, mask, head_dim ** -0.5)
+    real = torch.arange(new)[None, :] < mask.lengths[:, None]
+    assert out.shape == (batch, new, heads, head_dim)
+    assert torch.allclose(out[real], ref[real], atol=1e-5), float((out[real] - ref[real]).abs().max())
+    assert not out[~real].any()  # padded rows of a chunk stay zero
+
+
+def test_decoder_stack_in_place_equals_the_dense_copy():
+    """A prefill chunk then decode steps through the tiny Thinker's layers: the kernel reading the slots
+    gives what transformers' SDPA over a dense copy gives."""
+    from pipeline.attention import attend_in_place
+    from pipeline.kv_cache import SlotKVCache
+    from pipeline.models.decoder import run_decoder
+    from pipeline.models.loader import load_hf_model
+
+    hf, _, _ = load_hf_model("tiny", "auto", torch.float32, torch.device("cpu"))
+    stack = hf.thinker.model.language_model
+    c = stack.config
+    attend_in_place(c)  # a bool mask (the dense view) still goes to SDPA
+    caches = [SlotKVCache(c.num_hidden_layers, 4, c.num_key_value_heads, 64, c.head_dim, torch.float32, "cpu",
+                          in_place) for in_place in (False, True)]
+    g = torch.Generator().manual_seed(0)
+    slots, starts, lengths = [2, 0], [0, 0], [9, 5]
+    embeds = torch.randn(2, 9, c.hidden_size, generator=g)
+    pos = torch.arange(9).expand(3, 2, 9)
+    outs = []
+    with torch.inference_mode():
+        for kv in caches:
+            steps = [run_decoder(stack, embeds, pos, kv.view(slots, starts, lengths))[0]]
+            for n in range(4):
+                positions = torch.tensor([9 + n, 5 + n])
+                view = kv.dense_view(torch.tensor(slots), positions, 1, None if kv.in_place else 9 + n + 1)
+                steps.append(run_decoder(stack, embeds[:, n:n + 1], positions.view(1, -1, 1).expand(3, -1, 1),
+                                         view)[0])
+            outs.append(steps)
+    real = torch.arange(9)[None, :] < torch.tensor(lengths)[:, None]  # the chunk's padded rows are not compared
+    assert torch.allclose(outs[0][0][real], outs[1][0][real], atol=1e-5)
+    for dense, in_place in zip(outs[0][1:], outs[1][1:]):
+        assert torch.allclose(dense, in_place, atol=1e-5)
+    assert torch.allclose(caches[0].k, caches[1].k, atol=1e-5) and torch.allclose(caches[0].v, caches[1].v, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def slots_engine(tiny_config):
+    from pipeline.engine import OmniEngine
+    from pipeline.models import load_models
+    from pipeline.platform import get_platform
+
+    cfg = dataclasses.replace(tiny_config, attention="slots")
+    eng = OmniEngine(cfg, load_models(cfg, get_platform("cpu")))
+    eng.start()
+    yield eng
+    eng.stop()
+
+
+@pytest.mark.parametrize("kind", ["text", "audio"])
+async def test_engine_with_slot_attention_matches_transformers_generate(slots_engine, reference_model, kind):
+    models = slots_engine.models
+    assert models.thinker.kv.in_place and models.talker.kv.in_place and models.talker.predictor_kv.in_place
+    assert models.thinker.graphs.lengths is None  # one graph per batch size serves every length
+    prompt = models.encoder.encode(PROMPTS[kind])
+    ref_tokens, ref_frames = reference_generate(reference_model, prompt)
+    tokens, frames, _, _ = await engine_generate(slots_engine, f"slots-{kind}", PROMPTS[kind])
+    eos = models.thinker.eos_ids
+    assert tokens == [t for t in ref_tokens if t not in eos]
+    assert frames == ref_frames and len(frames) > 8  # all 16 codebooks, every frame
+
+
+def test_auto_attention_is_dense_without_graphs():
+    from pipeline.models import _in_place
+    from pipeline.platform import Platform
+
+    assert not _in_place("auto", Platform("cpu", "cpu", "gloo", False))
+    assert _in_place("auto", Platform("cuda", "cpu", "nccl", True))  # Triton is installed for the tests
+    assert not _in_place("dense", Platform("cuda", "cpu", "nccl", True))
