@@ -1,7 +1,11 @@
-"""GPU check mode: do CUDA-graphed decode steps give what eager steps give, on the device?
+"""GPU check mode: does the fast path give what the plain path gives, on the device?
 
-Runs the same greedy requests twice through one engine, graphs on and then off (the same weights,
-the same KV cache), and compares text tokens and audio. Prints a JSON summary.
+Runs the same greedy requests twice through one engine (the same weights, the same KV cache): first
+as served (CUDA graphs, attention reading the slot cache in place where the profile has it), then
+eagerly with transformers' SDPA over a dense copy of the cache (the path the CPU parity suite checks
+against generate()). Compares text tokens and audio; prints a JSON summary. Full size:
+`python loadtest/gpu_check.py --num-requests 8 --thinker-tokens 32 --frames 16 -- --model
+qwen3-omni-30b-a3b --load-format dummy --deploy-config deploy/qwen3_omni_moe_1gpu.yaml`.
 """
 
 from __future__ import annotations
@@ -30,10 +34,13 @@ async def run_all(engine, prompts: list[str], tag: str, thinker_tokens: int, fra
     return out, time.perf_counter() - t0
 
 
-def set_graphs(engine, on: bool) -> None:
-    for cache in (engine.models.thinker.graphs, engine.models.talker.decode_graphs,
-                  engine.models.talker.predictor_graphs):
-        cache.enabled = on and len(cache) > 0
+def plain_path(engine) -> None:
+    """Graphs off, and attention over a dense copy of the cache (SDPA)."""
+    m = engine.models
+    for cache in (m.thinker.graphs, m.talker.decode_graphs, m.talker.predictor_graphs):
+        cache.enabled = False
+    for kv in (m.thinker.kv, m.talker.kv, m.talker.predictor_kv):
+        kv.in_place = False
 
 
 async def main_async(args) -> dict:
@@ -42,8 +49,9 @@ async def main_async(args) -> dict:
 
     engine = build_engine(engine_options(build_parser().parse_args(["serve", *args.serve_args])))
     prompts = [f"Request number {i}: " + "tell me something " * (3 + 5 * i) for i in range(args.num_requests)]
+    in_place = engine.models.thinker.kv.in_place
     graphed, t_graph = await run_all(engine, prompts, "graph", args.thinker_tokens, args.frames)
-    set_graphs(engine, False)
+    plain_path(engine)
     eager, t_eager = await run_all(engine, prompts, "eager", args.thinker_tokens, args.frames)
     engine.stop()
     same_text = sum(g[0] == e[0] for g, e in zip(graphed, eager))
@@ -55,7 +63,8 @@ async def main_async(args) -> dict:
     return {"requests": len(prompts), "identical_text": same_text, "first_token_diff": first_diff,
             "audio_max_abs_diff": audio_err,
             "audio_len_equal": [len(g[1]) == len(e[1]) for g, e in zip(graphed, eager)],
-            "seconds_graphed": t_graph, "seconds_eager": t_eager, "thinker_graphs": len(t),
+            "seconds_graphed": t_graph, "seconds_eager": t_eager, "attention_in_place": in_place,
+            "thinker_graphs": len(t),
             "thinker_replays": t.num_replays}
 
 

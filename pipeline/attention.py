@@ -72,7 +72,7 @@ def slot_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
             query.stride(0), query.stride(1), query.stride(2), k_cache.stride(0), k_cache.stride(1),
             k_cache.stride(2), out.stride(0), out.stride(1), out.stride(2), t,
             GROUP=group, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=64,
-            PRECISION="ieee" if query.dtype == torch.float32 else "tf32")
+            PRECISION="ieee" if query.dtype == torch.float32 else None)
     return out
 
 

@@ -2,16 +2,22 @@
 
 Repetition penalty, min-tokens and suppression first, then temperature, top-k and top-p; greedy
 (temperature 0 or top_k 1) is a plain argmax so that it matches the reference `generate()`. The
-whole batch is one set of tensor ops and one device->host copy; only seeded rows draw with their
-own generator, so a seed reproduces whatever batch the request lands in.
+whole batch is one set of tensor ops and one device->host copy (per-request settings go the other
+way through pinned memory); only seeded rows draw with their own generator, so a seed reproduces
+whatever batch the request lands in.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
+
+from pipeline.staging import HostStaging
+
+Put = Callable[..., torch.Tensor]  # (values, dtype) -> a device tensor
 
 
 @dataclass(slots=True, frozen=True)
@@ -76,36 +82,51 @@ class Sampler:
         self.eos_ids = eos_ids
         self.suppress_ids = suppress_ids or []
         self._suppress: dict[torch.device, torch.Tensor] = {}
+        self._eos: dict[torch.device, torch.Tensor] = {}
+        self._staging: HostStaging | None = None  # the calling stage's thread only
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams], histories: list[list[int]],
                  generators: list[torch.Generator | None]) -> list[int]:
-        logits = self.process(logits.float(), params, histories)
+        put = self._put(logits.device)
+        logits = self.process(logits.float(), params, histories, put)
         tokens = logits.argmax(-1)
         sampled = [i for i, p in enumerate(params) if not p.is_greedy]
         if sampled:
-            rows = torch.tensor(sampled, device=logits.device)
-            warped = warp(logits[rows], [params[i] for i in sampled])
+            rows = put(sampled)
+            warped = warp(logits[rows], [params[i] for i in sampled], put)
             tokens[rows] = draw(warped, [generators[i] for i in sampled])
         return tokens.tolist()
 
-    def process(self, logits: torch.Tensor, params: list[SamplingParams], histories: list[list[int]]):
+    def _put(self, device: torch.device) -> Put:
+        if self._staging is None or self._staging.device != device:
+            self._staging = HostStaging(device)
+        return self._staging.tensor
+
+    def process(self, logits: torch.Tensor, params: list[SamplingParams], histories: list[list[int]],
+                put: Put | None = None):
         """Penalty, min-tokens and suppression: the processors that also apply to greedy decoding."""
         device = logits.device
+        put = put or self._put(device)
         penalties = [p.repetition_penalty for p in params]
         if any(r != 1.0 for r in penalties) and any(histories):
             width = max(len(h) for h in histories) or 1
-            hist = torch.tensor([h + [-1] * (width - len(h)) for h in histories], dtype=torch.long, device=device)
+            hist = put([t for h in histories for t in h + [-1] * (width - len(h))]).view(len(histories), width)
             seen = torch.zeros_like(logits, dtype=torch.bool)
             seen.scatter_(1, hist.clamp_min(0), hist >= 0)
-            pen = torch.tensor(penalties, device=device)[:, None]
+            pen = put(penalties, torch.float32)[:, None]
             logits = torch.where(seen, torch.where(logits < 0, logits * pen, logits / pen), logits)
         early = [len(h) < p.min_tokens for p, h in zip(params, histories)]
         if any(early) and self.eos_ids:
-            rows = torch.tensor([i for i, e in enumerate(early) if e], device=device)
-            logits[rows[:, None], torch.tensor(self.eos_ids, device=device)[None, :]] = float("-inf")
+            rows, eos = put([i for i, e in enumerate(early) if e]), self._eos_ids(device)
+            logits[rows[:, None], eos[None, :]] = float("-inf")
         if self.suppress_ids:
             logits = logits.masked_fill(self._suppress_mask(device), float("-inf"))
         return logits
+
+    def _eos_ids(self, device: torch.device) -> torch.Tensor:
+        if device not in self._eos:
+            self._eos[device] = torch.tensor(self.eos_ids, device=device)
+        return self._eos[device]
 
     def _suppress_mask(self, device: torch.device) -> torch.Tensor:
         if device not in self._suppress:
@@ -115,17 +136,16 @@ class Sampler:
         return self._suppress[device]
 
 
-def warp(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+def warp(logits: torch.Tensor, params: list[SamplingParams], put: Put) -> torch.Tensor:
     """Temperature, then top-k, then top-p (transformers' order), per row."""
-    device = logits.device
-    logits = logits / torch.tensor([p.temperature for p in params], device=device)[:, None]
+    logits = logits / put([p.temperature for p in params], torch.float32)[:, None]
     ks = [p.top_k if p.top_k > 0 else logits.shape[-1] for p in params]
     if min(ks) < logits.shape[-1]:
         top = torch.topk(logits, max(ks), dim=-1).values
-        kth = top.gather(1, torch.tensor(ks, device=device)[:, None] - 1)
+        kth = top.gather(1, put(ks)[:, None] - 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    top_p = torch.tensor([p.top_p for p in params], device=device)[:, None]
-    if (top_p < 1).any():
+    if any(p.top_p < 1 for p in params):
+        top_p = put([p.top_p for p in params], torch.float32)[:, None]
         sorted_logits, order = torch.sort(logits, descending=False)
         remove = sorted_logits.softmax(-1).cumsum(-1) <= 1 - top_p
         remove[:, -1] = False

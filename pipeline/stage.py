@@ -32,7 +32,7 @@ StepSink = Callable[[str, StepResult], None]  # (stage name, what its step produ
 
 class ARRunner:
     """An autoregressive model plus its sampler: sample where the model produced logits, then let
-    the model build the hand-off payload (`complete`) now that the token is known."""
+    the model build the step's hand-off payloads (`complete`, once per batch) now that the tokens are known."""
 
     def __init__(self, model: Any, sampler: Sampler):
         self.model = model
@@ -48,8 +48,8 @@ class ARRunner:
                 o.token = t
         complete = getattr(self.model, "complete", None)
         if complete is not None:
-            for r, o in zip(batch.requests, outs):
-                o.payload = complete(r, o, o.token)
+            for o, payload in zip(outs, complete(batch.requests, outs)):
+                o.payload = payload
         return outs
 
 

@@ -12,6 +12,12 @@ import torch
 from pipeline.attention import SlotMask, slot_attention
 from tests.test_parity import PROMPTS, engine_generate, reference_generate
 
+CUDA = torch.cuda.is_available()
+# compiled on a GPU (bf16 as served, and fp32); interpreted on the CPU (fp32: numpy has no bf16)
+DTYPES = [(torch.float32, 1e-5)] + ([(torch.bfloat16, 2e-2)] if CUDA else [])
+# the tiny model's CPU runs need the interpreter, which conftest turns on only where there is no GPU
+cpu_only = pytest.mark.skipif(CUDA, reason="runs the kernel on CPU tensors under Triton's interpreter")
+
 
 def reference_attention(q, k_cache, v_cache, mask: SlotMask, scale: float) -> torch.Tensor:
     """Row by row: each real new token attends over its slot's keys [0, its position]."""
@@ -34,22 +40,27 @@ def reference_attention(q, k_cache, v_cache, mask: SlotMask, scale: float) -> to
     (2, 4, 4, 5, 16),  # ragged prefill, no grouping
     (2, 4, 2, 70, 16),  # a prefill chunk over several query blocks and key tiles
 ])
-def test_kernel_matches_plain_attention(batch, heads, kv_heads, new, head_dim):
+@pytest.mark.parametrize("dtype,atol", DTYPES)
+def test_kernel_matches_plain_attention(batch, heads, kv_heads, new, head_dim, dtype, atol):
     g = torch.Generator().manual_seed(batch * 100 + new)
     slots_total, max_len = 7, 256
-    k_cache = torch.randn(slots_total, kv_heads, max_len, head_dim, generator=g)
-    v_cache = torch.randn(slots_total, kv_heads, max_len, head_dim, generator=g)
-    q = torch.randn(batch, new, heads, head_dim, generator=g).transpose(1, 2)  # as transformers hands it over
+    k_cache = torch.randn(slots_total, kv_heads, max_len, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(slots_total, kv_heads, max_len, head_dim, generator=g).to(dtype)
+    q = torch.randn(batch, new, heads, head_dim, generator=g).to(dtype).transpose(1, 2)  # as transformers gives it
     mask = SlotMask(torch.randperm(slots_total, generator=g)[:batch], torch.randint(0, 150, (batch,), generator=g),
                     torch.randint(1, new + 1, (batch,), generator=g))
-    out = slot_attention(q, k_cache, v_cache, mask, head_dim ** -0.5)
     ref = reference_attention(q, k_cache, v_cache, mask, head_dim ** -0.5)
+    device = "cuda" if CUDA else "cpu"
+    out = slot_attention(q.to(device), k_cache.to(device), v_cache.to(device),
+                         SlotMask(*(x.to(device) for x in (mask.slots, mask.starts, mask.lengths))),
+                         head_dim ** -0.5).float().cpu()
     real = torch.arange(new)[None, :] < mask.lengths[:, None]
     assert out.shape == (batch, new, heads, head_dim)
-    assert torch.allclose(out[real], ref[real], atol=1e-5), float((out[real] - ref[real]).abs().max())
+    assert torch.allclose(out[real], ref[real], atol=atol), float((out[real] - ref[real]).abs().max())
     assert not out[~real].any()  # padded rows of a chunk stay zero
 
 
+@cpu_only
 def test_decoder_stack_in_place_equals_the_dense_copy():
     """A prefill chunk then decode steps through the tiny Thinker's layers: the kernel reading the slots
     gives what transformers' SDPA over a dense copy gives."""
@@ -98,6 +109,7 @@ def slots_engine(tiny_config):
     eng.stop()
 
 
+@cpu_only
 @pytest.mark.parametrize("kind", ["text", "audio"])
 async def test_engine_with_slot_attention_matches_transformers_generate(slots_engine, reference_model, kind):
     models = slots_engine.models
@@ -118,3 +130,27 @@ def test_auto_attention_is_dense_without_graphs():
     assert not _in_place("auto", Platform("cpu", "cpu", "gloo", False))
     assert _in_place("auto", Platform("cuda", "cpu", "nccl", True))  # Triton is installed for the tests
     assert not _in_place("dense", Platform("cuda", "cpu", "nccl", True))
+
+
+def test_host_staging_splits_and_types():
+    from pipeline.staging import HostStaging
+
+    a, b, c = HostStaging(torch.device("cpu")).tensors([1, 2, 3], [], [7])
+    assert a.tolist() == [1, 2, 3] and b.numel() == 0 and c.tolist() == [7] and a.dtype == torch.long
+    flags = HostStaging(torch.device("cpu")).tensor([True, False], torch.bool)
+    assert flags.dtype == torch.bool and flags.tolist() == [True, False]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="pinned memory needs a CUDA device")
+def test_host_staging_reuses_its_pinned_regions_round_robin():
+    from pipeline.staging import HostStaging
+
+    staging = HostStaging(torch.device("cuda"), capacity=8)
+    first = staging.tensors([1, 2, 3], [4, 5])
+    torch.cuda.synchronize()  # a stage synchronizes once per step
+    assert [t.tolist() for t in first] == [[1, 2, 3], [4, 5]]
+    second = staging.tensor([6, 7, 8, 9])  # 5 + 4 > 8: wraps to the start
+    assert second.tolist() == [6, 7, 8, 9] and second.data_ptr() == first[0].data_ptr()
+    big = staging.tensor(list(range(20)))  # past the capacity: a plain copy
+    assert big.tolist() == list(range(20))

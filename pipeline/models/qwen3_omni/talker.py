@@ -11,7 +11,6 @@ text track is gen1..gen[N-2], then tts_eos, then tts_pad: the Thinker's last tok
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import partial
 
 import torch
 
@@ -22,6 +21,7 @@ from pipeline.models.qwen3_omni.thinker import ThinkerRows
 from pipeline.platform import Platform
 from pipeline.sampling import sample_top_k_top_p
 from pipeline.scheduler import Batch, StepOutput
+from pipeline.staging import HostStaging
 
 NUM_ASSISTANT_PREFIX = 9  # im_start, assistant, \n, 4 x tts_pad, tts_bos, first text token
 
@@ -59,6 +59,7 @@ class TalkerModel:
         self.tc = config.talker_config
         self.kv, self.predictor_kv = kv, predictor_kv
         self.device = kv.k.device
+        self.staging = HostStaging(self.device)
         self.vocab_size = self.tc.text_config.vocab_size
         self.eos_ids = [self.tc.codec_eos_token_id]
         self.suppress_ids = [i for i in range(self.vocab_size - 1024, self.vocab_size) if i != self.eos_ids[0]]
@@ -174,15 +175,15 @@ class TalkerModel:
     def _decode(self, reqs, starts: list[int]) -> list[StepOutput]:
         """Complete each request's pending frame (code predictor), then one talker step on it."""
         n = len(reqs)
-        t = partial(torch.tensor, device=self.device)
-        slots = t([r.slot for r in reqs])
+        slots, code0, positions, rope = self.staging.tensors(
+            [r.slot for r in reqs], [r.output_ids[-1] for r in reqs], starts,
+            [s + r.state.rope_delta for r, s in zip(reqs, starts)])
+        greedy = self.staging.tensor([r.sampling.is_greedy for r in reqs], torch.bool)
         codes, code_sum = self.predictor_graphs.run(
-            n, None, {"past": self.past_hidden[slots], "code0": t([r.output_ids[-1] for r in reqs]),
-                      "greedy": t([r.sampling.is_greedy for r in reqs])}, {"greedy": 1})
+            n, None, {"past": self.past_hidden[slots], "code0": code0, "greedy": greedy}, {"greedy": 1})
         embeds = (code_sum + self._trailing_rows(reqs)).unsqueeze(1)
-        rope = t([s + r.state.rope_delta for r, s in zip(reqs, starts)])
         hidden, logits = self.decode_graphs.run(
-            n, max(starts) + 1, {"embeds": embeds, "slots": slots, "positions": t(starts), "rope_pos": rope},
+            n, max(starts) + 1, {"embeds": embeds, "slots": slots, "positions": positions, "rope_pos": rope},
             {"slots": self.kv.scratch_slot})
         self.past_hidden[slots] = hidden
         return [StepOutput(logits=row, payload=frame) for row, frame in zip(logits, codes.tolist())]

@@ -4,7 +4,6 @@ per-token rows the Talker consumes (token embedding and the `accept_hidden_layer
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 
@@ -14,6 +13,7 @@ from pipeline.models.decoder import experts_implementation, last_rows, pad_rows,
 from pipeline.models.qwen3_omni.prompt import EncodedPrompt
 from pipeline.platform import Platform
 from pipeline.scheduler import Batch, StepOutput
+from pipeline.staging import HostStaging
 
 
 @dataclass(slots=True)
@@ -56,6 +56,7 @@ class ThinkerModel:
         self.device = kv.k.device
         self.vocab_size = config.thinker_config.text_config.vocab_size
         self.eos_ids = [config.im_end_token_id]
+        self.staging = HostStaging(self.device)
         self.graphs = GraphCache("thinker decode", self._decode_step, platform, not enforce_eager,
                                  batch_buckets(kv.num_slots), kv.graph_lengths())
 
@@ -109,7 +110,7 @@ class ThinkerModel:
                             lengths, inp.wants_rows)
 
     def token_embeds(self, token_ids: list[int]) -> torch.Tensor:
-        return self.stack.embed_tokens(torch.tensor(token_ids, device=self.device))
+        return self.stack.embed_tokens(self.staging.tensor(token_ids))
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> list[StepOutput]:
@@ -130,9 +131,9 @@ class ThinkerModel:
                 for i, (r, s, n) in enumerate(zip(reqs, starts, n_new))]
 
     def _decode(self, reqs, starts: list[int]) -> list[StepOutput]:
-        t = partial(torch.tensor, device=self.device)
-        inputs = {"token_ids": t([r.output_ids[-1] for r in reqs]), "slots": t([r.slot for r in reqs]),
-                  "positions": t(starts), "rope_pos": t([s + r.state.rope_delta for r, s in zip(reqs, starts)])}
+        names = ("token_ids", "slots", "positions", "rope_pos")
+        inputs = dict(zip(names, self.staging.tensors([r.output_ids[-1] for r in reqs], [r.slot for r in reqs],
+                                                      starts, [s + r.state.rope_delta for r, s in zip(reqs, starts)])))
         (logits,) = self.graphs.run(len(reqs), max(starts) + 1, inputs, {"slots": self.kv.scratch_slot})
         return [StepOutput(logits=row) for row in logits]
 
@@ -151,11 +152,11 @@ class ThinkerModel:
             rows = ThinkerRows(prompt_embeds=embeds[:n], prompt_hidden=tapped[:n])
         return StepOutput(logits=logits if done_prompt else None, payload=rows)
 
-    def complete(self, req, out: StepOutput, token: int | None) -> ThinkerRows | None:
-        """The hand-off for this step: prompt rows, plus the embedding of the token just sampled."""
-        if not req.state.wants_rows:
-            return None
-        rows = out.payload or ThinkerRows()
-        if token is not None:
-            rows.token_embed = self.token_embeds([token])[0]
+    def complete(self, reqs, outs: list[StepOutput]) -> list[ThinkerRows | None]:
+        """The step's hand-offs: prompt rows, plus the embedding of each token just sampled (one lookup)."""
+        rows = [(out.payload or ThinkerRows()) if req.state.wants_rows else None for req, out in zip(reqs, outs)]
+        sampled = [(r, out.token) for r, out in zip(rows, outs) if r is not None and out.token is not None]
+        if sampled:
+            for (r, _), embed in zip(sampled, self.token_embeds([t for _, t in sampled])):
+                r.token_embed = embed
         return rows
