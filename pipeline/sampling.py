@@ -166,12 +166,11 @@ def draw(logits: torch.Tensor, generators: list[torch.Generator | None]) -> torc
 
 def sample_top_k_top_p(logits: torch.Tensor, greedy: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     """Graph-safe sampling with fixed settings (no host data): argmax where `greedy`, else temperature 1,
-    top-k, top-p and an exponential race on the device's default generator."""
-    kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-    warped = logits.masked_fill(logits < kth, float("-inf"))
-    sorted_logits, order = torch.sort(warped, descending=False)
-    remove = sorted_logits.softmax(-1).cumsum(-1) <= 1 - top_p
-    remove[:, -1] = False
-    warped = warped.masked_fill(remove.scatter(1, order, remove), float("-inf"))
-    sampled = (warped.softmax(-1) / torch.empty_like(warped).exponential_()).argmax(-1)
-    return torch.where(greedy, logits.argmax(-1), sampled)
+    top-k, top-p and an exponential race on the device's default generator. Top-p runs on the k values
+    `topk` returns already sorted: the same tokens as transformers' warpers (which sort the whole
+    vocabulary), without the sort. A token is kept while the mass before it is below top_p."""
+    values, ids = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1)
+    probs = values.softmax(-1)
+    keep = probs.cumsum(-1) - probs < top_p  # the first is always kept
+    choice = (probs * keep / torch.empty_like(probs).exponential_()).argmax(-1, keepdim=True)
+    return torch.where(greedy, logits.argmax(-1), ids.gather(1, choice)[:, 0])

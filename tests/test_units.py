@@ -85,6 +85,25 @@ def test_sampler_greedy_penalty_suppress_min_tokens():
     assert draws1 == draws2 and set(draws1) <= {3, 4}  # seeded, and within top-k/top-p
 
 
+def test_graph_safe_sampling_draws_from_the_same_distribution_as_the_warpers():
+    """The code predictor's top-k/top-p (top-p over the sorted top-k values) keeps exactly the tokens that
+    transformers' order keeps (`warp`), and draws them in proportion."""
+    from pipeline.sampling import sample_top_k_top_p, warp
+
+    torch.manual_seed(0)
+    logits = torch.randn(4, 300) * 3
+    draws = sample_top_k_top_p(logits.repeat(5000, 1), torch.zeros(20000, dtype=torch.bool), 50, 0.8).view(5000, 4)
+    put = lambda values, dtype=torch.long: torch.tensor(values, dtype=dtype)  # noqa: E731
+    expected = warp(logits, [SamplingParams(temperature=1.0, top_k=50, top_p=0.8)] * 4, put).softmax(-1)
+    for row in range(4):
+        seen = torch.bincount(draws[:, row], minlength=300) / 5000
+        assert not seen[expected[row] == 0].any()  # nothing outside the kept set (2 to 9 tokens here)
+        assert (seen[expected[row] > 0.005] > 0).all()
+        assert 0.5 * (seen - expected[row]).abs().sum() < 0.03  # total variation: sampling noise only
+    greedy = sample_top_k_top_p(logits, torch.ones(4, dtype=torch.bool), 50, 0.8)
+    assert torch.equal(greedy, logits.argmax(-1))
+
+
 def test_codec_stream_schedule():
     s = CodecStream(initial_frames=2, chunk_frames=5, left_context_frames=3, ramp=False)
     s.frames = [[i] * 16 for i in range(13)]
