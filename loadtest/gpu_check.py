@@ -38,20 +38,20 @@ async def run_all(engine, prompts: list[str], tag: str, thinker_tokens: int, fra
     return out, time.perf_counter() - t0
 
 
-def record_top2(engine) -> dict[str, dict[tuple[str, int], tuple[list[float], list[int]]]]:
-    """Per stage, (request id, step) -> the top-2 logits and their tokens, for every sampled row."""
+def record_top2(engine) -> dict[str, dict[tuple[str, int], tuple[list[float], int]]]:
+    """Per stage, (request id, step) -> the top-2 logits and the token sampled, for every sampled row."""
     book: dict[str, dict] = {}
     for stage in engine.stages:
         runner, rows = stage.runner, book.setdefault(stage.name, {})
 
         def run(batch, original=runner.run, rows=rows):
             outs = original(batch)
-            sampled = [(r.request_id, len(r.output_ids), o.logits) for r, o in zip(batch.requests, outs)
+            sampled = [(r.request_id, len(r.output_ids), o) for r, o in zip(batch.requests, outs)
                        if getattr(o, "logits", None) is not None]
             if sampled:
-                values, ids = torch.topk(torch.stack([logits for *_, logits in sampled]).float(), 2)
-                for (rid, step, _), v, i in zip(sampled, values.tolist(), ids.tolist()):
-                    rows[(rid, step)] = (v, i)
+                values = torch.topk(torch.stack([o.logits for *_, o in sampled]).float(), 2).values
+                for (rid, step, o), v in zip(sampled, values.tolist()):
+                    rows[(rid, step)] = (v, o.token)
             return outs
 
         runner.run = run
@@ -63,7 +63,7 @@ def divergence(rows: dict, i: int) -> dict | None:
     there and the largest difference of the chosen token's logit over the steps before."""
     noise, step = 0.0, 0
     while (a := rows.get((f"graph-{i}", step))) and (b := rows.get((f"eager-{i}", step))):
-        if a[1][0] != b[1][0]:
+        if a[1] != b[1]:
             return {"step": step, "gap_served": round(a[0][0] - a[0][1], 4), "gap_plain": round(b[0][0] - b[0][1], 4),
                     "noise_before": round(noise, 4)}
         noise = max(noise, abs(a[0][0] - b[0][0]))
