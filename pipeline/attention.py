@@ -11,7 +11,9 @@ batch size serves every sequence length.
 
 The kernel itself is `pipeline/triton_attention.py`, imported on first use. On the CPU it runs under
 Triton's interpreter (`TRITON_INTERPRET=1`, set before it is imported): that is how the tests check it
-against the reference attention.
+against the reference attention. The launch is a torch custom op (`omnirt::slot_attention`), opaque to
+`torch.compile`: compiled decode steps fuse the glue around it and call the kernel as it is, on the
+device and under the interpreter alike.
 """
 
 from __future__ import annotations
@@ -51,7 +53,13 @@ def available() -> bool:
 def slot_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, mask: SlotMask,
                    scale: float) -> torch.Tensor:
     """query [B, H, T, D] attends over its slot's keys [0, start + t]; returns [B, T, H, D] (rows past a
-    row's length are left unwritten). k_cache / v_cache: one layer, [slots + 1, kv_heads, max_len, D]."""
+    row's length are zero). k_cache / v_cache: one layer, [slots + 1, kv_heads, max_len, D]."""
+    return _slot_attention_op(query, k_cache, v_cache, mask.slots, mask.starts, mask.lengths, scale)
+
+
+@torch.library.custom_op("omnirt::slot_attention", mutates_args=())
+def _slot_attention_op(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                       starts: torch.Tensor, lengths: torch.Tensor, scale: float) -> torch.Tensor:
     import triton
 
     from pipeline.triton_attention import slot_attention_kernel
@@ -68,12 +76,18 @@ def slot_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     grid = (b, kv_heads, triton.cdiv(t * group, block_m))
     with _INTERPRETER:
         slot_attention_kernel[grid](
-            query, k_cache, v_cache, out, mask.slots, mask.starts, mask.lengths, scale * math.log2(math.e),
+            query, k_cache, v_cache, out, slots, starts, lengths, scale * math.log2(math.e),
             query.stride(0), query.stride(1), query.stride(2), k_cache.stride(0), k_cache.stride(1),
             k_cache.stride(2), out.stride(0), out.stride(1), out.stride(2), t,
             GROUP=group, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=64,
             PRECISION="ieee" if query.dtype == torch.float32 else None)
     return out
+
+
+@_slot_attention_op.register_fake
+def _(query, k_cache, v_cache, slots, starts, lengths, scale):
+    b, heads, t, d = query.shape
+    return query.new_empty(b, t, heads, d)
 
 
 def attention_forward(module, query, key, value, attention_mask, scaling=None, **kwargs):
