@@ -86,7 +86,8 @@ class Sampler:
         self._staging: HostStaging | None = None  # the calling stage's thread only
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams], histories: list[list[int]],
-                 generators: list[torch.Generator | None]) -> list[int]:
+                 generators: list[torch.Generator | None]) -> torch.Tensor:
+        """One token per row, on the device (`fetch` brings them to the host)."""
         put = self._put(logits.device)
         logits = self.process(logits.float(), params, histories, put)
         tokens = logits.argmax(-1)
@@ -95,12 +96,19 @@ class Sampler:
             rows = put(sampled)
             warped = warp(logits[rows], [params[i] for i in sampled], put)
             tokens[rows] = draw(warped, [generators[i] for i in sampled])
-        return tokens.tolist()
+        return tokens
+
+    def fetch(self, tokens: torch.Tensor) -> list[int]:
+        """Sampled tokens to the host through pinned memory."""
+        return self._staging_for(tokens.device).fetch(tokens)
 
     def _put(self, device: torch.device) -> Put:
+        return self._staging_for(device).tensor
+
+    def _staging_for(self, device: torch.device) -> HostStaging:
         if self._staging is None or self._staging.device != device:
             self._staging = HostStaging(device)
-        return self._staging.tensor
+        return self._staging
 
     def process(self, logits: torch.Tensor, params: list[SamplingParams], histories: list[list[int]],
                 put: Put | None = None):

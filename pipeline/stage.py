@@ -31,8 +31,9 @@ StepSink = Callable[[str, StepResult], None]  # (stage name, what its step produ
 
 
 class ARRunner:
-    """An autoregressive model plus its sampler: sample where the model produced logits, then let
-    the model build the step's hand-off payloads (`complete`, once per batch) now that the tokens are known."""
+    """An autoregressive model plus its sampler: sample where the model produced logits, let the model
+    build the step's hand-off payloads from the sampled tokens while they are still on the device
+    (`complete(requests, outputs, sampled rows, tokens)`, once per batch), then bring the tokens to the host."""
 
     def __init__(self, model: Any, sampler: Sampler):
         self.model = model
@@ -40,16 +41,19 @@ class ARRunner:
 
     def run(self, batch: Batch) -> list[StepOutput]:
         outs = self.model.run(batch)
-        rows = [(r, o) for r, o in zip(batch.requests, outs) if o.logits is not None]
+        rows = [i for i, o in enumerate(outs) if o.logits is not None]
+        reqs = [batch.requests[i] for i in rows]
+        tokens = None
         if rows:
-            tokens = self.sampler(torch.stack([o.logits for _, o in rows]), [r.sampling for r, _ in rows],
-                                  [r.output_ids for r, _ in rows], [r.generator for r, _ in rows])
-            for (_, o), t in zip(rows, tokens):
-                o.token = t
+            tokens = self.sampler(torch.stack([outs[i].logits for i in rows]), [r.sampling for r in reqs],
+                                  [r.output_ids for r in reqs], [r.generator for r in reqs])
         complete = getattr(self.model, "complete", None)
         if complete is not None:
-            for o, payload in zip(outs, complete(batch.requests, outs)):
+            for o, payload in zip(outs, complete(batch.requests, outs, rows, tokens)):
                 o.payload = payload
+        if rows:
+            for i, t in zip(rows, self.sampler.fetch(tokens)):
+                outs[i].token = t
         return outs
 
 

@@ -1,4 +1,5 @@
-"""Per-step host values (token ids, slots, positions, sampling settings) to the device through pinned memory.
+"""Per-step host values (token ids, slots, positions, sampling settings) to the device through pinned memory,
+and a step's sampled tokens back the same way.
 
 `torch.tensor(values, device=cuda)` copies from pageable memory: the host thread waits about 200 µs per
 call, and a c=64 round on the H200 spent 2.3 s in such copies. `HostStaging` writes the values into a
@@ -6,7 +7,9 @@ preallocated pinned buffer and issues one asynchronous copy per call into a devi
 size. Regions of both are reused round-robin. That is safe because a stage synchronizes its stream at
 the end of every step (`Stage._run_isolating`), so a region is reused only after the step that wrote
 it has finished, as long as one step stages less than the capacity (a larger call falls back to a
-plain copy). One `HostStaging` per stage model: it is used from that stage's thread only.
+plain copy). Back to the host, `fetch` copies into a reused pinned buffer and waits on an event recorded
+after that copy, not on the whole stream. One `HostStaging` per stage model or sampler: it is used from that
+stage's thread only.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from collections.abc import Sequence
 import torch
 
 CAPACITY = 1 << 18  # values per dtype (2 MiB of int64): a c=64 Talker step with its history stages ~10 k
+FETCH_CAPACITY = 1 << 12  # values per dtype coming back (a step's sampled tokens)
 
 
 class HostStaging:
@@ -24,6 +28,7 @@ class HostStaging:
         self.capacity = capacity
         self._buffers: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
         self._offsets: dict[torch.dtype, int] = {}
+        self._fetched: dict[torch.dtype, torch.Tensor] = {}
 
     def tensors(self, *rows: Sequence, dtype: torch.dtype = torch.long) -> list[torch.Tensor]:
         """Each sequence of numbers as a 1-D device tensor, all through one copy."""
@@ -44,6 +49,19 @@ class HostStaging:
 
     def tensor(self, values: Sequence, dtype: torch.dtype = torch.long) -> torch.Tensor:
         return self.tensors(values, dtype=dtype)[0]
+
+    def fetch(self, values: torch.Tensor) -> list:
+        """A device tensor's values as a list: one asynchronous copy into pinned memory, then a wait for it."""
+        if self.device.type == "cpu" or values.numel() > FETCH_CAPACITY:
+            return values.tolist()
+        if values.dtype not in self._fetched:
+            self._fetched[values.dtype] = torch.empty(FETCH_CAPACITY, dtype=values.dtype, pin_memory=True)
+        host = self._fetched[values.dtype][:values.numel()].view(values.shape)
+        host.copy_(values, non_blocking=True)
+        done = torch.Event(device=self.device)
+        done.record()
+        done.synchronize()
+        return host.tolist()
 
     def _buffers_for(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if dtype not in self._buffers:

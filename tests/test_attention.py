@@ -139,6 +139,7 @@ def test_host_staging_splits_and_types():
     assert a.tolist() == [1, 2, 3] and b.numel() == 0 and c.tolist() == [7] and a.dtype == torch.long
     flags = HostStaging(torch.device("cpu")).tensor([True, False], torch.bool)
     assert flags.dtype == torch.bool and flags.tolist() == [True, False]
+    assert HostStaging(torch.device("cpu")).fetch(torch.tensor([[3, 4], [5, 6]])) == [[3, 4], [5, 6]]
 
 
 @pytest.mark.gpu
@@ -154,3 +155,5 @@ def test_host_staging_reuses_its_pinned_regions_round_robin():
     assert second.tolist() == [6, 7, 8, 9] and second.data_ptr() == first[0].data_ptr()
     big = staging.tensor(list(range(20)))  # past the capacity: a plain copy
     assert big.tolist() == list(range(20))
+    tokens = torch.randint(0, 1000, (64,), device="cuda")
+    assert staging.fetch(tokens) == tokens.tolist() and staging.fetch(tokens[:3] * 2) == (tokens[:3] * 2).tolist()

@@ -75,13 +75,13 @@ def test_sampler_greedy_penalty_suppress_min_tokens():
     sampler = Sampler(5, eos_ids=[4], suppress_ids=[0])
     logits = torch.tensor([[9.0, 1.0, 2.0, 3.0, 8.0]])
     greedy = SamplingParams(temperature=0)
-    assert sampler(logits.clone(), [greedy], [[]], [None]) == [4]  # 0 suppressed
-    assert sampler(logits.clone(), [greedy.merged(min_tokens=2)], [[1]], [None]) == [3]  # no EOS yet
-    assert sampler(logits.clone(), [greedy.merged(repetition_penalty=3.0)], [[4]], [None]) == [3]
+    assert sampler(logits.clone(), [greedy], [[]], [None]).tolist() == [4]  # 0 suppressed
+    assert sampler(logits.clone(), [greedy.merged(min_tokens=2)], [[1]], [None]).tolist() == [3]  # no EOS yet
+    assert sampler(logits.clone(), [greedy.merged(repetition_penalty=3.0)], [[4]], [None]).tolist() == [3]
     g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
     p = SamplingParams(temperature=1.0, top_k=3, top_p=0.9)
-    draws1 = [sampler(logits.clone(), [p], [[]], [g1])[0] for _ in range(20)]
-    draws2 = [sampler(logits.clone(), [p], [[]], [g2])[0] for _ in range(20)]
+    draws1 = [int(sampler(logits.clone(), [p], [[]], [g1])[0]) for _ in range(20)]
+    draws2 = [int(sampler(logits.clone(), [p], [[]], [g2])[0]) for _ in range(20)]
     assert draws1 == draws2 and set(draws1) <= {3, 4}  # seeded, and within top-k/top-p
 
 

@@ -45,7 +45,7 @@ class ThinkerRows:
 
 class ThinkerModel:
     def __init__(self, thinker, config, kv: SlotKVCache, platform: Platform, enforce_eager: bool = True,
-                 graph_moe: str | None = None):
+                 graph_moe: str | None = None, compile_step: bool = False):
         self.thinker = thinker
         self.graph_moe = graph_moe  # experts implementation inside captured graphs
         self.stack = thinker.model.language_model
@@ -58,7 +58,7 @@ class ThinkerModel:
         self.eos_ids = [config.im_end_token_id]
         self.staging = HostStaging(self.device)
         self.graphs = GraphCache("thinker decode", self._decode_step, platform, not enforce_eager,
-                                 batch_buckets(kv.num_slots), kv.graph_lengths())
+                                 batch_buckets(kv.num_slots), kv.graph_lengths(), compile_step)
 
     def capture_graphs(self) -> None:
         def inputs(key):
@@ -109,8 +109,6 @@ class ThinkerModel:
         return ThinkerState(prompt.input_ids, embeds[0], pos[:, 0].long(), int(delta.flatten()[0]),
                             lengths, inp.wants_rows)
 
-    def token_embeds(self, token_ids: list[int]) -> torch.Tensor:
-        return self.stack.embed_tokens(self.staging.tensor(token_ids))
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> list[StepOutput]:
@@ -137,10 +135,10 @@ class ThinkerModel:
         (logits,) = self.graphs.run(len(reqs), max(starts) + 1, inputs, {"slots": self.kv.scratch_slot})
         return [StepOutput(logits=row) for row in logits]
 
-    def _decode_step(self, key, token_ids, slots, positions, rope_pos) -> tuple[torch.Tensor]:
-        """One token for each row: the fixed-shape step that graphs capture, key = (batch, kv_len)."""
+    def _decode_step(self, kv_len, token_ids, slots, positions, rope_pos) -> tuple[torch.Tensor]:
+        """One token for each row: the fixed-shape step that graphs capture (kv_len: the dense copy's length)."""
         embeds = self.stack.embed_tokens(token_ids).unsqueeze(1)
-        view = self.kv.dense_view(slots, positions, 1, key[1])
+        view = self.kv.dense_view(slots, positions, 1, kv_len)
         normed, _ = run_decoder(self.stack, embeds, rope_pos.view(1, -1, 1).expand(3, -1, 1), view)
         return (self.thinker.lm_head(normed[:, 0]),)
 
@@ -152,11 +150,14 @@ class ThinkerModel:
             rows = ThinkerRows(prompt_embeds=embeds[:n], prompt_hidden=tapped[:n])
         return StepOutput(logits=logits if done_prompt else None, payload=rows)
 
-    def complete(self, reqs, outs: list[StepOutput]) -> list[ThinkerRows | None]:
-        """The step's hand-offs: prompt rows, plus the embedding of each token just sampled (one lookup)."""
+    def complete(self, reqs, outs: list[StepOutput], sampled: list[int],
+                 tokens: torch.Tensor | None) -> list[ThinkerRows | None]:
+        """The step's hand-offs: prompt rows, plus the embedding of each token just sampled (`tokens`, on the
+        device, for the rows `sampled`: one lookup, no round trip through the host)."""
         rows = [(out.payload or ThinkerRows()) if req.state.wants_rows else None for req, out in zip(reqs, outs)]
-        sampled = [(r, out.token) for r, out in zip(rows, outs) if r is not None and out.token is not None]
-        if sampled:
-            for (r, _), embed in zip(sampled, self.token_embeds([t for _, t in sampled])):
-                r.token_embed = embed
+        wanted = [j for j, i in enumerate(sampled) if rows[i] is not None]
+        if wanted:
+            picked = tokens if len(wanted) == len(sampled) else tokens[self.staging.tensor(wanted)]
+            for j, embed in zip(wanted, self.stack.embed_tokens(picked)):
+                rows[sampled[j]].token_embed = embed
         return rows
