@@ -32,7 +32,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--attention", choices=["auto", "slots", "dense"], default=None,
                    help="slots: a Triton kernel reads the KV cache in place; dense: a per-layer copy for "
                         "transformers' SDPA (auto: slots where graphs run)")
-    s.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs in any stage (ablation)")
+    s.add_argument("--compile", choices=["auto", "on", "off"], default=None,
+                   help="torch.compile the decode steps before their graphs are captured (auto: in the stages "
+                        "whose graphs run; off: graphs of the uncompiled steps, an ablation)")
+    s.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs and no compilation in any stage (ablation)")
     s.add_argument("--no-async-chunk", action="store_true",
                    help="hand off whole payloads: Talker after the Thinker, Code2Wav after the Talker (ablation)")
     s.add_argument("--no-async-output", action="store_true",
@@ -92,7 +96,8 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
     return EngineOptions(
         model=args.model, deploy_config=str(args.deploy_config) if args.deploy_config else None,
         load_format=args.load_format, dtype=args.dtype, stage_overrides=dict(args.stage_overrides or {}),
-        moe_backend=args.moe_backend, attention=args.attention, enforce_eager=args.enforce_eager,
+        moe_backend=args.moe_backend, attention=args.attention, compile=args.compile,
+        enforce_eager=args.enforce_eager,
         async_chunk=not args.no_async_chunk, async_output=not args.no_async_output, engine=args.engine,
         platform=args.platform, distributed=args.distributed, threads=args.threads,
         max_output_buffer_bytes=args.max_output_buffer_bytes, process=args.engine_process,

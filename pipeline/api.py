@@ -210,6 +210,7 @@ class EngineOptions:
     stage_overrides: dict[str, dict] = field(default_factory=dict)
     moe_backend: str | None = None
     attention: str | None = None
+    compile: str | None = None
     enforce_eager: bool = False
     async_chunk: bool = True
     async_output: bool = True

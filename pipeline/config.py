@@ -20,6 +20,7 @@ from pipeline.platform import PLATFORMS
 STAGE_NAMES = ("thinker", "talker", "code2wav")
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION = ("auto", "slots", "dense")
+COMPILE = ("auto", "on", "off")
 ROUTING = ("least_loaded", "round_robin")
 DISTRIBUTED = ("none", "ray")
 
@@ -104,6 +105,7 @@ class EngineConfig:
     load_format: str = "auto"  # "auto" (weights from the checkpoint) | "dummy" (random, real architecture)
     moe_backend: str = "auto"  # "auto" (grouped_mm where graphs run, else eager) | "grouped_mm" | "eager"
     attention: str = "auto"  # "auto" (slots where graphs run and Triton imports, else dense) | "slots" | "dense"
+    compile: str = "auto"  # torch.compile the decode steps: "auto" (where a stage's graphs run) | "on" | "off"
     dtype: str = "float32"
     platform: str = "cpu"
     distributed: str = "none"  # where out-of-process stage replicas run: "none" (local processes) | "ray" (actors)
@@ -121,6 +123,9 @@ class EngineConfig:
         _check(self.moe_backend in ("auto", "grouped_mm", "batched_mm", "eager"), "moe_backend",
                "must be auto, grouped_mm, batched_mm or eager")
         _check(self.attention in ATTENTION, "attention", f"must be one of {', '.join(ATTENTION)}")
+        if isinstance(self.compile, bool):  # YAML reads a bare on/off as a boolean
+            object.__setattr__(self, "compile", "on" if self.compile else "off")
+        _check(self.compile in COMPILE, "compile", f"must be one of {', '.join(COMPILE)}")
         _check(self.platform in PLATFORMS, "platform", f"must be one of {', '.join(PLATFORMS)}")
         _check(self.distributed in DISTRIBUTED, "distributed", f"must be one of {', '.join(DISTRIBUTED)}")
         _check(self.max_output_buffer_bytes >= 4096, "max_output_buffer_bytes", "must be >= 4096")
@@ -131,6 +136,12 @@ class EngineConfig:
 
     def stage(self, name: str) -> StageConfig:
         return self.stages[STAGE_NAMES.index(name)]
+
+    def compiles(self, name: str, graphs: bool) -> bool:
+        """Whether stage `name` compiles its decode steps, where the platform `graphs` or not."""
+        if self.compile == "auto":
+            return graphs and not self.stage(name).enforce_eager
+        return self.compile == "on"
 
 
 def _check(ok: bool, key: str, why: str) -> None:

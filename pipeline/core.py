@@ -42,7 +42,7 @@ def build_engine(opts: EngineOptions):
         profile = opts.deploy_config or DEPLOY_DIR / ("tiny.yaml" if opts.model == "tiny" else "qwen3_omni_moe.yaml")
         overrides = {"model": opts.model, "load_format": opts.load_format, "dtype": opts.dtype,
                      "async_output": opts.async_output or None, "moe_backend": opts.moe_backend,
-                     "attention": opts.attention,
+                     "attention": opts.attention, "compile": "off" if opts.enforce_eager else opts.compile,
                      "distributed": opts.distributed, "max_output_buffer_bytes": opts.max_output_buffer_bytes}
         stage_overrides = dict(opts.stage_overrides)
         if opts.enforce_eager:

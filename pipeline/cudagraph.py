@@ -1,9 +1,11 @@
 """Capture and replay of fixed-shape steps, one graph per shape bucket.
 
-A step function `fn(key, **tensors)` takes tensors whose shapes are fixed by its bucket key (e.g.
-batch size and KV length); callers pad their inputs to the bucket (scratch slot, position 0, token 0) and slice
-the outputs. Graphs are captured largest first into one shared memory pool, each after a warm-up
-run. Outside the buckets, or with graphs off (`enforce_eager`, CPU), the function runs eagerly.
+A step function `fn(length, **tensors)` takes tensors whose shapes are fixed by its bucket key (batch size,
+and a length such as the KV length where the step needs one; the batch is each tensor's first dimension);
+callers pad their inputs to the bucket (scratch slot, position 0, token 0) and slice the outputs. Graphs
+are captured largest first into one shared memory pool, each after a warm-up run. Outside the buckets, or
+with graphs off (`enforce_eager`, CPU), the function runs eagerly. With `compile_step` the function is
+compiled (`pipeline/compile.py`) in the first warm-up, so the graphs replay the fused kernels.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pipeline.compile import CompiledStep, step_function
 from pipeline.platform import Platform
 
 log = logging.getLogger(__name__)
@@ -50,9 +53,10 @@ class GraphCache:
     """Graphs of one step function, keyed by (batch bucket, length bucket or None)."""
 
     def __init__(self, name: str, fn: Callable[..., tuple[torch.Tensor, ...]], platform: Platform, enabled: bool,
-                 batch_sizes: Sequence[int], lengths: Sequence[int] | None = None):
-        """`fn(key, **tensors)` returns a tuple of tensors; `key` = (batch, length) fixes every shape."""
-        self.name, self.fn, self.platform = name, fn, platform
+                 batch_sizes: Sequence[int], lengths: Sequence[int] | None = None, compile_step: bool = False):
+        """`fn(length, **tensors)` returns a tuple of tensors; (batch, length) fixes every shape."""
+        self.name, self.platform = name, platform
+        self.fn = step_function(name, fn, compile_step)
         self.enabled = enabled and platform.supports_graphs
         self.batch_sizes, self.lengths = list(batch_sizes), None if lengths is None else list(lengths)
         self._graphs: dict[Hashable, _Captured] = {}
@@ -89,16 +93,19 @@ class GraphCache:
             inputs = make_inputs(key)
             stream.wait_stream(self.platform.current_stream())
             with self.platform.stream_context(stream):
-                for _ in range(2):  # warm-up: lazy init, autotuning, allocator
-                    self.fn(key, **inputs)
+                for _ in range(2):  # warm-up: compilation, lazy init, autotuning, allocator
+                    self.fn(key[1], **inputs)
             self.platform.current_stream().wait_stream(stream)
             graph = self.platform.new_graph()
             if self._pool is None:
                 self._pool = self.platform.graph_pool_handle()
             with self.platform.graph_context(graph, self._pool, stream):
-                outputs = self.fn(key, **inputs)
+                outputs = self.fn(key[1], **inputs)
             self._graphs[key] = _Captured(graph, inputs, outputs)
         self.platform.synchronize()
+        if isinstance(self.fn, CompiledStep):
+            log.info("%s: %d graphs of the compiled step (%d compilations, %.1f s)", self.name, len(self._graphs),
+                     self.fn.num_compiles, self.fn.seconds)
 
     def length_bucket(self, length: int) -> int | None:
         """The captured length that holds `length` (None when graphs are off or it is too long): a
@@ -115,8 +122,8 @@ class GraphCache:
         size = None if self.lengths is None or length is None else bucket_for(length, self.lengths)
         captured = self._graphs.get((b, size)) if self.enabled else None
         if captured is None:
-            self.num_eager += 1
-            return self.fn((n, length), **inputs)
+            self.num_eager += 1  # a step without length buckets needs no length (nor a recompile per value)
+            return self.fn(None if self.lengths is None else length, **inputs)
         for name, value in inputs.items():
             static = captured.inputs[name]
             static[:n].copy_(value, non_blocking=True)

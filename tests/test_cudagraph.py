@@ -59,8 +59,8 @@ class _FakeGraphPlatform(Platform):
 def _step_calls():
     calls = []
 
-    def step(key, x, slots):
-        calls.append(key)
+    def step(length, x, slots):
+        calls.append((x.shape[0], length))
         return (x * 2 + slots.float(),)
 
     return step, calls
@@ -76,7 +76,7 @@ def test_replay_pads_to_the_bucket_and_slices():
     cache.capture(inputs)
     assert len(cache) == 6 and calls[0] == (4, 16)  # largest first
     for key, captured in cache._graphs.items():  # make replay recompute into the captured outputs
-        captured.graph.replay = (lambda c=captured, k=key: c.outputs[0].copy_(step(k, **c.inputs)[0]))
+        captured.graph.replay = (lambda c=captured, k=key: c.outputs[0].copy_(step(k[1], **c.inputs)[0]))
     calls.clear()
     with torch.inference_mode():  # as the models call it
         (out,) = cache.run(3, 10, {"x": torch.tensor([1.0, 2.0, 3.0]), "slots": torch.tensor([0, 1, 2])},
@@ -110,10 +110,13 @@ def test_eager_outside_the_buckets_and_when_disabled():
     assert calls == [(5, 4), (1, 100)] and cache.num_eager == 2  # exact shapes, eagerly
     cpu = GraphCache("t", step, Platform("cpu", "cpu", "gloo", False), enabled=True, batch_sizes=[1, 2])
     assert not cpu.enabled  # the CPU never captures
+    calls.clear()
+    cpu.run(2, 37, {"x": torch.ones(2), "slots": torch.zeros(2, dtype=torch.long)}, {})
+    assert calls == [(2, None)]  # no length buckets: the step is not told a length (a compiled one would re-trace)
 
 
 def test_failed_capture_falls_back_to_eager():
-    def broken(key, x):
+    def broken(length, x):
         raise RuntimeError("not capturable")
 
     cache = GraphCache("t", broken, _FakeGraphPlatform(), enabled=True, batch_sizes=[1])

@@ -84,8 +84,9 @@ def load_models(cfg: EngineConfig, platform: Platform, stages: tuple[str, ...] =
     graph_moe = "batched_mm" if moe == "grouped_mm" and dtype != torch.bfloat16 else None
     in_place = _in_place(cfg.attention, platform)
     hf, tokenizer, _ = load_hf_model(cfg.model, cfg.load_format, dtype, device, moe, frozenset(stages))
-    log.info("weights of %s: %.2f GiB on %s (%s, experts: %s, attention: %s)", "+".join(stages),
-             platform.memory_allocated(device) / 2**30, device, cfg.dtype, moe, "slots" if in_place else "dense")
+    log.info("weights of %s: %.2f GiB on %s (%s, experts: %s, attention: %s, compile: %s)", "+".join(stages),
+             platform.memory_allocated(device) / 2**30, device, cfg.dtype, moe, "slots" if in_place else "dense",
+             cfg.compile)
     hc = hf.config
     audio = hc.thinker_config.audio_config
     encoder = PromptEncoder(tokenizer, audio.n_window, audio.num_mel_bins)
@@ -94,7 +95,8 @@ def load_models(cfg: EngineConfig, platform: Platform, stages: tuple[str, ...] =
     if "thinker" in stages:
         th_cfg = cfg.stage("thinker")
         th_kv = _kv_for(hc.thinker_config.text_config, th_cfg, platform, dtype, in_place)
-        thinker = ThinkerModel(hf.thinker, hc, th_kv, platform, th_cfg.enforce_eager, graph_moe)
+        thinker = ThinkerModel(hf.thinker, hc, th_kv, platform, th_cfg.enforce_eager, graph_moe,
+                               cfg.compiles("thinker", platform.supports_graphs))
         kv_bytes["thinker"] = thinker.kv.num_bytes
     has_talker = getattr(hf, "has_talker", False)
     if has_talker and "talker" in stages:
@@ -102,7 +104,8 @@ def load_models(cfg: EngineConfig, platform: Platform, stages: tuple[str, ...] =
         tkc = hc.talker_config
         predictor_kv = _kv_for(tkc.code_predictor_config, tk_cfg, platform, dtype, in_place, tkc.num_code_groups)
         talker = TalkerModel(hf.talker, hc, _kv_for(tkc.text_config, tk_cfg, platform, dtype, in_place), predictor_kv,
-                             _special_rows(hf, device), platform, tk_cfg.enforce_eager, graph_moe)
+                             _special_rows(hf, device), platform, tk_cfg.enforce_eager, graph_moe,
+                             cfg.compiles("talker", platform.supports_graphs))
         kv_bytes["talker"] = talker.kv.num_bytes + predictor_kv.num_bytes
     if has_talker and "code2wav" in stages:
         cc, c2w_cfg = cfg.connector, cfg.stage("code2wav")

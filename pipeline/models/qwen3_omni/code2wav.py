@@ -74,7 +74,7 @@ class Code2WavModel:
         self.graphs.capture(lambda key: {"codes": torch.zeros(key[0], self.num_quantizers, key[1], dtype=torch.long,
                                                               device=self.device)})
 
-    def _decode_step(self, key, codes: torch.Tensor) -> tuple[torch.Tensor]:
+    def _decode_step(self, _frames, codes: torch.Tensor) -> tuple[torch.Tensor]:
         return (self.code2wav(codes)[:, 0],)
 
     @torch.inference_mode()

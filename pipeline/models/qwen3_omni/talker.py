@@ -51,7 +51,8 @@ class TalkerState:
 
 class TalkerModel:
     def __init__(self, talker, config, kv: SlotKVCache, predictor_kv: SlotKVCache, special_rows: torch.Tensor,
-                 platform: Platform, enforce_eager: bool = True, graph_moe: str | None = None):
+                 platform: Platform, enforce_eager: bool = True, graph_moe: str | None = None,
+                 compile_step: bool = False):
         self.talker = talker
         self.stack = talker.model
         self.predictor = talker.code_predictor
@@ -73,9 +74,9 @@ class TalkerModel:
         self.tts_bos, self.tts_eos, self.tts_pad = bos[0, 0], eos[0, 0], pad[0, 0]
         eager = enforce_eager
         self.decode_graphs = GraphCache("talker decode", self._decode_step, platform, not eager,
-                                        batch_buckets(kv.num_slots), kv.graph_lengths())
+                                        batch_buckets(kv.num_slots), kv.graph_lengths(), compile_step)
         self.predictor_graphs = GraphCache("code predictor", self._predict_step, platform, not eager,
-                                           batch_buckets(kv.num_slots))
+                                           batch_buckets(kv.num_slots), None, compile_step)
 
     def capture_graphs(self) -> None:
         h = self.past_hidden.shape[1]
@@ -188,9 +189,9 @@ class TalkerModel:
         self.past_hidden[slots] = hidden
         return [StepOutput(logits=row, payload=frame) for row, frame in zip(logits, codes.tolist())]
 
-    def _decode_step(self, key, embeds, slots, positions, rope_pos) -> tuple[torch.Tensor, torch.Tensor]:
-        """One talker token per row (key = (batch, kv_len)): returns (last hidden, codec logits)."""
-        view = self.kv.dense_view(slots, positions, 1, key[1])
+    def _decode_step(self, kv_len, embeds, slots, positions, rope_pos) -> tuple[torch.Tensor, torch.Tensor]:
+        """One talker token per row (kv_len: the dense copy's length): returns (last hidden, codec logits)."""
+        view = self.kv.dense_view(slots, positions, 1, kv_len)
         normed, _ = run_decoder(self.stack, embeds, rope_pos.view(1, -1, 1).expand(3, -1, 1), view)
         return normed[:, 0], self.talker.codec_head(normed[:, 0])
 
@@ -211,10 +212,10 @@ class TalkerModel:
                 rows[i] = projected[j]
         return torch.stack(rows)
 
-    def _predict_step(self, key, past, code0, greedy) -> tuple[torch.Tensor, torch.Tensor]:
+    def _predict_step(self, _length, past, code0, greedy) -> tuple[torch.Tensor, torch.Tensor]:
         """The code predictor's 15 small AR steps for each row's pending frame, all on the device.
         Returns (codes [B, 16], sum of the 16 code embeddings [B, H]), as the reference builds them."""
-        b = key[0]
+        b = past.shape[0]
         stack, heads = self.predictor.model, self.predictor.lm_head
         slots = torch.arange(b, device=self.device)
         embeds = [self.stack.codec_embedding(code0)]

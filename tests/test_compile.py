@@ -1,0 +1,78 @@
+"""Compiled decode steps (torch.compile before capture) on the CPU: the tiny engine with every decode step
+compiled and attention reading the slot cache in place gives transformers' generate() output, and two
+compilations per step (a batch of one, and every other) serve every batch size."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+
+from pipeline.api import OmniRequest, collect_reply
+from pipeline.compile import CompiledStep
+from tests.test_attention import cpu_only
+from tests.test_parity import PROMPTS, engine_generate, reference_generate
+
+
+@pytest.fixture(scope="module")
+def compiled_engine(tiny_config):
+    from pipeline.engine import OmniEngine
+    from pipeline.models import load_models
+    from pipeline.platform import get_platform
+
+    cfg = dataclasses.replace(tiny_config, attention="slots", compile="on")
+    eng = OmniEngine(cfg, load_models(cfg, get_platform("cpu")))
+    eng.start()
+    yield eng
+    eng.stop()
+
+
+def _steps(engine) -> list[CompiledStep]:
+    m = engine.models
+    return [g.fn for g in (m.thinker.graphs, m.talker.decode_graphs, m.talker.predictor_graphs)]
+
+
+@cpu_only
+@pytest.mark.parametrize("kind", ["text", "audio"])
+async def test_compiled_engine_matches_transformers_generate(compiled_engine, reference_model, kind):
+    assert all(isinstance(step, CompiledStep) for step in _steps(compiled_engine))
+    prompt = compiled_engine.models.encoder.encode(PROMPTS[kind])
+    ref_tokens, ref_frames = reference_generate(reference_model, prompt)
+    tokens, frames, _, _ = await engine_generate(compiled_engine, f"compiled-{kind}", PROMPTS[kind])
+    eos = compiled_engine.models.thinker.eos_ids
+    assert tokens == [t for t in ref_tokens if t not in eos]
+    assert frames == ref_frames and len(frames) > 8  # all 16 codebooks, every frame
+
+
+@cpu_only
+async def test_two_compilations_serve_every_batch_size(compiled_engine):
+    """Requests of different lengths, together: the decode batches shrink from 5 rows to 1 as they end."""
+    def request(i: int) -> OmniRequest:
+        return OmniRequest(f"batch-{i}", [{"role": "user", "content": "hello " * (i + 1)}], ("text", "audio"),
+                           thinker_sampling={"temperature": 0.0, "max_tokens": 4 + 3 * i, "min_tokens": 4 + 3 * i},
+                           talker_sampling={"temperature": 0.0, "max_tokens": 6 + 4 * i, "min_tokens": 6 + 4 * i})
+
+    async def reply(i: int):
+        return await collect_reply(await compiled_engine.submit(request(i)))
+
+    replies = await asyncio.gather(*(reply(i) for i in range(5)))
+    assert [len(r.token_ids) for r in replies] == [4 + 3 * i for i in range(5)]
+    assert all(r.finished.error is None and r.pcm16 for r in replies)
+    sizes = [b for s in compiled_engine.stages[:2] for b, n in enumerate(s.batch_size_counts) if n]
+    assert 1 in sizes and max(sizes) >= 4  # the steps did run at several batch sizes
+    assert [step.num_compiles for step in _steps(compiled_engine)] == [2, 2, 2]  # batch 1 and batch >= 2
+
+
+def test_compile_setting(tiny_config):
+    from pipeline.config import ProfileError, build_config
+
+    raw = {"model": "tiny", "stages": [{"stage_id": 0, "enforce_eager": False}]}
+    cfg = build_config({**raw, "compile": False}, "cuda", {}, {})  # YAML reads `compile: off` as False
+    assert cfg.compile == "off" and not cfg.compiles("thinker", graphs=True)
+    auto = build_config(raw, "cuda", {}, {})
+    assert auto.compiles("thinker", graphs=True) and not auto.compiles("talker", graphs=True)  # talker eager
+    assert not auto.compiles("thinker", graphs=False)  # auto follows the graphs
+    assert build_config({**raw, "compile": True}, "cpu", {}, {}).compiles("talker", graphs=False)
+    with pytest.raises(ProfileError, match="compile"):
+        build_config({**raw, "compile": "sometimes"}, "cuda", {}, {})
