@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline.attention import attend_in_place, available
+from pipeline.attention import attend_in_place
 from pipeline.config import STAGE_NAMES, EngineConfig
 from pipeline.graph import StageGraph
 from pipeline.kv_cache import SlotKVCache
@@ -20,6 +20,7 @@ from pipeline.models.qwen3_omni.prompt import INPUT_SAMPLE_RATE, EncodedPrompt, 
 from pipeline.models.qwen3_omni.talker import TalkerModel, TalkerState
 from pipeline.models.qwen3_omni.thinker import ThinkerModel, ThinkerRows, ThinkerState
 from pipeline.platform import Platform
+from pipeline.triton_runtime import available
 
 __all__ = ["OmniModels", "load_models", "ModelNotFoundError", "CodecWindow", "EncodedPrompt", "TalkerState",
            "ThinkerRows", "ThinkerState", "OUTPUT_SAMPLE_RATE"]
