@@ -20,6 +20,7 @@ from pipeline.platform import PLATFORMS
 STAGE_NAMES = ("thinker", "talker", "code2wav")
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION = ("auto", "slots", "dense")
+MOE_BACKENDS = ("auto", "grouped_mm", "batched_mm", "eager", "triton")  # triton: pipeline/moe.py's fused kernels
 ROUTING = ("least_loaded", "round_robin")
 DISTRIBUTED = ("none", "ray")
 
@@ -102,7 +103,7 @@ class ConnectorConfig:
 class EngineConfig:
     model: str = "tiny"
     load_format: str = "auto"  # "auto" (weights from the checkpoint) | "dummy" (random, real architecture)
-    moe_backend: str = "auto"  # "auto" (grouped_mm where graphs run, else eager) | "grouped_mm" | "eager"
+    moe_backend: str = "auto"  # "auto" (grouped_mm where graphs run, else eager) | one of MOE_BACKENDS
     attention: str = "auto"  # "auto" (slots where graphs run and Triton imports, else dense) | "slots" | "dense"
     dtype: str = "float32"
     platform: str = "cpu"
@@ -118,8 +119,7 @@ class EngineConfig:
     def __post_init__(self):
         _check(self.load_format in ("auto", "dummy"), "load_format", "must be 'auto' or 'dummy'")
         _check(self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}")
-        _check(self.moe_backend in ("auto", "grouped_mm", "batched_mm", "eager"), "moe_backend",
-               "must be auto, grouped_mm, batched_mm or eager")
+        _check(self.moe_backend in MOE_BACKENDS, "moe_backend", f"must be one of {', '.join(MOE_BACKENDS)}")
         _check(self.attention in ATTENTION, "attention", f"must be one of {', '.join(ATTENTION)}")
         _check(self.platform in PLATFORMS, "platform", f"must be one of {', '.join(PLATFORMS)}")
         _check(self.distributed in DISTRIBUTED, "distributed", f"must be one of {', '.join(DISTRIBUTED)}")
