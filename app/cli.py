@@ -27,8 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     s.add_argument("--stage-overrides", default=None, type=json.loads,
                    help='JSON per stage id, e.g. \'{"1": {"max_num_seqs": 8}}\'')
-    s.add_argument("--moe-backend", choices=["auto", "grouped_mm", "batched_mm", "eager"], default=None,
-                   help="transformers experts implementation (auto: grouped_mm where graphs run)")
+    s.add_argument("--moe-backend", choices=["auto", "grouped_mm", "batched_mm", "eager", "triton"], default=None,
+                   help="transformers experts implementation, or triton: fused Triton kernels for decode-sized "
+                        "batches (auto: grouped_mm where graphs run)")
     s.add_argument("--attention", choices=["auto", "slots", "dense"], default=None,
                    help="slots: a Triton kernel reads the KV cache in place; dense: a per-layer copy for "
                         "transformers' SDPA (auto: slots where graphs run)")

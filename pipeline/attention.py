@@ -18,17 +18,14 @@ device and under the interpreter alike.
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
-import threading
 from dataclasses import dataclass
 
 import torch
 
+from pipeline.triton_runtime import INTERPRETER
+
 NAME = "omnirt_slots"  # the transformers attention implementation this module registers
-# Triton's interpreter keeps the running grid in globals: stage threads take turns under it
-_INTERPRETER = threading.Lock() if os.environ.get("TRITON_INTERPRET") == "1" else contextlib.nullcontext()
 
 
 @dataclass(slots=True)
@@ -39,15 +36,6 @@ class SlotMask:
     slots: torch.Tensor  # [B] long
     starts: torch.Tensor  # [B] long
     lengths: torch.Tensor  # [B] long
-
-
-def available() -> bool:
-    """Triton imports (it compiles for the device, or interprets on the CPU)."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def slot_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, mask: SlotMask,
@@ -74,7 +62,7 @@ def _slot_attention_op(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     out = (torch.empty if t == 1 else torch.zeros)(b, t, heads, d, dtype=query.dtype, device=query.device)
     block_m = min(64, max(16, triton.next_power_of_2(t * group)))
     grid = (b, kv_heads, triton.cdiv(t * group, block_m))
-    with _INTERPRETER:
+    with INTERPRETER:
         slot_attention_kernel[grid](
             query, k_cache, v_cache, out, slots, starts, lengths, scale * math.log2(math.e),
             query.stride(0), query.stride(1), query.stride(2), k_cache.stride(0), k_cache.stride(1),

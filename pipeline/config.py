@@ -21,6 +21,7 @@ STAGE_NAMES = ("thinker", "talker", "code2wav")
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION = ("auto", "slots", "dense")
 COMPILE = ("auto", "on", "off")
+MOE_BACKENDS = ("auto", "grouped_mm", "batched_mm", "eager", "triton")  # triton: pipeline/moe.py's fused kernels
 ROUTING = ("least_loaded", "round_robin")
 DISTRIBUTED = ("none", "ray")
 
@@ -103,7 +104,7 @@ class ConnectorConfig:
 class EngineConfig:
     model: str = "tiny"
     load_format: str = "auto"  # "auto" (weights from the checkpoint) | "dummy" (random, real architecture)
-    moe_backend: str = "auto"  # "auto" (grouped_mm where graphs run, else eager) | "grouped_mm" | "eager"
+    moe_backend: str = "auto"  # "auto" (grouped_mm where graphs run, else eager) | one of MOE_BACKENDS
     attention: str = "auto"  # "auto" (slots where graphs run and Triton imports, else dense) | "slots" | "dense"
     compile: str = "auto"  # torch.compile the decode steps: "auto" (where a stage's graphs run) | "on" | "off"
     dtype: str = "float32"
@@ -120,8 +121,7 @@ class EngineConfig:
     def __post_init__(self):
         _check(self.load_format in ("auto", "dummy"), "load_format", "must be 'auto' or 'dummy'")
         _check(self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}")
-        _check(self.moe_backend in ("auto", "grouped_mm", "batched_mm", "eager"), "moe_backend",
-               "must be auto, grouped_mm, batched_mm or eager")
+        _check(self.moe_backend in MOE_BACKENDS, "moe_backend", f"must be one of {', '.join(MOE_BACKENDS)}")
         _check(self.attention in ATTENTION, "attention", f"must be one of {', '.join(ATTENTION)}")
         if isinstance(self.compile, bool):  # YAML reads a bare on/off as a boolean
             object.__setattr__(self, "compile", "on" if self.compile else "off")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pipeline.attention import SlotMask, slot_attention
-from tests.test_parity import PROMPTS, engine_generate, reference_generate
+from tests.test_parity import assert_greedy_parity, started_engine
 
 CUDA = torch.cuda.is_available()
 # compiled on a GPU (bf16 as served, and fp32); interpreted on the CPU (fp32: numpy has no bf16)
@@ -98,15 +98,8 @@ def test_decoder_stack_in_place_equals_the_dense_copy():
 
 @pytest.fixture(scope="module")
 def slots_engine(tiny_config):
-    from pipeline.engine import OmniEngine
-    from pipeline.models import load_models
-    from pipeline.platform import get_platform
-
-    cfg = dataclasses.replace(tiny_config, attention="slots")
-    eng = OmniEngine(cfg, load_models(cfg, get_platform("cpu")))
-    eng.start()
-    yield eng
-    eng.stop()
+    with started_engine(dataclasses.replace(tiny_config, attention="slots")) as eng:
+        yield eng
 
 
 @cpu_only
@@ -115,12 +108,7 @@ async def test_engine_with_slot_attention_matches_transformers_generate(slots_en
     models = slots_engine.models
     assert models.thinker.kv.in_place and models.talker.kv.in_place and models.talker.predictor_kv.in_place
     assert models.thinker.graphs.lengths is None  # one graph per batch size serves every length
-    prompt = models.encoder.encode(PROMPTS[kind])
-    ref_tokens, ref_frames = reference_generate(reference_model, prompt)
-    tokens, frames, _, _ = await engine_generate(slots_engine, f"slots-{kind}", PROMPTS[kind])
-    eos = models.thinker.eos_ids
-    assert tokens == [t for t in ref_tokens if t not in eos]
-    assert frames == ref_frames and len(frames) > 8  # all 16 codebooks, every frame
+    await assert_greedy_parity(slots_engine, reference_model, f"slots-{kind}", kind)
 
 
 def test_auto_attention_is_dense_without_graphs():

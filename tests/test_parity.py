@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -69,6 +71,30 @@ async def engine_generate(engine, rid, messages):
         engine.models.code2wav.decode = original
     pcm = np.frombuffer(reply.pcm16, "<i2").astype(np.float32) / 32768.0
     return reply.token_ids, frames, pcm, reply.finished
+
+
+@contextlib.contextmanager
+def started_engine(cfg):
+    """An in-process engine over `cfg` on the CPU (for a variant of the tiny profile), stopped on exit."""
+    from pipeline.engine import OmniEngine
+    from pipeline.models import load_models
+    from pipeline.platform import get_platform
+
+    eng = OmniEngine(cfg, load_models(cfg, get_platform("cpu")))
+    eng.start()
+    try:
+        yield eng
+    finally:
+        eng.stop()
+
+
+async def assert_greedy_parity(engine, reference_model, rid: str, kind: str) -> None:
+    """The engine's greedy text tokens and all 16 codebooks of every codec frame equal generate()'s."""
+    models = engine.models
+    ref_tokens, ref_frames = reference_generate(reference_model, models.encoder.encode(PROMPTS[kind]))
+    tokens, frames, _, _ = await engine_generate(engine, rid, PROMPTS[kind])
+    assert tokens == [t for t in ref_tokens if t not in models.thinker.eos_ids]
+    assert frames == ref_frames and len(frames) > 8
 
 
 @pytest.mark.parametrize("kind", ["text", "audio"])

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline.attention import attend_in_place, available
+from pipeline.attention import attend_in_place
 from pipeline.config import STAGE_NAMES, EngineConfig
 from pipeline.graph import StageGraph
 from pipeline.kv_cache import SlotKVCache
@@ -19,7 +19,9 @@ from pipeline.models.qwen3_omni.code2wav import Code2WavModel, CodecWindow, fram
 from pipeline.models.qwen3_omni.prompt import INPUT_SAMPLE_RATE, EncodedPrompt, PromptEncoder
 from pipeline.models.qwen3_omni.talker import TalkerModel, TalkerState
 from pipeline.models.qwen3_omni.thinker import ThinkerModel, ThinkerRows, ThinkerState
+from pipeline.moe import use_fused_experts
 from pipeline.platform import Platform
+from pipeline.triton_runtime import available
 
 __all__ = ["OmniModels", "load_models", "ModelNotFoundError", "CodecWindow", "EncodedPrompt", "TalkerState",
            "ThinkerRows", "ThinkerState", "OUTPUT_SAMPLE_RATE"]
@@ -73,13 +75,25 @@ def _in_place(attention: str, platform: Platform) -> bool:
     return attention == "slots"
 
 
+def _experts(backend: str, platform: Platform) -> str:
+    """The transformers experts implementation for `--moe-backend` (auto: grouped_mm where graphs run)."""
+    if backend == "auto":
+        return "grouped_mm" if platform.supports_graphs else "eager"
+    if backend == "triton":
+        if not available():
+            raise ValueError("--moe-backend triton needs Triton "
+                             "(pip install triton; on the CPU also TRITON_INTERPRET=1)")
+        return use_fused_experts()
+    return backend
+
+
 def load_models(cfg: EngineConfig, platform: Platform, stages: tuple[str, ...] = STAGE_NAMES) -> OmniModels:
     """The models of `stages` (the others are not loaded), the prompt encoder, and the stage graph."""
     from pipeline.models.qwen3_omni.graph import build_graph  # it builds stages, which import this package
 
     dtype = getattr(torch, cfg.dtype)
     device = platform.device(0)
-    moe = cfg.moe_backend if cfg.moe_backend != "auto" else ("grouped_mm" if platform.supports_graphs else "eager")
+    moe = _experts(cfg.moe_backend, platform)
     # grouped_mm captures in bf16; other dtypes fall back to a kernel that reads group sizes on the host
     graph_moe = "batched_mm" if moe == "grouped_mm" and dtype != torch.bfloat16 else None
     in_place = _in_place(cfg.attention, platform)
