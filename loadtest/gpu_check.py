@@ -72,12 +72,16 @@ def divergence(rows: dict, i: int) -> dict | None:
 
 
 def plain_path(engine) -> None:
-    """Graphs off, and attention over a dense copy of the cache (SDPA)."""
+    """Graphs off, steps as written (not compiled), and attention over a dense copy of the cache (SDPA)."""
     m = engine.models
-    for cache in (m.thinker.graphs, m.talker.decode_graphs, m.talker.predictor_graphs):
-        cache.enabled = False
     for kv in (m.thinker.kv, m.talker.kv, m.talker.predictor_kv):
         kv.in_place = False
+    for cache, kv in ((m.thinker.graphs, m.thinker.kv), (m.talker.decode_graphs, m.talker.kv),
+                      (m.talker.predictor_graphs, None)):
+        cache.enabled = False
+        cache.fn = getattr(cache.fn, "step", cache.fn)
+        if kv is not None:  # the decode steps are told the length of their dense copy
+            cache.lengths = kv.graph_lengths()
 
 
 async def main_async(args) -> dict:
@@ -87,6 +91,9 @@ async def main_async(args) -> dict:
     engine = build_engine(engine_options(build_parser().parse_args(["serve", *args.serve_args])))
     prompts = [f"Request number {i}: " + "tell me something " * (3 + 5 * i) for i in range(args.num_requests)]
     in_place = engine.models.thinker.kv.in_place
+    m = engine.models
+    compiled = {c.name: round(getattr(c.fn, "seconds", 0.0), 1)
+                for c in (m.thinker.graphs, m.talker.decode_graphs, m.talker.predictor_graphs)}
     top2 = record_top2(engine)
     graphed, t_graph = await run_all(engine, prompts, "graph", args.thinker_tokens, args.frames)
     plain_path(engine)
@@ -102,6 +109,7 @@ async def main_async(args) -> dict:
             "audio_max_abs_diff": audio_err,
             "audio_len_equal": [len(g[1]) == len(e[1]) for g, e in zip(graphed, eager)],
             "seconds_graphed": t_graph, "seconds_eager": t_eager, "attention_in_place": in_place,
+            "compile_seconds": compiled,
             "thinker_graphs": len(t), "thinker_replays": t.num_replays,
             "divergence": {stage: [divergence(rows, i) for i in range(len(prompts))] for stage, rows in top2.items()
                            if rows}}

@@ -13,7 +13,8 @@ compute bound, the one-program align walks every pair, and BLOCK_M 16 tiles re-r
 for every block of its pairs.
 
 The kernels are `pipeline/triton_moe.py`, imported on first use; on the CPU they run under Triton's
-interpreter, which is how the tests check them against transformers' eager experts.
+interpreter, which is how the tests check them against transformers' eager experts. The launch is a torch
+custom op (`omnirt::fused_experts`), opaque to `torch.compile` as the slot attention is.
 """
 
 from __future__ import annotations
@@ -69,10 +70,18 @@ def fused_experts(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tenso
     """sum over k of w[t, k] * down_e(SiLU(gate_e(x_t)) * up_e(x_t)), e = top_k_index[t, k], for hidden [T, H].
     Weights as transformers holds them: gate_up [E, 2I, H] (gate rows first), down [E, H, I]; transposed,
     [E, H, 2I] and [E, I, H]."""
+    return _fused_experts_op(hidden, gate_up, down, top_k_index, top_k_weights, transposed,
+                             [tiles.block_m, tiles.block_n, tiles.block_k, tiles.num_warps, tiles.num_stages])
+
+
+@torch.library.custom_op("omnirt::fused_experts", mutates_args=())
+def _fused_experts_op(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k_index: torch.Tensor,
+                      top_k_weights: torch.Tensor, transposed: bool, tile_sizes: list[int]) -> torch.Tensor:
     import triton
 
     from pipeline.triton_moe import down_kernel, gate_up_kernel
 
+    tiles = Tiles(*tile_sizes)
     x = hidden.to(gate_up.dtype).contiguous()
     tokens, dim = x.shape
     top_k = top_k_index.shape[1]
@@ -93,6 +102,11 @@ def fused_experts(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tenso
             act, down, out, sorted_ids, block_expert, total, top_k_weights.reshape(-1), pairs, dim, inter,
             act.stride(0), *_strides(down, transposed), out.stride(0), **fixed)
     return out.view(tokens, top_k, dim).sum(1).to(hidden.dtype)
+
+
+@_fused_experts_op.register_fake
+def _(hidden, gate_up, down, top_k_index, top_k_weights, transposed, tile_sizes):
+    return hidden.new_empty(hidden.shape)
 
 
 def _strides(weight: torch.Tensor, transposed: bool) -> tuple[int, int, int]:
