@@ -91,11 +91,11 @@ async def main_async(args) -> dict:
     engine = build_engine(engine_options(build_parser().parse_args(["serve", *args.serve_args])))
     prompts = [f"Request number {i}: " + "tell me something " * (3 + 5 * i) for i in range(args.num_requests)]
     in_place = engine.models.thinker.kv.in_place
+    top2 = record_top2(engine)
+    graphed, t_graph = await run_all(engine, prompts, "graph", args.thinker_tokens, args.frames)
     m = engine.models
     compiled = {c.name: round(getattr(c.fn, "seconds", 0.0), 1)
                 for c in (m.thinker.graphs, m.talker.decode_graphs, m.talker.predictor_graphs)}
-    top2 = record_top2(engine)
-    graphed, t_graph = await run_all(engine, prompts, "graph", args.thinker_tokens, args.frames)
     plain_path(engine)
     eager, t_eager = await run_all(engine, prompts, "eager", args.thinker_tokens, args.frames)
     engine.stop()
