@@ -76,6 +76,7 @@ def plain_path(engine) -> None:
     m = engine.models
     for kv in (m.thinker.kv, m.talker.kv, m.talker.predictor_kv):
         kv.in_place = False
+    m.thinker.decode_layers = m.talker.decode_layers = m.talker.predictor_layers = None
     for cache, kv in ((m.thinker.graphs, m.thinker.kv), (m.talker.decode_graphs, m.talker.kv),
                       (m.talker.predictor_graphs, None)):
         cache.enabled = False

@@ -4,8 +4,9 @@ A step function `fn(length, **tensors)` takes tensors whose shapes are fixed by 
 and a length such as the KV length where the step needs one; the batch is each tensor's first dimension);
 callers pad their inputs to the bucket (scratch slot, position 0, token 0) and slice the outputs. Graphs
 are captured largest first into one shared memory pool, each after a warm-up run. Outside the buckets, or
-with graphs off (`enforce_eager`, CPU), the function runs eagerly. With `compile_step` the function is
-compiled (`pipeline/compile.py`) in the first warm-up, so the graphs replay the fused kernels.
+with graphs off (`enforce_eager`, CPU), the function runs eagerly. With `compile_step` the step's layers
+are compiled (`pipeline/compile.py`): that happens in the first warm-ups, and the graphs replay the fused
+kernels.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline.compile import CompiledStep, step_function
+from pipeline.compile import TimedStep, step_function
 from pipeline.platform import Platform
 
 log = logging.getLogger(__name__)
@@ -103,8 +104,8 @@ class GraphCache:
                 outputs = self.fn(key[1], **inputs)
             self._graphs[key] = _Captured(graph, inputs, outputs)
         self.platform.synchronize()
-        if isinstance(self.fn, CompiledStep):
-            log.info("%s: %d graphs of the compiled step (%d compilations, %.1f s)", self.name, len(self._graphs),
+        if isinstance(self.fn, TimedStep):
+            log.info("%s: %d graphs of the compiled layers (%d compilations, %.1f s)", self.name, len(self._graphs),
                      self.fn.num_compiles, self.fn.seconds)
 
     def length_bucket(self, length: int) -> int | None:

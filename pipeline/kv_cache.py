@@ -90,9 +90,15 @@ class CacheView:
             allowed = allowed & (key_pos[None, None, :] < (starts + lengths)[:, None, None])
         self.mask = allowed[:, None, :, :]  # [B, 1, T, L], True = attend
 
+    def select_layer(self, layer: int) -> None:
+        """The layer whose buffers the next `update` writes (set by the caller, so that the layer index never
+        reaches a compiled layer: one compiled graph then serves every layer of the stack)."""
+        self.k_buf, self.v_buf = self.cache.k[layer], self.cache.v[layer]
+
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, **_: object):
-        """Called by transformers' attention: key/value are [B, kv_heads, T, head_dim]."""
-        k_buf, v_buf = self.cache.k[layer_idx], self.cache.v[layer_idx]
+        """Called by transformers' attention: key/value are [B, kv_heads, T, head_dim]; `layer_idx` is the one
+        `select_layer` was given."""
+        k_buf, v_buf = self.k_buf, self.v_buf
         if self.valid is None:
             k_buf[self.slots[:, None], :, self.query_pos] = key.transpose(1, 2).to(k_buf.dtype)
             v_buf[self.slots[:, None], :, self.query_pos] = value.transpose(1, 2).to(v_buf.dtype)

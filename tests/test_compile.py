@@ -1,6 +1,6 @@
 """Compiled decode steps (torch.compile before capture) on the CPU: the tiny engine with every decode step
-compiled and attention reading the slot cache in place gives transformers' generate() output, and two
-compilations per step (a batch of one, and every other) serve every batch size."""
+compiled and attention reading the slot cache in place gives transformers' generate() output, and what
+was compiled for one workload serves the same workload again without compiling anything."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 
 from pipeline.api import OmniRequest, collect_reply
-from pipeline.compile import CompiledStep
+from pipeline.compile import TimedStep
 from tests.test_attention import cpu_only
 from tests.test_parity import PROMPTS, engine_generate, reference_generate
 
@@ -28,7 +28,7 @@ def compiled_engine(tiny_config):
     eng.stop()
 
 
-def _steps(engine) -> list[CompiledStep]:
+def _steps(engine) -> list[TimedStep]:
     m = engine.models
     return [g.fn for g in (m.thinker.graphs, m.talker.decode_graphs, m.talker.predictor_graphs)]
 
@@ -36,7 +36,7 @@ def _steps(engine) -> list[CompiledStep]:
 @cpu_only
 @pytest.mark.parametrize("kind", ["text", "audio"])
 async def test_compiled_engine_matches_transformers_generate(compiled_engine, reference_model, kind):
-    assert all(isinstance(step, CompiledStep) for step in _steps(compiled_engine))
+    assert all(isinstance(step, TimedStep) for step in _steps(compiled_engine))
     prompt = compiled_engine.models.encoder.encode(PROMPTS[kind])
     ref_tokens, ref_frames = reference_generate(reference_model, prompt)
     tokens, frames, _, _ = await engine_generate(compiled_engine, f"compiled-{kind}", PROMPTS[kind])
@@ -46,8 +46,9 @@ async def test_compiled_engine_matches_transformers_generate(compiled_engine, re
 
 
 @cpu_only
-async def test_two_compilations_serve_every_batch_size(compiled_engine):
-    """Requests of different lengths, together: the decode batches shrink from 5 rows to 1 as they end."""
+async def test_compiled_once_then_served(compiled_engine):
+    """Requests of different lengths, together (the decode batches shrink from 5 rows to 1 as they end),
+    twice: the second round finds every shape compiled."""
     def request(i: int) -> OmniRequest:
         return OmniRequest(f"batch-{i}", [{"role": "user", "content": "hello " * (i + 1)}], ("text", "audio"),
                            thinker_sampling={"temperature": 0.0, "max_tokens": 4 + 3 * i, "min_tokens": 4 + 3 * i},
@@ -56,12 +57,15 @@ async def test_two_compilations_serve_every_batch_size(compiled_engine):
     async def reply(i: int):
         return await collect_reply(await compiled_engine.submit(request(i)))
 
-    replies = await asyncio.gather(*(reply(i) for i in range(5)))
-    assert [len(r.token_ids) for r in replies] == [4 + 3 * i for i in range(5)]
-    assert all(r.finished.error is None and r.pcm16 for r in replies)
+    compiled = []
+    for _ in range(2):
+        replies = await asyncio.gather(*(reply(i) for i in range(5)))
+        assert [len(r.token_ids) for r in replies] == [4 + 3 * i for i in range(5)]
+        assert all(r.finished.error is None and r.pcm16 for r in replies)
+        compiled.append([step.num_compiles for step in _steps(compiled_engine)])
     sizes = [b for s in compiled_engine.stages[:2] for b, n in enumerate(s.batch_size_counts) if n]
     assert 1 in sizes and max(sizes) >= 4  # the steps did run at several batch sizes
-    assert [step.num_compiles for step in _steps(compiled_engine)] == [2, 2, 2]  # batch 1 and batch >= 2
+    assert all(n > 0 for n in compiled[0]) and compiled[1] == compiled[0]
 
 
 def test_compile_setting(tiny_config):

@@ -151,11 +151,12 @@ def test_moe_backend_choice(monkeypatch):
     from pipeline.platform import Platform
 
     cpu, gpu = Platform("cpu", "cpu", "gloo", False), Platform("cuda", "cpu", "nccl", True)
-    assert models._experts("auto", cpu) == "eager" and models._experts("auto", gpu) == "grouped_mm"
+    assert models._experts("auto", cpu) == "eager" and models._experts("auto", gpu) == moe.NAME
     assert models._experts("triton", cpu) == moe.NAME and EngineConfig(moe_backend="triton").moe_backend == "triton"
     with pytest.raises(ProfileError, match="moe_backend"):
         EngineConfig(moe_backend="fused")
     monkeypatch.setattr(models, "available", lambda: False)
+    assert models._experts("auto", gpu) == "grouped_mm"  # graphs without Triton
     with pytest.raises(ValueError, match="--moe-backend triton needs Triton"):
         models._experts("triton", gpu)
 

@@ -20,6 +20,7 @@ def test_cache_view_writes_in_place_and_masks():
     a, b = kv.allocate(), kv.allocate()
     view = kv.view([a, b], [0, 5], [3, 1])  # row 0 prefills 3, row 1 decodes at position 5
     k = torch.arange(2 * 3 * 2, dtype=torch.float32).view(2, 1, 3, 2)
+    view.select_layer(0)
     keys, _ = view.update(k, k.clone(), 0)
     assert keys.shape == (2, 1, 6, 2)
     assert torch.equal(kv.k[0, a, 0, :3], k[0, 0])

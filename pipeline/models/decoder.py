@@ -7,6 +7,7 @@ position bookkeeping are ours. Batches are padded [B, T] with per-row starts and
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 
 import torch
 
@@ -14,16 +15,19 @@ from pipeline.kv_cache import CacheView
 
 
 def run_decoder(stack: torch.nn.Module, embeds: torch.Tensor, position_ids: torch.Tensor, view: CacheView,
-                tap_layer: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                tap_layer: int | None = None, layers: Sequence[torch.nn.Module] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Returns (final normed hidden [B,T,H], hidden after `tap_layer` layers or None).
 
     `tap_layer` counts like transformers' `hidden_states` tuple: 0 is the embeddings, k the output of
-    layer k, and the last index the normed output.
+    layer k, and the last index the normed output. `layers`: the stack's layers as they run (compiled
+    ones, `pipeline/compile.py`), by default the stack's own.
     """
     position_embeddings = stack.rotary_emb(embeds, position_ids)
     hidden, tapped = embeds, embeds if tap_layer == 0 else None
     num_layers = len(stack.layers)
-    for i, layer in enumerate(stack.layers):
+    for i, layer in enumerate(layers or stack.layers):
+        view.select_layer(i)  # the layer's buffers as tensors: a compiled layer then serves every layer
         hidden = layer(hidden, attention_mask=view.mask, cache=view, position_embeddings=position_embeddings)
         if tap_layer == i + 1 and tap_layer < num_layers:
             tapped = hidden

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pipeline.compile import compile_layers
 from pipeline.cudagraph import GraphCache, batch_buckets
 from pipeline.kv_cache import SlotKVCache
 from pipeline.models.decoder import experts_implementation, last_rows, pad_rows, run_decoder
@@ -73,6 +74,9 @@ class TalkerModel:
             bos, eos, pad = talker.text_projection(special_rows.unsqueeze(0)).chunk(3, dim=1)
         self.tts_bos, self.tts_eos, self.tts_pad = bos[0, 0], eos[0, 0], pad[0, 0]
         eager = enforce_eager
+        # the decode steps' layers as they run: compiled (pipeline/compile.py) or None, as written
+        self.decode_layers = compile_layers(self.stack.layers) if compile_step else None
+        self.predictor_layers = compile_layers(self.predictor.model.layers) if compile_step else None
         self.decode_graphs = GraphCache("talker decode", self._decode_step, platform, not eager,
                                         batch_buckets(kv.num_slots), kv.graph_lengths(), compile_step)
         self.predictor_graphs = GraphCache("code predictor", self._predict_step, platform, not eager,
@@ -192,7 +196,8 @@ class TalkerModel:
     def _decode_step(self, kv_len, embeds, slots, positions, rope_pos) -> tuple[torch.Tensor, torch.Tensor]:
         """One talker token per row (kv_len: the dense copy's length): returns (last hidden, codec logits)."""
         view = self.kv.dense_view(slots, positions, 1, kv_len)
-        normed, _ = run_decoder(self.stack, embeds, rope_pos.view(1, -1, 1).expand(3, -1, 1), view)
+        normed, _ = run_decoder(self.stack, embeds, rope_pos.view(1, -1, 1).expand(3, -1, 1), view,
+                                layers=self.decode_layers)
         return normed[:, 0], self.talker.codec_head(normed[:, 0])
 
     def _trailing_rows(self, reqs) -> torch.Tensor:
@@ -223,7 +228,8 @@ class TalkerModel:
         for g in range(self.num_groups - 1):
             start, n = (0, 2) if g == 0 else (g + 1, 1)
             view = self.predictor_kv.dense_view(slots, torch.full((b,), start, device=self.device), n, start + n)
-            normed, _ = run_decoder(stack, x, torch.arange(start, start + n, device=self.device).expand(b, -1), view)
+            normed, _ = run_decoder(stack, x, torch.arange(start, start + n, device=self.device).expand(b, -1), view,
+                                    layers=self.predictor_layers)
             codes.append(sample_top_k_top_p(heads[g](normed[:, -1]).float(), greedy, top_k=50, top_p=0.8))
             embeds.append(stack.codec_embedding[g](codes[-1]))
             x = embeds[-1].unsqueeze(1)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pipeline.compile import compile_layers
 from pipeline.cudagraph import GraphCache, batch_buckets
 from pipeline.kv_cache import SlotKVCache
 from pipeline.models.decoder import experts_implementation, last_rows, pad_rows, run_decoder
@@ -57,6 +58,7 @@ class ThinkerModel:
         self.vocab_size = config.thinker_config.text_config.vocab_size
         self.eos_ids = [config.im_end_token_id]
         self.staging = HostStaging(self.device)
+        self.decode_layers = compile_layers(self.stack.layers) if compile_step else None  # None: as written
         self.graphs = GraphCache("thinker decode", self._decode_step, platform, not enforce_eager,
                                  batch_buckets(kv.num_slots), kv.graph_lengths(), compile_step)
 
@@ -139,7 +141,8 @@ class ThinkerModel:
         """One token for each row: the fixed-shape step that graphs capture (kv_len: the dense copy's length)."""
         embeds = self.stack.embed_tokens(token_ids).unsqueeze(1)
         view = self.kv.dense_view(slots, positions, 1, kv_len)
-        normed, _ = run_decoder(self.stack, embeds, rope_pos.view(1, -1, 1).expand(3, -1, 1), view)
+        normed, _ = run_decoder(self.stack, embeds, rope_pos.view(1, -1, 1).expand(3, -1, 1), view,
+                                layers=self.decode_layers)
         return (self.thinker.lm_head(normed[:, 0]),)
 
     @staticmethod
