@@ -38,6 +38,7 @@ class ARRunner:
     def __init__(self, model: Any, sampler: Sampler):
         self.model = model
         self.sampler = sampler
+        self.waited_s = 0.0  # seconds waiting for the device's sampled tokens
 
     def run(self, batch: Batch) -> list[StepOutput]:
         outs = self.model.run(batch)
@@ -52,7 +53,10 @@ class ARRunner:
             for o, payload in zip(outs, complete(batch.requests, outs, rows, tokens)):
                 o.payload = payload
         if rows:
-            for i, t in zip(rows, self.sampler.fetch(tokens)):
+            started = time.perf_counter()
+            host = self.sampler.fetch(tokens)
+            self.waited_s += time.perf_counter() - started
+            for i, t in zip(rows, host):
                 outs[i].token = t
         return outs
 
@@ -72,9 +76,16 @@ class Stage:
         self.num_steps = 0
         self.batch_size_counts = [0] * (scheduler.max_num_seqs + 1)  # steps per batch size, for /metrics
         self.busy_s = 0.0  # seconds inside steps (host work + waiting for the device), for /metrics
-        self.device_wait_s = 0.0  # the part of busy_s spent waiting for the device
+        self.decode_busy_s = 0.0  # the part of busy_s in decode steps (the rest: prefill chunks)
+        self.num_decode_steps = 0
+        self._synced_s = 0.0  # waiting for the stream at the end of steps
         self._inbox: queue.SimpleQueue[StageMessage | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name=f"omnirt-{name}", daemon=True)
+
+    @property
+    def device_wait_s(self) -> float:
+        """The part of busy_s spent waiting for the device (for the sampled tokens, and at the end of steps)."""
+        return self._synced_s + getattr(self.runner, "waited_s", 0.0)
 
     @property
     def num_free_slots(self) -> int:
@@ -125,7 +136,11 @@ class Stage:
         self.batch_size_counts[len(batch.requests)] += 1
         started = time.perf_counter()
         batch, outputs = self._run_isolating(batch)
-        self.busy_s += time.perf_counter() - started
+        elapsed = time.perf_counter() - started
+        self.busy_s += elapsed
+        if not batch.is_prefill:
+            self.decode_busy_s += elapsed
+            self.num_decode_steps += 1
         if not batch.requests or not self._drain(block=False):
             return
         finished = self.scheduler.update(batch, outputs)
@@ -144,7 +159,7 @@ class Stage:
             if self.stream is not None:
                 started = time.perf_counter()
                 self.stream.synchronize()  # payloads are complete before another stage reads them
-                self.device_wait_s += time.perf_counter() - started
+                self._synced_s += time.perf_counter() - started
             return batch, outputs
         except Exception as exc:
             if len(batch.requests) == 1:

@@ -37,18 +37,60 @@ async def one(i: int, frames: int) -> tuple[float, float, float]:
     return first_audio or float("nan"), time.perf_counter() - t, n / 24000
 
 
-def stage_stats() -> dict[str, tuple[int, int, float, float]]:
-    """Per stage: steps, rows stepped, busy seconds, device-wait seconds (cumulative)."""
-    return {s.name: (s.num_steps, sum(b * n for b, n in enumerate(s.batch_size_counts)), s.busy_s, s.device_wait_s)
-            for s in engine.stages}
+def stage_stats() -> dict[str, tuple[int, int, float, float, int, float]]:
+    """Per stage: steps, rows stepped, busy seconds, device-wait seconds, decode steps, decode seconds."""
+    return {s.name: (s.num_steps, sum(b * n for b, n in enumerate(s.batch_size_counts)), s.busy_s, s.device_wait_s,
+                     s.num_decode_steps, s.decode_busy_s) for s in engine.stages}
 
 
 def print_stage_delta(before: dict, after: dict) -> None:
-    for name, (steps, rows, busy, wait) in after.items():
-        s0, r0, b0, w0 = before[name]
+    for name, (steps, rows, busy, wait, dec, dec_s) in after.items():
+        s0, r0, b0, w0, d0, ds0 = before[name]
         n = max(steps - s0, 1)
+        decode = f", decode steps {1e3 * (dec_s - ds0) / (dec - d0):.1f} ms" if dec > d0 and name != "code2wav" else ""
         print(f"  {name}: {steps - s0} steps, mean batch {(rows - r0) / n:.1f}, {1e3 * (busy - b0) / n:.1f} ms/step "
-              f"({1e3 * (wait - w0) / n:.1f} waiting for the device), busy {busy - b0:.1f}s", flush=True)
+              f"({1e3 * (wait - w0) / n:.1f} waiting for the device{decode}), busy {busy - b0:.1f}s", flush=True)
+
+
+def replay_ms(cache, batch: int, inputs: dict, length: int = 301, n: int = 20) -> float | None:
+    """Device time of one captured decode step at `batch` rows, on `inputs` (real routing, real slots, keys
+    up to position `length`), from CUDA events around `n` replays."""
+    import torch
+
+    captured = cache._graphs.get((batch, cache.length_bucket(length)))
+    if captured is None:
+        return None
+    for name, value in inputs.items():
+        captured.inputs[name].copy_(value)
+    captured.graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(n):
+        captured.graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / n
+
+
+def step_times(batches=(1, 16, 64), position: int = 300) -> None:
+    """Each stage's captured decode step at batch 1/16/64, with random tokens (so the MoE routes as it does
+    while serving, to many experts) over real slots whose keys reach `position`."""
+    import torch
+
+    th, tk = engine.models.thinker, engine.models.talker
+    h = tk.past_hidden.shape[1]
+    for b in batches:
+        slots, pos = torch.arange(b, device="cuda"), torch.full((b,), position, device="cuda")
+        ms = {
+            "thinker": replay_ms(th.graphs, b, {"token_ids": torch.randint(0, th.vocab_size, (b,), device="cuda"),
+                                                "slots": slots, "positions": pos, "rope_pos": pos}),
+            "talker": replay_ms(tk.decode_graphs, b, {"embeds": torch.randn(b, 1, h, device="cuda") * 0.05,
+                                                      "slots": slots, "positions": pos, "rope_pos": pos}),
+            "predictor": replay_ms(tk.predictor_graphs, b, {"past": torch.randn(b, h, device="cuda"),
+                                                            "code0": torch.randint(0, 2048, (b,), device="cuda")}),
+        }
+        print(f"step b={b}: " + ", ".join(f"{k} {v:.2f} ms" if v else f"{k} -" for k, v in ms.items()), flush=True)
 
 
 async def main() -> None:
@@ -85,6 +127,8 @@ async def profiled(c: int) -> None:
 
 async def main_and_profile() -> None:
     await main()
+    if os.environ.get("DIAG_STEPS"):
+        step_times()
     if os.environ.get("DIAG_PROFILE"):
         await profiled(int(os.environ["DIAG_PROFILE"]))
 

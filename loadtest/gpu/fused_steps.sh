@@ -8,12 +8,14 @@
 #   moe    moe_check.py: both full-size MoE blocks at b=1/16/64, grouped_mm vs the fused kernels, captured;
 #   diag   step times per stage and req/s at c=1/16/64 in process (diag.py), as served, then one profiled
 #          c=64 round (DIAG_PROFILE);
+#   bench  `omnirt bench` against a server as served, prompt 160, c=1/16/64;
 #   base   the same step times on the path before this steps (dense attention, no compilation,
 #          grouped_mm): the baseline of the same session.
+# DIAG_STEPS=1 adds each stage's captured decode step timed alone at batch 1/16/64 (diag and base).
 # Inductor's cache lives in /tmp/inductor: later engines of the same call reuse what was compiled.
 source loadtest/gpu/common.sh
 export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor
-PARTS=${PARTS:-tests check moe diag base}
+PARTS=${PARTS:-tests check moe diag bench base}
 has() { [[ " $PARTS " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
 python3 -c "import triton, torch; print('triton', triton.__version__, 'torch', torch.__version__)"
@@ -39,6 +41,9 @@ fi
 if has diag; then
   DIAG_CONC="1 16 64" DIAG_PROFILE=${DIAG_PROFILE-64} LIMIT=${DIAG_LIMIT:-170} bash loadtest/gpu/diag.sh served ${SERVE_ARGS:-}
   grep -E "compiled layers|capture failed" "$OUT/diag-served.log" | cut -c1-160
+fi
+if has bench; then
+  PT_LIMIT=${PT_LIMIT:-200} point served "1 16 64" ${SERVE_ARGS:-}
 fi
 if has base; then
   DIAG_CONC="1 16 64" DIAG_PROFILE= LIMIT=${BASE_LIMIT:-150} bash loadtest/gpu/diag.sh base --attention dense \
