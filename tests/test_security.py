@@ -21,7 +21,10 @@ from starlette.websockets import WebSocketDisconnect
 
 from app.audio.pcm import encode_wav
 from app.cli import build_parser
-from app.ops.security import ApiKeyAuth, is_authorized
+from app.errors import APIError
+from app.ops.keys import KeyRing
+from app.ops.security import AccessCheck, authenticate
+from app.realtime.client_secrets import SecretStore
 from tests.conftest import ServerProcess
 from tests.realtime_helpers import ask, recv_type, ws_url
 
@@ -76,7 +79,7 @@ async def _echo(ws):
 @pytest.mark.parametrize("how", ["header", "subprotocol", "none", "wrong"])
 def test_api_key_helper_on_websocket_routes(how):
     """The shared middleware on a WebSocket route: Bearer header, or OpenAI's browser subprotocol."""
-    app = ApiKeyAuth(Starlette(routes=[WebSocketRoute("/v1/realtime", _echo)]), (KEY,))
+    app = AccessCheck(Starlette(routes=[WebSocketRoute("/v1/realtime", _echo)]), KeyRing((KEY,)), SecretStore())
     kw = {"header": {"headers": {"Authorization": f"Bearer {KEY}"}},
           "subprotocol": {"subprotocols": ["realtime", f"openai-insecure-api-key.{KEY}"]},
           "none": {}, "wrong": {"headers": {"Authorization": "Bearer nope"}}}[how]
@@ -90,11 +93,16 @@ def test_api_key_helper_on_websocket_routes(how):
             assert exc.value.code == 1008
 
 
-def test_is_authorized_scope_rules():
-    scope = {"path": "/v1/chat/completions", "headers": [(b"authorization", f"Bearer {KEY}".encode())]}
-    assert is_authorized(scope, (KEY,)) and is_authorized({**scope, "headers": []}, ())
-    assert not is_authorized({**scope, "headers": []}, (KEY,))
-    assert is_authorized({"path": "/health", "headers": []}, (KEY,))
+def test_authenticate_scope_rules():
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions",
+             "headers": [(b"authorization", f"Bearer {KEY}".encode())]}
+    keys, store = KeyRing((KEY,)), SecretStore()
+    assert authenticate(scope, keys, store).key_id == "cli-1"
+    assert authenticate({**scope, "headers": []}, KeyRing(), store).key is None  # no keys: open
+    with pytest.raises(APIError) as exc:
+        authenticate({**scope, "headers": []}, keys, store)
+    assert exc.value.status == 401
+    assert authenticate({"type": "http", "path": "/health", "headers": []}, keys, store).key is None
 
 
 def _preflight(url: str, origin: str) -> httpx.Response:
