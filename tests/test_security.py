@@ -180,3 +180,31 @@ async def test_realtime_sessions_in_metrics_and_logs(secure_server):
         "realtime session open (model tiny, beta False)", "realtime session closed (closed)"]
     done = [rec for rec in mine if rec["msg"] == "request finished"]
     assert len(done) == 1 and done[0]["request_id"] == response_id and done[0]["ttfp_ms"] > 0
+
+
+async def test_cross_origin_pages_are_refused_on_websocket_and_signalling(server, secure_server):
+    """CORS does not cover WebSocket upgrades or a page's form/text posts: the origin check does. Same-origin
+    pages, --cors-origins and clients without `Origin` pass; any other origin gets 403 and a log line."""
+    own = f"http://127.0.0.1:{server.port}"
+    with pytest.raises(websockets.InvalidStatus) as exc:
+        await websockets.connect(ws_url(server), origin="http://evil.example")
+    assert exc.value.response.status_code == 403
+    for origin in (own, None):
+        async with websockets.connect(ws_url(server), origin=origin) as ws:
+            await recv_type(ws, "session.created")
+    sdp = {"Content-Type": "application/sdp", "Origin": "http://evil.example"}
+    for path, headers, body in (("/v1/realtime/calls", sdp, b"v=0\r\n"), ("/v1/realtime?model=tiny", sdp, b"v=0\r\n"),
+                                ("/v1/chat/completions", {"Content-Type": "text/plain", "Origin": "null"}, b"{}")):
+        r = httpx.post(f"{server.url}{path}", content=body, headers=headers, timeout=10)
+        assert r.status_code == 403 and r.json()["error"]["code"] == "origin_not_allowed", path
+    r = httpx.post(f"{server.url}/v1/realtime/calls", content=b"v=0\r\n", timeout=10,
+                   headers={**sdp, "Origin": own})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_sdp"  # same origin: on to the route
+    assert httpx.get(f"{server.url}/v1/models", headers={"Origin": "http://evil.example"}).status_code == 200  # a read
+    assert "refused WebSocket /v1/realtime from origin 'http://evil.example'" in server.log.read_text()
+    bearer = {"Authorization": f"Bearer {KEY}"}
+    async with websockets.connect(ws_url(secure_server), origin=ORIGIN, additional_headers=bearer) as ws:
+        await recv_type(ws, "session.created")  # listed in --cors-origins
+    with pytest.raises(websockets.InvalidStatus) as exc:  # a valid key does not let another origin in
+        await websockets.connect(ws_url(secure_server), origin="http://evil.example", additional_headers=bearer)
+    assert exc.value.response.status_code == 403
