@@ -50,6 +50,8 @@ def install_error_handlers(app: FastAPI) -> None:
         if first.get("type") == "json_invalid":
             return error_response(APIError(400, "the request body is not valid JSON", None, "invalid_json"))
         param = ".".join(loc) or None
+        if param is None and first.get("type") in ("model_attributes_type", "dict_type"):
+            return error_response(APIError(400, "the request body must be a JSON object", None, "invalid_value"))
         msg = f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg", "invalid request")
         return error_response(APIError(400, msg, param, "invalid_value"))
 

@@ -93,7 +93,9 @@ class ClientSecretRequest(_Open):
 
 
 @router.post("/v1/realtime/client_secrets")
-async def create_client_secret(body: ClientSecretRequest, request: Request) -> dict:
+async def create_client_secret(request: Request,
+                               body: Annotated[ClientSecretRequest | None, Body()] = None) -> dict:
+    body = body or ClientSecretRequest()
     session = body.session or {}
     config = _config(request, session, session.get("model"), "session")
     return ga_body(mint(request, request.state.principal.key_id, config, _ttl_s(body.expires_after,
