@@ -1,7 +1,8 @@
 """WebRTC voice calls, each a peer connection around a `RealtimeSession`, and their HTTP signalling:
 `POST /v1/realtime/calls` (GA) or `POST /v1/realtime?model=…` (beta) takes an SDP offer and answers it,
 `POST /v1/realtime/calls/{id}/hangup` ends a call. A call is refused with OpenAI's error shape when the
-Realtime session limit or the engine's wait queues are full.
+Realtime session limit, the API key's own `max_sessions` or the engine's wait queues are full. A client
+secret on the offer (`Authorization: Bearer ek_…`) gives the call's session its settings.
 
 The client posts an SDP offer (`Content-Type: application/sdp`) and gets the SDP answer back, as
 with OpenAI. Then the microphone flows in as Opus (48 kHz, usually stereo), is resampled by PyAV to
