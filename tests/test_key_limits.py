@@ -132,6 +132,9 @@ async def test_open_sessions_over_every_transport(limits_server):
     try:
         await call.wait_for(lambda ev: ev["type"] == "session.created", 30)
         assert srv.metric("omnirt_key_active", key="sessions", kind="sessions") == 1
+        hangup = f"{srv.url}{call.location}/hangup"
+        assert httpx.post(hangup, headers=bearer("backend"), timeout=10).status_code == 404  # not its call
+        assert httpx.post(hangup, headers=bearer("sessions"), timeout=10).status_code == 200  # its secret's key's
     finally:
         await call.close()
     assert srv.metric("omnirt_key_limited_total", key="sessions", limit="max_sessions") == 3

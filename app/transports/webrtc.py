@@ -1,6 +1,7 @@
 """WebRTC voice calls, each a peer connection around a `RealtimeSession`, and their HTTP signalling:
 `POST /v1/realtime/calls` (GA) or `POST /v1/realtime?model=…` (beta) takes an SDP offer and answers it,
-`POST /v1/realtime/calls/{id}/hangup` ends a call. A call is refused with OpenAI's error shape when the
+`POST /v1/realtime/calls/{id}/hangup` ends a call (with the API key that started it, or minted the client
+secret that did; other keys get 404). A call is refused with OpenAI's error shape when the
 Realtime session limit, the API key's own `max_sessions` or the engine's wait queues are full. A client
 secret on the offer (`Authorization: Bearer ek_…`) gives the call's session its settings.
 
@@ -267,7 +268,7 @@ async def create_call_beta(request: Request) -> Response:
 @router.post("/v1/realtime/calls/{call_id}/hangup")
 async def hangup(call_id: str, request: Request) -> JSONResponse:
     call = request.app.state.webrtc.calls.get(call_id)
-    if call is None:
+    if call is None or call.session.log_ids["key_id"] != request.state.principal.key_id:  # only its own key's
         raise APIError(404, f"no call {call_id!r}", "call_id", "call_not_found")
     await call.end("hangup")
     return JSONResponse({})
