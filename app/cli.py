@@ -10,6 +10,7 @@ import os
 import signal
 import socket
 import sys
+from pathlib import Path
 
 from pipeline.api import EngineOptions, EngineStartError, start_engine
 
@@ -81,7 +82,15 @@ def add_reliability_args(s: argparse.ArgumentParser) -> None:
     env = os.environ.get
     s.add_argument("--api-key", action="append", default=[k for k in [env("OMNIRT_API_KEY")] if k],
                    help="require this Bearer key on /v1/* (repeatable; default $OMNIRT_API_KEY; none: open)")
-    s.add_argument("--cors-origins", default="", help="comma-separated origins allowed by CORS (default: none)")
+    s.add_argument("--api-keys-file", type=Path, default=env("OMNIRT_API_KEYS_FILE") or None,
+                   help="YAML/JSON keys with an id and limits each (docs/security.md); re-read when it changes or "
+                        "on SIGHUP (default $OMNIRT_API_KEYS_FILE)")
+    s.add_argument("--demo-key-id", default=None,
+                   help="with keys on, the demo page gets client secrets minted under this key id (its limits "
+                        "apply); without it the page cannot connect")
+    s.add_argument("--cors-origins", default="",
+                   help="comma-separated origins allowed by CORS and for WebSocket/WebRTC pages of other origins "
+                        "(default: none: only the server's own origin)")
     s.add_argument("--max-body-bytes", type=int, default=32 * 2**20)
     s.add_argument("--max-audio-seconds", type=float, default=300.0, help="longest input audio per request")
     s.add_argument("--max-output-buffer-bytes", type=int, default=None,
@@ -113,6 +122,7 @@ def serve(args: argparse.Namespace) -> None:
     from app.realtime.session import RealtimeLimits
     from app.server import ServerSettings, create_app
 
+    _check_keys(args)
     try:
         engine = start_engine(engine_options(args), log_setup=setup)
     except EngineStartError as exc:
@@ -125,18 +135,20 @@ def serve(args: argparse.Namespace) -> None:
                             send_timeout_s=args.slow_client_timeout)
     settings = ServerSettings(
         model_names=(name,), system_prompt=info.system_prompt, max_body_bytes=args.max_body_bytes,
-        max_audio_s=args.max_audio_seconds, api_keys=tuple(args.api_key),
+        max_audio_s=args.max_audio_seconds, api_keys=tuple(args.api_key), api_keys_file=args.api_keys_file,
+        demo_key_id=args.demo_key_id,
         cors_origins=tuple(o.strip() for o in args.cors_origins.split(",") if o.strip()),
         slow_client_timeout_s=args.slow_client_timeout, shutdown_timeout_s=args.shutdown_timeout,
         realtime=limits, ice_addresses=_ice_addresses(args), webrtc_connect_timeout_s=args.webrtc_connect_timeout_s)
     app = create_app(engine, settings)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: every thread's stack to stderr
+    signal.signal(signal.SIGHUP, lambda *_: app.state.keys.reload())  # `kill -HUP PID`: re-read the keys file
     # frames a bit over the realtime event limit still arrive, so that they get an `error` event
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             ws_max_size=limits.max_event_bytes + 2**20,
                             timeout_graceful_shutdown=args.shutdown_timeout + 5)
     print(f"omnirt ready: http://{args.host}:{args.port}/  (model {name!r}, voices {', '.join(info.voices)}"
-          f"{', API key required' if settings.api_keys else ''})", flush=True)
+          f"{'' if app.state.keys.is_open else ', API key required'})", flush=True)
     try:
         DrainingServer(config, app.state.server.lifecycle, on_stopped=engine.stop).run()
     finally:
@@ -144,6 +156,19 @@ def serve(args: argparse.Namespace) -> None:
     health = engine.health()
     if not health.is_alive:
         sys.exit(f"omnirt: {health.reason}")
+
+
+def _check_keys(args: argparse.Namespace) -> None:
+    """A keys file that cannot be used, or a demo key that is not in it, stops the server before the engine starts."""
+    from app.ops.keys import KeyRing, KeysFileError
+
+    try:
+        keys = KeyRing(tuple(args.api_key), args.api_keys_file)
+    except KeysFileError as exc:
+        sys.exit(f"omnirt: {exc}")
+    if args.demo_key_id is not None and keys.get(args.demo_key_id) is None:
+        sys.exit(f"omnirt: --demo-key-id {args.demo_key_id!r} is not the id of a key (--api-key keys are cli-1, "
+                 "cli-2, ...; the keys file's have their own)")
 
 
 def _ice_addresses(args: argparse.Namespace) -> tuple[str, ...]:

@@ -11,7 +11,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger(__name__)
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "invalid_request_error",
+          404: "invalid_request_error",
           405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
           422: "invalid_request_error",
           429: "rate_limit_error", 503: "server_error"}
@@ -49,6 +50,8 @@ def install_error_handlers(app: FastAPI) -> None:
         if first.get("type") == "json_invalid":
             return error_response(APIError(400, "the request body is not valid JSON", None, "invalid_json"))
         param = ".".join(loc) or None
+        if param is None and first.get("type") in ("model_attributes_type", "dict_type"):
+            return error_response(APIError(400, "the request body must be a JSON object", None, "invalid_value"))
         msg = f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg", "invalid request")
         return error_response(APIError(400, msg, param, "invalid_value"))
 

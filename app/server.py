@@ -14,12 +14,17 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from fastapi.staticfiles import StaticFiles
 
+from app import demo
 from app.chat import routes as chat
 from app.errors import install_error_handlers
 from app.ops import metrics, security
+from app.ops.keys import KeyRing
 from app.ops.lifecycle import Lifecycle
 from app.ops.limits import BodySizeLimit, SlowClientGuard
 from app.ops.metrics import Metrics, StatusCounter
+from app.ops.quotas import KeyQuotas
+from app.realtime import client_secrets
+from app.realtime.client_secrets import SecretStore
 from app.realtime.session import RealtimeLimits
 from app.transports import websocket
 from pipeline.api import EngineClient
@@ -37,8 +42,10 @@ class ServerSettings:
     realtime: RealtimeLimits = field(default_factory=RealtimeLimits)
     ice_addresses: tuple[str, ...] = ()  # WebRTC host candidates; empty: every interface but loopback (aioice)
     webrtc_connect_timeout_s: float = 30.0
-    api_keys: tuple[str, ...] = ()  # none: no key needed
-    cors_origins: tuple[str, ...] = ()  # none: CORS closed
+    api_keys: tuple[str, ...] = ()  # none (and no keys file): no key needed
+    api_keys_file: Path | None = None  # keys with ids and limits, reloaded when it changes (app.ops.keys)
+    demo_key_id: str | None = None  # the demo page's client secrets are minted under this key (app.demo)
+    cors_origins: tuple[str, ...] = ()  # none: CORS closed, and only same-origin pages may connect
     slow_client_timeout_s: float = 30.0  # a write the client does not take within this disconnects it
     shutdown_timeout_s: float = 30.0  # running responses may finish within this after SIGTERM
 
@@ -76,13 +83,15 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
         watch.cancel()
 
     app = FastAPI(title="omnirt", version="0.1.0", lifespan=lifespan)
-    app.state.server = OmniServer(engine, settings, Metrics(engine), lifecycle)
+    server = app.state.server = OmniServer(engine, settings, Metrics(engine), lifecycle)
     install_error_handlers(app)
+    app.state.keys = KeyRing(settings.api_keys, settings.api_keys_file)
+    app.state.client_secrets, app.state.quotas = SecretStore(), KeyQuotas(server.metrics)
 
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(SlowClientGuard, timeout_s=settings.slow_client_timeout_s)
-    security.install(app, settings.api_keys, settings.cors_origins)
-    app.add_middleware(StatusCounter, metrics=app.state.server.metrics)
+    security.install(app, app.state.keys, app.state.client_secrets, app.state.quotas, settings.cors_origins)
+    app.add_middleware(StatusCounter, metrics=server.metrics)
 
     @app.get("/health")
     async def health():
@@ -97,16 +106,17 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        created = int(app.state.server.started_at)
+        created = int(server.started_at)
         return {"object": "list", "data": [{"id": n, "object": "model", "created": created, "owned_by": "omnirt"}
                                            for n in settings.model_names]}
 
     @app.get("/v1/voices")
     async def voices():
-        info = engine.info()
-        return JSONResponse({"voices": list(info.voices), "default": info.default_voice})
+        return JSONResponse(demo.voice_list(engine.info()))
 
     app.include_router(chat.router)
+    app.include_router(client_secrets.router)
+    demo.install(app, settings.demo_key_id)
     websocket.install(app, settings.realtime)
     if importlib.util.find_spec("aiortc") is not None:  # the `webrtc` extra
         from app.transports import webrtc

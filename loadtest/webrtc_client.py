@@ -77,11 +77,12 @@ class RealtimeCall:
 
 async def connect(base_url: str, path: str = "/v1/realtime/calls", transport=None, extra_video: bool = False,
                   on_event: Callable[[dict], None] | None = None,
-                  on_mic_event: Callable[[dict], None] | None = None) -> RealtimeCall:
+                  on_mic_event: Callable[[dict], None] | None = None,
+                  headers: dict[str, str] | None = None) -> RealtimeCall:
     """Offer, answer, connect; `transport`: an httpx transport (an in-process app), else real HTTP;
     `extra_video`: offer a video section as well (sendrecv, no track); `on_event`: each server event;
     `on_mic_event`: the microphone track's own playback events (`output_audio_buffer.stopped` once a
-    written utterance has all been sent)."""
+    written utterance has all been sent); `headers`: more signalling headers (`Authorization`, `Origin`)."""
     offer_host_addresses(("127.0.0.1",))  # this process's ICE offers loopback, as the server does
     pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
     call = RealtimeCall(pc, pc.createDataChannel("oai-events"), PacedAudioTrack(on_mic_event or (lambda ev: None)))
@@ -105,7 +106,7 @@ async def connect(base_url: str, path: str = "/v1/realtime/calls", transport=Non
     await pc.setLocalDescription(await pc.createOffer())
     async with httpx.AsyncClient(timeout=30, transport=transport) as http:
         r = await http.post(base_url + path, content=pc.localDescription.sdp,
-                            headers={"Content-Type": "application/sdp"})
+                            headers={"Content-Type": "application/sdp", **(headers or {})})
     if r.status_code not in (200, 201):
         await call.close()
         raise AssertionError(f"{r.status_code}: {r.text}")

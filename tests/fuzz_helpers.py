@@ -1,5 +1,6 @@
-"""What the fuzz tests share: hypothesis strategies for junk values, and a server profile that keeps
-every valid request cheap (short contexts, few tokens)."""
+"""What the fuzz tests share: hypothesis strategies for junk values and for Realtime `session` objects
+(`session.update`, client secrets), and a server profile that keeps every valid request cheap (short
+contexts, few tokens)."""
 
 from __future__ import annotations
 
@@ -20,3 +21,25 @@ small_ints = st.sampled_from([-(2**63), -1, 0, 1, 2, 5, 8, 2**31, 2**63, 2**64])
 def sometimes_junk(strategy):
     """Mostly the well-formed value, one draw in eight anything at all."""
     return st.sampled_from(range(8)).flatmap(lambda i: junk if i == 7 else strategy)
+
+
+text = st.text(max_size=40) | st.sampled_from([2_000, 60_000]).map(lambda n: "x" * n)  # huge, under the limit
+fmt = st.sampled_from([{"type": "audio/pcm", "rate": 24000}, {"type": "audio/pcm", "rate": 16000},
+                       {"type": "audio/pcmu"}, {"type": "audio/pcma"}, {"type": "wav"}])
+modalities = st.sampled_from([["audio"], ["text"], ["text", "audio"], [], ["video"]])
+voices = st.sampled_from(["ethan", "chelsie", "nobody", ""])
+vad = st.none() | st.fixed_dictionaries({"type": st.sampled_from(["server_vad", "semantic_vad", "bogus"])}, optional={
+    "threshold": st.floats(-1, 2), "silence_duration_ms": small_ints, "prefix_padding_ms": small_ints,
+    "create_response": st.booleans(), "interrupt_response": st.booleans(), "eagerness": st.text(max_size=6)})
+opt = st.fixed_dictionaries  # every key optional: st.fixed_dictionaries({}, optional=...)
+session = opt({}, optional={
+    "type": sometimes_junk(st.sampled_from(["realtime", "transcription"])), "instructions": sometimes_junk(text),
+    "output_modalities": sometimes_junk(modalities), "modalities": sometimes_junk(modalities),
+    "voice": sometimes_junk(voices), "turn_detection": sometimes_junk(vad),
+    "input_audio_format": sometimes_junk(st.sampled_from(["pcm16", "g711_ulaw", "g711_alaw", "mp3"])),
+    "audio": sometimes_junk(opt({}, optional={
+        "input": sometimes_junk(opt({}, optional={"format": sometimes_junk(fmt),
+                                                  "turn_detection": sometimes_junk(vad)})),
+        "output": sometimes_junk(opt({}, optional={"format": sometimes_junk(fmt), "voice": sometimes_junk(voices)}))})),
+    "temperature": sometimes_junk(st.floats(allow_nan=True, allow_infinity=True)),
+    "max_output_tokens": sometimes_junk(small_ints | st.just("inf")), "tools": sometimes_junk(st.just([]))})

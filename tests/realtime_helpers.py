@@ -10,6 +10,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 import soundfile
@@ -109,3 +110,16 @@ async def until_done(ws, timeout: float = 120.0) -> list[dict]:
     while events[-1]["type"] != "response.done":
         events.append(await recv(ws, timeout))
     return events
+
+
+def key_subprotocols(credential: str, beta: bool = False) -> list[str]:
+    """What a browser offers to carry a key or client secret on a WebSocket (it cannot set headers)."""
+    return ["realtime", f"openai-insecure-api-key.{credential}", *(["openai-beta.realtime-v1"] if beta else [])]
+
+
+def mint_secret(srv, key: str | None, body: dict | None = None, path: str = "/v1/realtime/client_secrets") -> dict:
+    """POST a client-secret request with `key` (None: no Authorization); the JSON answer, asserting 200."""
+    headers = {} if key is None else {"Authorization": f"Bearer {key}"}
+    r = httpx.post(f"{srv.url}{path}", json=body or {}, headers=headers, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()

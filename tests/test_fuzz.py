@@ -1,7 +1,8 @@
-"""Property-based fuzzing of POST /v1/chat/completions (hypothesis) and of every operation in the app's
-OpenAPI schema (schemathesis), against a real server: zero 5xx, errors always in OpenAI's shape and
-without stack traces, and the server serves a normal request afterwards. Valid requests do run the
-model; the fuzz server's profile caps context lengths so that each one stays cheap."""
+"""Property-based fuzzing of POST /v1/chat/completions and of the client-secret endpoints (hypothesis), and
+of every operation in the app's OpenAPI schema (schemathesis), against a real server: zero 5xx, errors
+always in OpenAI's shape and without stack traces, and the server serves a normal request afterwards.
+Valid requests do run the model; the fuzz server's profile caps context lengths so that each one stays
+cheap."""
 
 from __future__ import annotations
 
@@ -18,10 +19,11 @@ from hypothesis import strategies as st
 
 from app.audio.pcm import encode_wav
 from tests.conftest import ServerProcess
-from tests.fuzz_helpers import CHEAP, junk, small_ints, sometimes_junk
+from tests.fuzz_helpers import CHEAP, junk, opt, session, small_ints, sometimes_junk
 
 NUM_CASES = int(os.environ.get("OMNIRT_FUZZ_CASES", "1500"))
 NUM_SCHEMA_CASES = int(os.environ.get("OMNIRT_SCHEMA_CASES", "300"))
+NUM_SECRET_CASES = int(os.environ.get("OMNIRT_SECRET_FUZZ_CASES", "600"))
 WAV = base64.b64encode(encode_wav((np.sin(np.arange(8000) / 9) * 9000).astype("<i2").tobytes(), 16000)).decode()
 TALLY = {"cases": 0, "2xx": 0, "4xx": 0, "5xx": 0}
 
@@ -61,6 +63,14 @@ chat_body = st.fixed_dictionaries(
             max_size=3)),
         "initial_codec_chunk_frames": sometimes_junk(st.integers(-2, 70)),
     })
+
+
+expires_after = opt({}, optional={"anchor": sometimes_junk(st.sampled_from(["created_at", "now"])),
+                                   "seconds": sometimes_junk(st.integers(0, 8000) | small_ints)})
+secret_body = opt({}, optional={"expires_after": sometimes_junk(expires_after), "session": sometimes_junk(session)})
+beta_body = st.builds(lambda s, extra: {**s, **extra}, session, opt({}, optional={
+    "model": sometimes_junk(st.sampled_from(["tiny", "gpt-4o"])),
+    "client_secret": sometimes_junk(opt({}, optional={"expires_after": sometimes_junk(expires_after)}))}))
 
 
 def check_response(r: httpx.Response) -> None:
@@ -108,6 +118,33 @@ def test_fuzz_chat_bodies(fuzz_server):
     _assert_alive(fuzz_server)
 
 
+def test_fuzz_client_secret_bodies(fuzz_server):
+    """POST /v1/realtime/client_secrets (GA) and /v1/realtime/sessions (beta) with fuzzed settings: an error in
+    OpenAI's shape naming the parameter, or a secret with the settings it carries."""
+    client = httpx.Client(base_url=fuzz_server.url, timeout=60)
+
+    @settings(max_examples=NUM_SECRET_CASES, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(case=st.tuples(st.just("/v1/realtime/client_secrets"), sometimes_junk(secret_body))
+           | st.tuples(st.just("/v1/realtime/sessions"), sometimes_junk(beta_body)))
+    def run(case):
+        path, body = case
+        r = client.post(path, content=json.dumps(body).encode(), headers={"content-type": "application/json"})
+        check_response(r)
+        if r.status_code == 200:
+            answer = r.json()
+            secret = answer if path.endswith("client_secrets") else answer["client_secret"]
+            assert secret["value"].startswith("ek_") and isinstance(secret["expires_at"], int)
+            assert (answer["session"] if "session" in answer else answer)["object"] == "realtime.session"
+        elif r.status_code in (400, 404):
+            err = r.json()["error"]  # names the parameter, or says the body is the problem
+            assert err["param"] is not None or "body" in err["message"] or err["code"] == "invalid_json", r.text
+
+    run()
+    print(f"client secret fuzz: {TALLY}")
+    _assert_alive(fuzz_server)
+
+
 def _finite(body) -> bool:
     try:
         json.dumps(body, allow_nan=False)
@@ -129,7 +166,8 @@ def test_schemathesis_no_server_errors(fuzz_server):
     """Every operation of /openapi.json, with schemathesis' generated cases (valid and not)."""
     api = schemathesis.openapi.from_url(f"{fuzz_server.url}/openapi.json")
     operations = [result.ok() for result in api.get_all_operations()]
-    assert {op.path for op in operations} >= {"/v1/chat/completions", "/v1/models", "/health"}
+    assert {op.path for op in operations} >= {"/v1/chat/completions", "/v1/models", "/health",
+                                              "/v1/realtime/client_secrets", "/v1/realtime/sessions"}
     for op in operations:
         @settings(max_examples=NUM_SCHEMA_CASES, deadline=None, database=None, derandomize=True,
                   suppress_health_check=list(HealthCheck))

@@ -6,7 +6,11 @@ After each case a sentinel event (retrieving an item that does not exist) marks 
 answers end. Every event that cannot be valid gets an `error` event (echoing its `event_id` where it
 could be read); every error is well-formed and none is an `internal_error`; no session is closed; the
 server stays up, and afterwards a normal session gets a whole spoken answer with every slot free.
-Each bug found this way is an explicit `@example` (checked to fail before its fix)."""
+Each bug found this way is an explicit `@example` (checked to fail before its fix).
+
+Client secrets minted with fuzzed settings (GA and beta): one the server mints starts a session whose
+`session.created` carries exactly the settings the mint answered with; a handshake with a made-up secret
+is refused (403), one with any other credential on this keyless server is let in."""
 
 from __future__ import annotations
 
@@ -15,16 +19,18 @@ import collections
 import json
 import os
 
+import httpx
 import pytest
 import websocket
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import ServerProcess
-from tests.fuzz_helpers import CHEAP, junk, small_ints, sometimes_junk
+from tests.fuzz_helpers import CHEAP, junk, modalities, opt, session, small_ints, sometimes_junk, text, voices
 from tests.realtime_helpers import lost_audio, ws_url
 
 NUM_CASES = int(os.environ.get("OMNIRT_RT_FUZZ_CASES", "8000"))
+NUM_SECRET_CASES = int(os.environ.get("OMNIRT_RT_SECRET_FUZZ_CASES", "300"))
 CASES_PER_SESSION = 600
 MAX_EVENT_BYTES = 65536
 SENTINEL = "sentinel-item-that-does-not-exist"
@@ -32,27 +38,7 @@ TALLY: collections.Counter = collections.Counter()
 
 b64 = st.binary(max_size=960).map(lambda b: base64.b64encode(b).decode())  # odd lengths are not PCM16
 audio = b64 | st.sampled_from(["", "@@@", "A", "AAA=", "==", "UklGRg=="])
-text = st.text(max_size=40) | st.sampled_from([2_000, 60_000]).map(lambda n: "x" * n)  # huge, under the limit
 item_ids = st.sampled_from(["a", "b", "c", "root", ""]) | st.text(max_size=6)
-fmt = st.sampled_from([{"type": "audio/pcm", "rate": 24000}, {"type": "audio/pcm", "rate": 16000},
-                       {"type": "audio/pcmu"}, {"type": "audio/pcma"}, {"type": "wav"}])
-modalities = st.sampled_from([["audio"], ["text"], ["text", "audio"], [], ["video"]])
-voices = st.sampled_from(["ethan", "chelsie", "nobody", ""])
-vad = st.none() | st.fixed_dictionaries({"type": st.sampled_from(["server_vad", "semantic_vad", "bogus"])}, optional={
-    "threshold": st.floats(-1, 2), "silence_duration_ms": small_ints, "prefix_padding_ms": small_ints,
-    "create_response": st.booleans(), "interrupt_response": st.booleans(), "eagerness": st.text(max_size=6)})
-opt = st.fixed_dictionaries  # every key optional: st.fixed_dictionaries({}, optional=...)
-session = opt({}, optional={
-    "type": sometimes_junk(st.sampled_from(["realtime", "transcription"])), "instructions": sometimes_junk(text),
-    "output_modalities": sometimes_junk(modalities), "modalities": sometimes_junk(modalities),
-    "voice": sometimes_junk(voices), "turn_detection": sometimes_junk(vad),
-    "input_audio_format": sometimes_junk(st.sampled_from(["pcm16", "g711_ulaw", "g711_alaw", "mp3"])),
-    "audio": sometimes_junk(opt({}, optional={
-        "input": sometimes_junk(opt({}, optional={"format": sometimes_junk(fmt),
-                                                  "turn_detection": sometimes_junk(vad)})),
-        "output": sometimes_junk(opt({}, optional={"format": sometimes_junk(fmt), "voice": sometimes_junk(voices)}))})),
-    "temperature": sometimes_junk(st.floats(allow_nan=True, allow_infinity=True)),
-    "max_output_tokens": sometimes_junk(small_ints | st.just("inf")), "tools": sometimes_junk(st.just([]))})
 part = opt({"type": st.sampled_from(["input_text", "input_audio", "text", "audio", "output_text", "bogus"])},
            optional={"text": sometimes_junk(text), "audio": sometimes_junk(audio), "transcript": st.text(max_size=9)})
 item = opt({"type": sometimes_junk(st.sampled_from(["message", "message", "function_call_output"])),
@@ -189,6 +175,53 @@ def test_fuzz_realtime_events(fuzz_server):
     print(f"realtime fuzz: {dict(TALLY.most_common())}")
     assert TALLY["cases"] >= NUM_CASES and TALLY["must_fail"] > NUM_CASES // 10
     _assert_a_normal_session_works(fuzz_server)
+
+
+credentials = st.tuples(st.sampled_from(["ek_", "ek_", "sk-", ""]),
+                        st.text(alphabet="abcdefghijklmnopqrstuvwxyzABC0123456789-_.~", max_size=24))
+
+
+def test_fuzz_client_secret_sessions(fuzz_server):
+    http = httpx.Client(base_url=fuzz_server.url, timeout=60)
+
+    @settings(max_examples=NUM_SECRET_CASES, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(settings_=sometimes_junk(session), beta=st.booleans(), credential=credentials)
+    def run(settings_, beta, credential):
+        path, body = ("/v1/realtime/sessions", settings_) if beta else ("/v1/realtime/client_secrets",
+                                                                        {"session": settings_})
+        r = http.post(path, content=json.dumps(body).encode(), headers={"content-type": "application/json"})
+        assert r.status_code in (200, 400, 404) and r.json().get("error", {}).get("code") != "internal_error", r.text
+        TALLY[f"secret {r.status_code}"] += 1
+        if r.status_code == 200:
+            minted = r.json()
+            value = (minted["client_secret"] if beta else minted)["value"]
+            created = _session_created(ws_url(fuzz_server), f"Bearer {value}", beta)
+            expected = {k: v for k, v in (minted if beta else minted["session"]).items()
+                        if k not in ("id", "expires_at", "client_secret")}
+            assert {k: v for k, v in created.items() if k != "id"} == expected
+        made_up = "".join(credential)
+        if made_up.startswith("ek_"):
+            with pytest.raises(websocket.WebSocketBadStatusException) as exc:
+                _session_created(ws_url(fuzz_server), f"Bearer {made_up}", beta)
+            assert exc.value.status_code == 403
+        else:
+            assert _session_created(ws_url(fuzz_server), f"Bearer {made_up}", beta)["object"] == "realtime.session"
+
+    run()
+    print(f"client secret session fuzz: {dict(TALLY.most_common())}")
+    assert TALLY["secret 200"] and TALLY["secret 400"]
+
+
+def _session_created(url: str, authorization: str, beta: bool) -> dict:
+    ws = websocket.create_connection(url, timeout=60, header=[f"Authorization: {authorization}",
+                                                              *(["OpenAI-Beta: realtime=v1"] if beta else [])])
+    try:
+        event = json.loads(ws.recv())
+    finally:
+        ws.close()
+    assert event["type"] == "session.created", event
+    return event["session"]
 
 
 def _assert_a_normal_session_works(srv: ServerProcess) -> None:

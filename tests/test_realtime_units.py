@@ -14,8 +14,8 @@ from scipy.signal import resample_poly
 from app.audio.resample import LowDelayResampler, StreamResampler
 from app.audio.vad import WINDOW, TurnDetector, VadBatcher, VadConfig, VadStream
 from app.audio.wire import G711_ALAW, G711_ULAW, decode, encode
-from app.ops.limits import AudioRateLimit
-from app.realtime.config import SessionConfig, apply_session_update, session_object
+from app.ops.limits import TokenBucket
+from app.realtime.config import SessionConfig, apply_session_update, initial_config, session_object
 from app.realtime.conversation import Content, Conversation, Item
 from app.realtime.events import ProtocolError
 from app.realtime.input_buffer import BufferFull, InputBuffer, TurnEnded, TurnStarted
@@ -150,7 +150,8 @@ async def test_barge_in_through_an_audio_sink(engine, tmp_path):
     every stage within a step, the sink is cleared, the item is truncated at the played position."""
     samples, _ = espeak_utterance(tmp_path)
     sink = PlaybackSink(played_ms=240)
-    session = RealtimeSession(engine, "tiny", RealtimeLimits(), VadBatcher(), audio_sink=sink)
+    session = RealtimeSession(engine, initial_config(engine.info(), "tiny", ""), RealtimeLimits(), VadBatcher(),
+                              audio_sink=sink)
     await session.start()
     events: list[dict] = []
 
@@ -300,7 +301,7 @@ async def test_vad_counts_reach_metrics(engine):
 def test_audio_rate_limit_allows_real_time_and_a_burst_then_refuses():
     """A microphone (1x) never runs the bucket dry; audio ahead of `rate` is allowed up to the burst."""
     now = [0.0]
-    limit = AudioRateLimit(rate=4.0, burst_s=2.0, clock=lambda: now[0])
+    limit = TokenBucket(rate=4.0, burst=2.0, clock=lambda: now[0])
     for _ in range(1000):  # 20 s of real-time audio in 20 ms chunks
         now[0] += 0.02
         assert limit.take(0.02)

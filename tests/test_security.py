@@ -21,7 +21,10 @@ from starlette.websockets import WebSocketDisconnect
 
 from app.audio.pcm import encode_wav
 from app.cli import build_parser
-from app.ops.security import ApiKeyAuth, is_authorized
+from app.errors import APIError
+from app.ops.keys import KeyRing
+from app.ops.security import AccessCheck, authenticate
+from app.realtime.client_secrets import SecretStore
 from tests.conftest import ServerProcess
 from tests.realtime_helpers import ask, recv_type, ws_url
 
@@ -76,7 +79,7 @@ async def _echo(ws):
 @pytest.mark.parametrize("how", ["header", "subprotocol", "none", "wrong"])
 def test_api_key_helper_on_websocket_routes(how):
     """The shared middleware on a WebSocket route: Bearer header, or OpenAI's browser subprotocol."""
-    app = ApiKeyAuth(Starlette(routes=[WebSocketRoute("/v1/realtime", _echo)]), (KEY,))
+    app = AccessCheck(Starlette(routes=[WebSocketRoute("/v1/realtime", _echo)]), KeyRing((KEY,)), SecretStore())
     kw = {"header": {"headers": {"Authorization": f"Bearer {KEY}"}},
           "subprotocol": {"subprotocols": ["realtime", f"openai-insecure-api-key.{KEY}"]},
           "none": {}, "wrong": {"headers": {"Authorization": "Bearer nope"}}}[how]
@@ -90,11 +93,16 @@ def test_api_key_helper_on_websocket_routes(how):
             assert exc.value.code == 1008
 
 
-def test_is_authorized_scope_rules():
-    scope = {"path": "/v1/chat/completions", "headers": [(b"authorization", f"Bearer {KEY}".encode())]}
-    assert is_authorized(scope, (KEY,)) and is_authorized({**scope, "headers": []}, ())
-    assert not is_authorized({**scope, "headers": []}, (KEY,))
-    assert is_authorized({"path": "/health", "headers": []}, (KEY,))
+def test_authenticate_scope_rules():
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions",
+             "headers": [(b"authorization", f"Bearer {KEY}".encode())]}
+    keys, store = KeyRing((KEY,)), SecretStore()
+    assert authenticate(scope, keys, store).key_id == "cli-1"
+    assert authenticate({**scope, "headers": []}, KeyRing(), store).key is None  # no keys: open
+    with pytest.raises(APIError) as exc:
+        authenticate({**scope, "headers": []}, keys, store)
+    assert exc.value.status == 401
+    assert authenticate({"type": "http", "path": "/health", "headers": []}, keys, store).key is None
 
 
 def _preflight(url: str, origin: str) -> httpx.Response:
@@ -172,3 +180,31 @@ async def test_realtime_sessions_in_metrics_and_logs(secure_server):
         "realtime session open (model tiny, beta False)", "realtime session closed (closed)"]
     done = [rec for rec in mine if rec["msg"] == "request finished"]
     assert len(done) == 1 and done[0]["request_id"] == response_id and done[0]["ttfp_ms"] > 0
+
+
+async def test_cross_origin_pages_are_refused_on_websocket_and_signalling(server, secure_server):
+    """CORS does not cover WebSocket upgrades or a page's form/text posts: the origin check does. Same-origin
+    pages, --cors-origins and clients without `Origin` pass; any other origin gets 403 and a log line."""
+    own = f"http://127.0.0.1:{server.port}"
+    with pytest.raises(websockets.InvalidStatus) as exc:
+        await websockets.connect(ws_url(server), origin="http://evil.example")
+    assert exc.value.response.status_code == 403
+    for origin in (own, None):
+        async with websockets.connect(ws_url(server), origin=origin) as ws:
+            await recv_type(ws, "session.created")
+    sdp = {"Content-Type": "application/sdp", "Origin": "http://evil.example"}
+    for path, headers, body in (("/v1/realtime/calls", sdp, b"v=0\r\n"), ("/v1/realtime?model=tiny", sdp, b"v=0\r\n"),
+                                ("/v1/chat/completions", {"Content-Type": "text/plain", "Origin": "null"}, b"{}")):
+        r = httpx.post(f"{server.url}{path}", content=body, headers=headers, timeout=10)
+        assert r.status_code == 403 and r.json()["error"]["code"] == "origin_not_allowed", path
+    r = httpx.post(f"{server.url}/v1/realtime/calls", content=b"v=0\r\n", timeout=10,
+                   headers={**sdp, "Origin": own})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_sdp"  # same origin: on to the route
+    assert httpx.get(f"{server.url}/v1/models", headers={"Origin": "http://evil.example"}).status_code == 200  # a read
+    assert "refused WebSocket /v1/realtime from origin 'http://evil.example'" in server.log.read_text()
+    bearer = {"Authorization": f"Bearer {KEY}"}
+    async with websockets.connect(ws_url(secure_server), origin=ORIGIN, additional_headers=bearer) as ws:
+        await recv_type(ws, "session.created")  # listed in --cors-origins
+    with pytest.raises(websockets.InvalidStatus) as exc:  # a valid key does not let another origin in
+        await websockets.connect(ws_url(secure_server), origin="http://evil.example", additional_headers=bearer)
+    assert exc.value.response.status_code == 403

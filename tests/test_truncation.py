@@ -8,6 +8,7 @@ import asyncio
 import pytest
 
 from app.audio.vad import VadBatcher
+from app.realtime.config import initial_config
 from app.realtime.session import RealtimeLimits, RealtimeSession
 from pipeline.api import Finished, OmniRequest, RequestError, TextDelta
 
@@ -60,7 +61,8 @@ class Driver:
     """One in-process Realtime session, text turns only."""
 
     def __init__(self, engine):
-        self.session = RealtimeSession(engine, "tiny", RealtimeLimits(), VadBatcher())
+        config = initial_config(engine.info(), "tiny", "")
+        self.session = RealtimeSession(engine, config, RealtimeLimits(), VadBatcher())
         self.events: list[dict] = []
         self.reader: asyncio.Task | None = None
 

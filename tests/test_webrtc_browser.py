@@ -3,8 +3,14 @@ a spoken WAV, and hears the agent: the page's own WebRTC stack against the serve
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import functools
+import http.server
+import json
 import shutil
+import threading
+import time
 
 import httpx
 import numpy as np
@@ -12,7 +18,7 @@ import pytest
 import soundfile
 
 from app.audio.resample import resample
-from tests.conftest import ARTIFACTS
+from tests.conftest import ARTIFACTS, ServerProcess
 from tests.realtime_helpers import espeak_utterance
 
 CHROMIUM = "/usr/bin/chromium"
@@ -32,8 +38,9 @@ def mic_wav(tmp_path, tail_silence_s: float):
 
 
 @contextlib.asynccontextmanager
-async def demo_page(server, tmp_path, tail_silence_s: float):
-    """The demo page in a fresh headless Chromium whose microphone plays speech; yields (page, console)."""
+async def demo_page(server, tmp_path, tail_silence_s: float, responses: list | None = None):
+    """The demo page in a fresh headless Chromium whose microphone plays speech; yields (page, console).
+    `responses`: every response the page receives is appended (from its first request on)."""
     if shutil.which(CHROMIUM) is None:
         pytest.skip("chromium is not installed (make sysdeps)")
     from playwright.async_api import async_playwright
@@ -47,6 +54,8 @@ async def demo_page(server, tmp_path, tail_silence_s: float):
             page = context.pages[0] if context.pages else await context.new_page()
             console = []
             page.on("console", lambda m: console.append(m.text))
+            if responses is not None:
+                page.on("response", lambda r: responses.append(r))
             await page.goto(server.url + "/")
             await page.wait_for_function("document.querySelectorAll('#voice option').length > 0")
             yield page, console
@@ -95,3 +104,81 @@ async def test_browser_user_interrupts_by_talking(server, tmp_path):
         row = (await page.inner_text("#metrics tbody tr")).split("\t")
     assert 0 < first["audioMs"] < 8000  # truncated where the user cut in
     assert row[1].endswith(" ms") and row[2] == "—" and row[5] == "interrupted"
+
+
+DEMO_KEYS = {"demo": "sk-demo-key-0001", "backend": "sk-backend-key-0002"}
+EVIL_PAGE = """<!doctype html><script>
+window.result = {};
+const ws = new WebSocket("ws://127.0.0.1:{port}/v1/realtime");
+ws.onopen = () => { result.ws = "open"; };
+ws.onclose = (e) => { result.ws = result.ws || `closed ${e.code}`; };
+fetch("http://127.0.0.1:{port}/demo/client_secret", { method: "POST" })
+  .then((r) => { result.secret = `read ${r.status}`; }, () => { result.secret = "blocked"; });
+</script>"""
+
+
+@pytest.fixture(scope="module")
+def keyed_demo_server(tmp_path_factory):
+    path = tmp_path_factory.mktemp("keys") / "keys.yaml"
+    path.write_text(json.dumps({"keys": [{"id": "demo", "key": DEMO_KEYS["demo"], "max_sessions": 2},
+                                         {"id": "backend", "key": DEMO_KEYS["backend"]}]}))
+    srv = ServerProcess(["--api-keys-file", str(path), "--demo-key-id", "demo", "--log-level", "info"])
+    yield srv
+    srv.stop()
+
+
+@contextlib.contextmanager
+def other_origin(tmp_path, port: int):
+    """A page on another loopback origin (a second port), trying what the demo page does."""
+    (tmp_path / "evil").mkdir()
+    (tmp_path / "evil" / "index.html").write_text(EVIL_PAGE.replace("{port}", str(port)))
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path / "evil"))
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}/"
+    finally:
+        httpd.shutdown()
+        thread.join()
+
+
+async def test_demo_with_keys_on_never_holds_a_key(keyed_demo_server, tmp_path):
+    """With --demo-key-id the page talks to the agent on a client secret per call; no key reaches it; a page
+    of another origin gets neither a secret nor a session (the server refuses both and logs it)."""
+    srv, responses = keyed_demo_server, []
+    async with demo_page(srv, tmp_path, tail_silence_s=40, responses=responses) as (page, console):
+        assert await page.evaluate("demo.auth") == "client_secret"
+        await page.click("#talk")
+        await page.wait_for_selector("#transcript li.user", timeout=60_000)
+        await page.wait_for_function("demo.turns.length && demo.turns[0].heardAt !== null", timeout=90_000)
+        assert srv.metric("omnirt_key_active", key="demo", kind="sessions") == 1
+        await page.click("#talk")  # hang up: a client secret cannot call hangup; closing the connection ends it
+        demo_console = list(console)
+        with other_origin(tmp_path, srv.port) as evil_url:
+            await page.goto(evil_url)
+            await page.wait_for_function("result.ws && result.secret", timeout=30_000)
+            evil = await page.evaluate("result")
+        calls = [r for r in responses if r.url.endswith("/v1/realtime/calls")]
+        assert len(calls) == 1 and calls[0].status == 201
+        assert (await calls[0].request.all_headers())["authorization"].startswith("Bearer ek_")
+        for r in responses:  # every byte the page was sent or sent itself: no key
+            seen = json.dumps(await r.request.all_headers()) + (r.request.post_data or "") + await _body(r)
+            assert not [k for k in DEMO_KEYS.values() if k in seen], r.url
+    deadline = time.monotonic() + 30  # a guard against a hang, not a bound: the call ends when its peer goes
+    while srv.metric("omnirt_key_active", key="demo", kind="sessions") and time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
+    assert srv.metric("omnirt_key_active", key="demo", kind="sessions") == 0
+    assert evil == {"ws": "closed 1006", "secret": "blocked"}, evil
+    log = srv.log.read_text()
+    evil_origin = evil_url.rstrip("/")
+    assert f"refused WebSocket /v1/realtime from origin '{evil_origin}'" in log
+    assert f"refused POST /demo/client_secret from origin '{evil_origin}'" in log
+    assert not [m for m in demo_console if "error" in m.lower()], demo_console
+
+
+async def _body(response) -> str:
+    try:
+        return (await response.body()).decode(errors="replace")
+    except Exception:  # a redirect or a body the browser already dropped
+        return ""

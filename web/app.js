@@ -1,21 +1,33 @@
 // omnirt voice demo: one WebRTC call to POST /v1/realtime/calls (the OpenAI Realtime WebRTC flow).
 // The microphone goes out as Opus, the agent's voice comes back on the remote track, and the Realtime
-// events travel on the data channel "oai-events". No build step, no CDN.
+// events travel on the data channel "oai-events". No build step, no CDN. With keys on, the page never
+// holds a key: GET /demo/config says how to get in, and each call starts with a short-lived client
+// secret from POST /demo/client_secret (when the operator enabled it with --demo-key-id).
 "use strict";
 
 const $ = (id) => document.getElementById(id);
 const LEVEL_HEARD = 0.01; // RMS above which agent audio counts as heard
 
 // `window.demo` is the page's state; the browser test reads it too.
-const demo = window.demo = { pc: null, channel: null, mic: null, callUrl: null, audio: null,
+const demo = window.demo = { auth: "none", pc: null, channel: null, mic: null, callUrl: null, audio: null,
   turns: [], byResponse: new Map(), userTurn: null, lastSpeechStop: null, maxAgentLevel: 0, agentLevel: 0 };
 
-// ---- voices -------------------------------------------------------------------------------------------
+// ---- voices and access ------------------------------------------------------------------------------
 
-async function loadVoices() {
-  const r = await fetch("/v1/voices");
-  const { voices, default: preferred } = await r.json();
+async function loadConfig() {
+  const r = await fetch("/demo/config");
+  const { voices, default: preferred, auth } = await r.json();
+  demo.auth = auth; // "none", "client_secret" (fetched per call) or "api_key" (the demo is not enabled)
   $("voice").replaceChildren(...voices.map((v) => new Option(v, v, v === preferred, v === preferred)));
+  if (auth === "api_key") status("This server needs an API key; its operator can enable the demo (--demo-key-id).");
+}
+
+async function authorization() {
+  if (demo.auth === "none") return {};
+  if (demo.auth === "api_key") throw new Error("this server needs an API key, and its demo is not enabled");
+  const r = await fetch("/demo/client_secret", { method: "POST" });
+  if (!r.ok) throw new Error((await r.json()).error?.message || `HTTP ${r.status}`);
+  return { Authorization: `Bearer ${(await r.json()).value}` };
 }
 
 $("voice").addEventListener("change", () => {
@@ -29,7 +41,10 @@ function sendVoice() {
 // ---- the call -----------------------------------------------------------------------------------------
 
 $("talk").addEventListener("click", () => (demo.pc ? hangUp("You hung up.") : call().catch(fail)));
-window.addEventListener("pagehide", () => { if (demo.callUrl) navigator.sendBeacon(demo.callUrl + "/hangup"); });
+// a client secret cannot hang up (it only starts sessions): then closing the peer connection ends the call
+window.addEventListener("pagehide", () => {
+  if (demo.callUrl && demo.auth === "none") navigator.sendBeacon(demo.callUrl + "/hangup");
+});
 
 async function call() {
   $("talk").disabled = true;
@@ -53,7 +68,7 @@ async function call() {
   await gathered(pc); // the server does not trickle: send every candidate in the offer
   status("Calling…");
   const r = await fetch("/v1/realtime/calls", { method: "POST", body: pc.localDescription.sdp,
-    headers: { "Content-Type": "application/sdp" } });
+    headers: { "Content-Type": "application/sdp", ...(await authorization()) } });
   if (!r.ok) throw new Error((await r.json()).error?.message || `HTTP ${r.status}`);
   demo.callUrl = r.headers.get("Location");
   await pc.setRemoteDescription({ type: "answer", sdp: await r.text() });
@@ -74,7 +89,7 @@ function hangUp(message) {
   const pc = demo.pc;
   if (!pc) return;
   demo.pc = null;
-  if (demo.callUrl) fetch(demo.callUrl + "/hangup", { method: "POST" }).catch(() => {});
+  if (demo.callUrl && demo.auth === "none") fetch(demo.callUrl + "/hangup", { method: "POST" }).catch(() => {});
   demo.callUrl = null;
   demo.channel = null;
   pc.close();
@@ -226,4 +241,4 @@ function row(turn) {
 function status(text) { $("status").textContent = text; }
 function error(text) { $("errors").textContent = text; }
 
-loadVoices().catch(fail);
+loadConfig().catch(fail);

@@ -70,7 +70,8 @@ async def chat_completions(body: ChatRequest, request: Request):
         raise overloaded_error(exc) from exc
     except EngineDeadError as exc:  # the core died before it took the request: nothing was streamed yet
         raise APIError(503, str(exc), code="engine_unavailable") from exc
-    events = server.metrics.observe(events, req.request_id, "chat", started)
+    events = server.metrics.observe(events, "chat", started, {"request_id": req.request_id,
+                                                               "key_id": request.state.principal.key_id})
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return ClosingStreamingResponse(_sse(body, req, events, include_usage), media_type="text/event-stream",

@@ -1,7 +1,8 @@
 """Transport limits. As pure ASGI middlewares (so that client disconnects still reach the routes):
 request bodies over a size (declared or streamed in chunks) get 413, and a client that stops reading
 a streamed response is disconnected once one write has waited `timeout_s`, without slowing others.
-For Realtime sessions: how far ahead of real time input audio may come (`AudioRateLimit`)."""
+A `TokenBucket` bounds how far ahead of real time a Realtime session's input audio may come, and an
+API key's requests per minute."""
 
 from __future__ import annotations
 
@@ -50,24 +51,33 @@ class BodySizeLimit:
         return await self.app(scope, limited_receive, send)
 
 
-class AudioRateLimit:
-    """How far ahead of real time a client may send input audio: a bucket of `burst_s` seconds of audio
-    that refills at `rate` seconds per second. A microphone (1x) never empties it; a client that pushes
-    audio as fast as the network takes it does within seconds, and would otherwise spend the event
-    loop's time (decoding, resampling, VAD) that every other session shares."""
+class TokenBucket:
+    """A bucket of `burst` units that refills at `rate` units per second. For a Realtime session's input
+    audio (units: seconds of audio) a microphone (1x) never empties it; a client that pushes audio as fast
+    as the network takes it does within seconds, and would otherwise spend the event loop's time
+    (decoding, resampling, VAD) that every other session shares. For an API key's requests per minute
+    (units: requests) it allows a burst of a minute's worth, then the steady rate."""
 
-    def __init__(self, rate: float, burst_s: float, clock: Callable[[], float] = time.monotonic):
-        self.rate, self.burst_s, self._clock = rate, burst_s, clock
-        self._level, self._at = burst_s, clock()
+    def __init__(self, rate: float, burst: float, clock: Callable[[], float] = time.monotonic):
+        self.rate, self.burst, self._clock = rate, burst, clock
+        self._level, self._at = burst, clock()
 
-    def take(self, seconds: float) -> bool:
-        """Spend `seconds` of audio; False (and nothing spent) if the bucket does not hold that much."""
-        now = self._clock()
-        self._level, self._at = min(self.burst_s, self._level + (now - self._at) * self.rate), now
-        if seconds > self._level:
+    def take(self, amount: float) -> bool:
+        """Spend `amount`; False (and nothing spent) if the bucket does not hold that much."""
+        self._refill()
+        if amount > self._level:
             return False
-        self._level -= seconds
+        self._level -= amount
         return True
+
+    def wait_s(self, amount: float) -> float:
+        """How long until the bucket holds `amount` (0 if it does now)."""
+        self._refill()
+        return max(0.0, amount - self._level) / self.rate
+
+    def _refill(self) -> None:
+        now = self._clock()
+        self._level, self._at = min(self.burst, self._level + (now - self._at) * self.rate), now
 
 
 class ClientTooSlow(OSError):

@@ -1,5 +1,6 @@
 """Structured logs: one line per record with the request / session id it concerns, as JSON
-(`--log-format json`, for collectors) or as key=value text. Ids ride `extra={"request_id": ...}`."""
+(`--log-format json`, for collectors) or as key=value text. Ids ride `extra={"request_id": ...}`;
+`key_id` is an API key's id from the keys file, never the key."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import json
 import logging
 import time
 
-CONTEXT_KEYS = ("request_id", "session_id", "status", "finish_reason", "ttfp_ms", "audio_s", "rtf", "error")
+CONTEXT_KEYS = ("request_id", "session_id", "key_id", "status", "finish_reason", "ttfp_ms", "audio_s", "rtf", "error")
 
 
 class StructuredFormatter(logging.Formatter):

@@ -43,6 +43,12 @@ class Metrics:
         self.underruns = Counter("omnirt_audio_underruns", "Playback stalls >= 100 ms while audio was owed",
                                  registry=r)
         self.http = Counter("omnirt_http_responses", "HTTP responses by status code", ["code"], registry=r)
+        self.key_requests = Counter("omnirt_key_requests", "HTTP requests and Realtime session starts let in, by API "
+                                    "key id", ["key"], registry=r)
+        self.key_limited = Counter("omnirt_key_limited", "Refused by a limit of their API key, by key id and limit "
+                                   "(requests_per_minute, max_requests, max_sessions)", ["key", "limit"], registry=r)
+        self.key_active = Gauge("omnirt_key_active", "In flight by API key id: HTTP requests, open Realtime sessions",
+                                ["key", "kind"], registry=r)
         r.register(EngineCollector(engine))
         ProcessCollector(registry=r)  # this (API) process's CPU and memory: `omnirt bench realtime` reads it
 
@@ -53,10 +59,10 @@ class Metrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-    async def observe(self, events: AsyncIterator[Event], request_id: str, endpoint: str, started: float,
-                      session_id: str | None = None) -> AsyncIterator[Event]:
+    async def observe(self, events: AsyncIterator[Event], endpoint: str, started: float,
+                      ids: dict[str, str | None]) -> AsyncIterator[Event]:
         """Pass a request's events through, recording TTFP, RTF, underruns and its final state (logged with
-        the request id, and the session id of a Realtime response)."""
+        `ids`: the request id, the API key's id, and the session id of a Realtime response)."""
         clock, state, fin, rate = PlaybackClock(), "abort", None, self.engine.info().output_sample_rate
         self.active.labels(endpoint).inc()
         try:
@@ -69,7 +75,7 @@ class Metrics:
         finally:
             self.active.labels(endpoint).dec()
             self._record(clock, state, fin, endpoint, started,
-                         {"request_id": request_id, "session_id": session_id})
+                         ids)
             await events.aclose()
 
     def _record(self, clock: PlaybackClock, state: str, fin: Finished | None, endpoint: str, started: float,

@@ -1,22 +1,47 @@
-"""API keys and CORS. One check serves every transport: HTTP takes `Authorization: Bearer <key>`;
-WebSocket (and the WebRTC signalling POST) take the same header, or the subprotocol
-`openai-insecure-api-key.<key>` that browsers use since they cannot set headers on a WebSocket."""
+"""Who is calling: API keys, client secrets, and the order of the access checks. One check serves every
+transport: HTTP takes `Authorization: Bearer <credential>`; WebSocket (and the WebRTC signalling POST)
+take the same header, or the subprotocol `openai-insecure-api-key.<credential>` that browsers use since
+they cannot set headers on a WebSocket.
+
+A credential is an API key (`app.ops.keys`) or a client secret (`ek_…`, `app.realtime.client_secrets`).
+A client secret starts Realtime sessions (`SECRET_ROUTES`) and does nothing else: minting more, chat,
+models, hangups get 403 `client_secret_not_allowed`. The resolved caller rides the request's state
+(`request.state.principal`) to the quotas and the routes.
+"""
 
 from __future__ import annotations
 
-import hmac
+from dataclasses import dataclass
 
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from app.errors import APIError, error_response
+from app.ops.keys import SECRET_PREFIX, ApiKey, KeyRing
+from app.ops.origins import OriginCheck
+from app.ops.quotas import KeyQuotas, QuotaGuard
+from app.realtime.client_secrets import ClientSecret, SecretStore
 
 KEY_SUBPROTOCOL = "openai-insecure-api-key."
-PROTECTED_PREFIXES = ("/v1/",)  # /health, /metrics and the demo page stay open
+PROTECTED_PREFIXES = ("/v1/",)  # /health, /metrics, the demo page and its /demo/ routes stay open
+SECRET_ROUTES = {("websocket", "/v1/realtime"), ("POST", "/v1/realtime"), ("POST", "/v1/realtime/calls")}
+
+
+@dataclass(slots=True, frozen=True)
+class Principal:
+    """The caller: whose id and limits apply (`key`; None on an open server) and, when it came with one,
+    the client secret whose session settings a new session starts with."""
+
+    key: ApiKey | None = None
+    secret: ClientSecret | None = None
+
+    @property
+    def key_id(self) -> str | None:
+        return None if self.key is None else self.key.id
 
 
 def presented_key(scope) -> str | None:
-    """The API key a request or WebSocket handshake carries, if any."""
+    """The credential a request or WebSocket handshake carries, if any."""
     headers = {k.lower(): v for k, v in scope.get("headers", ())}
     auth = headers.get(b"authorization", b"").decode("latin-1")
     if auth[:7].lower() == "bearer ":
@@ -27,35 +52,64 @@ def presented_key(scope) -> str | None:
     return None
 
 
-def is_authorized(scope, api_keys: tuple[str, ...]) -> bool:
-    if not api_keys or not scope["path"].startswith(PROTECTED_PREFIXES):
-        return True
-    key = presented_key(scope)
-    return key is not None and any(hmac.compare_digest(key.encode(), k.encode()) for k in api_keys)
+def authenticate(scope, keys: KeyRing, store: SecretStore) -> Principal:
+    """The caller of a request or handshake, or the APIError (401, 403) that refuses it."""
+    if not scope["path"].startswith(PROTECTED_PREFIXES):
+        return Principal()
+    credential = presented_key(scope)
+    if credential is not None and credential.startswith(SECRET_PREFIX):
+        return _secret_principal(scope, credential, keys, store)
+    if keys.is_open:
+        return Principal()
+    key = None if credential is None else keys.find(credential)
+    if key is None:
+        message = ("You didn't provide an API key (Authorization: Bearer <key>)." if credential is None
+                   else "Incorrect API key provided.")
+        raise APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+    return Principal(key)
 
 
-class ApiKeyAuth:
-    """401 in OpenAI's shape on HTTP; a WebSocket handshake is refused (close 1008 before accept -> 403)."""
+def _secret_principal(scope, value: str, keys: KeyRing, store: SecretStore) -> Principal:
+    secret = store.find(value)
+    key = None if secret is None or secret.key_id is None else keys.get(secret.key_id)
+    # a secret works while its key is in force (or, minted on an open server, while the server is open)
+    if secret is None or not (key is not None if secret.key_id else keys.is_open):
+        raise APIError(401, "The client secret is unknown or has expired; mint a new one.", code="invalid_api_key",
+                       headers={"WWW-Authenticate": "Bearer"})
+    route = ("websocket" if scope["type"] == "websocket" else scope["method"], scope["path"])
+    if route not in SECRET_ROUTES:
+        raise APIError(403, "A client secret only starts Realtime sessions (GET /v1/realtime as a WebSocket, POST "
+                       "/v1/realtime/calls); this needs an API key.", code="client_secret_not_allowed")
+    return Principal(key, secret)
 
-    def __init__(self, app, api_keys: tuple[str, ...]):
-        self.app, self.api_keys = app, api_keys
+
+class AccessCheck:
+    """Resolve the caller of every HTTP request and WebSocket handshake into `state.principal`. A refusal is
+    OpenAI's error shape on HTTP; a handshake is refused before accept (close 1008 -> HTTP 403)."""
+
+    def __init__(self, app, keys: KeyRing, store: SecretStore):
+        self.app, self.keys, self.store = app, keys, store
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] not in ("http", "websocket") or is_authorized(scope, self.api_keys):
+        if scope["type"] not in ("http", "websocket"):
             return await self.app(scope, receive, send)
-        if scope["type"] == "websocket":
-            return await send({"type": "websocket.close", "code": 1008, "reason": "invalid or missing API key"})
-        message = ("You didn't provide an API key (Authorization: Bearer <key>)." if presented_key(scope) is None
-                   else "Incorrect API key provided.")
-        response = error_response(APIError(401, message, code="invalid_api_key",
-                                           headers={"WWW-Authenticate": "Bearer"}))
-        return await response(scope, receive, send)
+        try:
+            principal = authenticate(scope, self.keys, self.store)
+        except APIError as exc:
+            if scope["type"] == "websocket":
+                return await send({"type": "websocket.close", "code": 1008, "reason": exc.message[:123]})
+            return await error_response(exc)(scope, receive, send)
+        scope.setdefault("state", {})["principal"] = principal
+        return await self.app(scope, receive, send)
 
 
-def install(app: FastAPI, api_keys: tuple[str, ...], cors_origins: tuple[str, ...]) -> None:
-    """CORS is closed unless origins are listed; keys off when none are given."""
-    if api_keys:
-        app.add_middleware(ApiKeyAuth, api_keys=api_keys)
+def install(app: FastAPI, keys: KeyRing, store: SecretStore, quotas: KeyQuotas, cors_origins: tuple[str, ...]) -> None:
+    """Outermost first: CORS (answers preflights), the origin check, the caller, the key's request limits.
+    CORS is closed unless origins are listed."""
+    app.add_middleware(QuotaGuard, quotas=quotas)
+    app.add_middleware(AccessCheck, keys=keys, store=store)
+    app.add_middleware(OriginCheck, allowed=cors_origins)
     if cors_origins:  # added last, so it runs first and answers preflights before the key check
         app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
-                           allow_headers=["Authorization", "Content-Type"], max_age=600)
+                           allow_headers=["Authorization", "Content-Type"], expose_headers=["Location", "Retry-After"],
+                           max_age=600)

@@ -15,6 +15,7 @@ from typing import Any
 from app.audio.vad import VadConfig
 from app.audio.wire import FORMATS, FORMATS_BY_MIME, PCM16, AudioFormat
 from app.realtime.events import ProtocolError, require
+from pipeline.api import EngineInfo
 
 MAX_OUTPUT_TOKENS = 4096
 _IGNORED = {"type", "object", "id", "expires_at", "tracing", "tool_choice", "include", "prompt",
@@ -56,6 +57,12 @@ class ResponseOptions:
     metadata: dict | None = None
     talker_sampling: dict | None = None  # omnirt extension (as in /v1/chat/completions)
     truncation: float | None = 1.0  # SessionConfig.retention
+
+
+def initial_config(info: EngineInfo, model: str, instructions: str) -> SessionConfig:
+    """What a session starts with unless a client secret carries settings of its own."""
+    return SessionConfig(model=model, voice=info.default_voice, instructions=instructions,
+                         wants_audio=info.has_audio_output)
 
 
 def apply_session_update(cfg: SessionConfig, update: dict[str, Any], voices: tuple[str, ...]) -> SessionConfig:

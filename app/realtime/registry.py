@@ -1,18 +1,22 @@
 """The app's open Realtime sessions, over every transport (WebSocket, WebRTC): admission against
-`max_sessions`, the session counts in /metrics (`omnirt_sessions_active{transport}`,
-`omnirt_sessions_total{transport,state}`), and the end of every session, with a reason, when the server
-shuts down (a `Lifecycle.on_deadline` hook: after running responses finished or the drain deadline)."""
+`max_sessions` and each API key's own `max_sessions`, the session counts in /metrics
+(`omnirt_sessions_active{transport}`, `omnirt_sessions_total{transport,state}`, `omnirt_key_active{key,kind}`),
+and the end of every session, with a reason, when the server shuts down (a `Lifecycle.on_deadline` hook:
+after running responses finished or the drain deadline)."""
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from app.audio.vad import VadBatcher
+from app.ops.keys import ApiKey
 from app.ops.metrics import Metrics
+from app.ops.quotas import LimitExceeded, refused
 from app.realtime.events import ProtocolError
 from app.realtime.session import RealtimeLimits, RealtimeSession
 
@@ -25,12 +29,14 @@ NOTICE_TIMEOUT_S = 2.0  # a client that takes no events does not hold up the shu
 class _Entry:
     transport: str
     end: Ender
+    key_id: str | None
 
 
 class SessionRegistry:
     def __init__(self, limits: RealtimeLimits, metrics: Metrics):
         self.limits, self.metrics = limits, metrics
         self.sessions: dict[RealtimeSession, _Entry] = {}
+        self.num_by_key: collections.Counter[str] = collections.Counter()  # open sessions per API key id
         self.vad = VadBatcher()  # every session's VAD, evaluated together
         metrics.watch_vad(self.vad)
 
@@ -38,24 +44,45 @@ class SessionRegistry:
     def is_full(self) -> bool:
         return len(self.sessions) >= self.limits.max_sessions
 
+    def refusal(self, transport: str, key: ApiKey | None) -> ProtocolError | None:
+        """Why a new session cannot open now (the server's session limit, or its key's), counted as refused;
+        None: there is room, and `add` right after (with no await between) takes it."""
+        if self.is_full:
+            error = ProtocolError(f"the server has {self.limits.max_sessions} realtime sessions open; try again "
+                                  "later", "session_limit_reached", error_type="server_error")
+        elif key is not None and key.limits.max_sessions is not None and \
+                self.num_by_key[key.id] >= key.limits.max_sessions:
+            error = refused(self.metrics, LimitExceeded(
+                key.id, "max_sessions", f"API key {key.id!r} has {key.limits.max_sessions} realtime sessions open, "
+                "its limit (max_sessions); close one first.", 5.0)).realtime()
+        else:
+            return None
+        self.refused(transport)
+        return error
+
     def refused(self, transport: str) -> None:
         """Count a session refused at connect (engine full, draining, session limit, unknown model)."""
         self.metrics.sessions.labels(transport, "refused").inc()
 
-    def try_add(self, session: RealtimeSession, transport: str, end: Ender) -> bool:
-        if self.is_full:
-            self.refused(transport)
-            return False
-        self.sessions[session] = _Entry(transport, end)
+    def add(self, session: RealtimeSession, transport: str, end: Ender) -> None:
+        """Register a session that `refusal` let in; `end(reason)` is how the server closes it."""
+        key_id = session.log_ids["key_id"]
+        self.sessions[session] = _Entry(transport, end, key_id)
         self.metrics.sessions_active.labels(transport).inc()
-        return True
+        if key_id is not None:
+            self.num_by_key[key_id] += 1
+            self.metrics.key_active.labels(key_id, "sessions").inc()
 
     def remove(self, session: RealtimeSession, state: str) -> None:
         """The session ended (`state`: closed, timeout, shutdown, failed, policy, slow_client); idempotent."""
         entry = self.sessions.pop(session, None)
-        if entry is not None:
-            self.metrics.sessions_active.labels(entry.transport).dec()
-            self.metrics.sessions.labels(entry.transport, state).inc()
+        if entry is None:
+            return
+        self.metrics.sessions_active.labels(entry.transport).dec()
+        self.metrics.sessions.labels(entry.transport, state).inc()
+        if entry.key_id is not None:
+            self.num_by_key[entry.key_id] -= 1
+            self.metrics.key_active.labels(entry.key_id, "sessions").dec()
 
     async def end_all(self, reason: str) -> None:
         """Tell every session why (an `error` event), then let its transport close it."""

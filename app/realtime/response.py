@@ -59,12 +59,12 @@ class AudioSink(Protocol):
 class Response:
     def __init__(self, engine: EngineClient, outbox: Outbox, response_id: str, item: Item, opts: ResponseOptions,
                  beta: bool, previous_item_id: str | None = None, audio_sink: AudioSink | None = None,
-                 metrics: Metrics | None = None, session_id: str | None = None,
+                 metrics: Metrics | None = None, log_ids: dict[str, str | None] | None = None,
                  on_truncated: Callable[[int], None] | None = None):
         self.engine, self.outbox, self.id, self.item, self.opts = engine, outbox, response_id, item, opts
         self.beta, self.previous_item_id, self.audio_sink = beta, previous_item_id, audio_sink
-        self.metrics, self.session_id, self.on_truncated = metrics, session_id, on_truncated
-        self._ids = {"request_id": response_id, "session_id": session_id}  # for log lines
+        self.metrics, self.on_truncated = metrics, on_truncated
+        self._ids = {"request_id": response_id, **(log_ids or {})}  # for log lines: + session and key ids
         self.status, self.reason, self.error = "in_progress", None, None
         self.cancel_reason: str | None = None
         self.usage: dict[str, Any] | None = None
@@ -127,7 +127,7 @@ class Response:
         if self.cancel_reason:  # cancelled while the prompt was being encoded
             self.engine.abort(self.id)
         if self.metrics is not None:
-            events = self.metrics.observe(events, self.id, "realtime", started, self.session_id)
+            events = self.metrics.observe(events, "realtime", started, self._ids)
         await self._open_item()
         try:
             await self._stream(events)

@@ -3,8 +3,9 @@ server VAD, and at most one response at a time, driven by OpenAI Realtime client
 
 The transport interface (WebSocket and WebRTC):
 
-    session = RealtimeSession(engine, model, limits, vad, beta=False, instructions=..., audio_sink=None,
-                              metrics=None)  # vad: the process's VadBatcher, shared by every session
+    session = RealtimeSession(engine, config, limits, vad, beta=False, audio_sink=None, metrics=None,
+                              key_id=None)  # config: `initial_config(...)` or a client secret's;
+                                            # vad: the process's VadBatcher, shared by every session
     await session.start()                     # queues `session.created`
     await session.handle_text(raw)            # a client event as JSON text: any error becomes an `error` event
     await session.handle_event(event_dict)    # the same, already parsed
@@ -19,7 +20,7 @@ PCM16 at the engine's output rate to that sink: WebRTC plays it on its media tra
 the played position itself (and emits `output_audio_buffer.cleared`), as OpenAI does for WebRTC. Every queue is bounded:
 the outbox (producers wait), the input buffer (`input_audio_buffer_full` error), the sink (its own).
 With `metrics`, each response is counted like a chat request (endpoint "realtime") and logs a
-"request finished" line with its response id and the session id.
+"request finished" line with its response id, the session id and the API key's id.
 """
 
 from __future__ import annotations
@@ -33,9 +34,15 @@ import numpy as np
 
 from app.audio.resample import resample
 from app.audio.vad import VAD_RATE, VadBatcher
-from app.ops.limits import AudioRateLimit
+from app.ops.limits import TokenBucket
 from app.ops.metrics import Metrics
-from app.realtime.config import ResponseOptions, SessionConfig, apply_session_update, response_options, session_object
+from app.realtime.config import (
+    ResponseOptions,
+    SessionConfig,
+    apply_session_update,
+    response_options,
+    session_object,
+)
 from app.realtime.conversation import Content, Conversation, Item, decode_audio_b64, item_object, parse_item
 from app.realtime.events import ProtocolError, error_event, new_id, parse_client_event, validate_client_event
 from app.realtime.input_buffer import BufferFull, InputBuffer, TurnEnded, TurnStarted
@@ -66,21 +73,20 @@ class RealtimeLimits:
 
 
 class RealtimeSession:
-    def __init__(self, engine: EngineClient, model: str, limits: RealtimeLimits, vad: VadBatcher, *,
-                 beta: bool = False, instructions: str = "", audio_sink: AudioSink | None = None,
-                 metrics: Metrics | None = None):
+    def __init__(self, engine: EngineClient, config: SessionConfig, limits: RealtimeLimits, vad: VadBatcher, *,
+                 beta: bool = False, audio_sink: AudioSink | None = None, metrics: Metrics | None = None,
+                 key_id: str | None = None):
         self.id = new_id("sess")
+        self.log_ids = {"session_id": self.id, "key_id": key_id}  # for log lines (key_id: the API key's id)
         self.vad = vad
         self.engine, self.limits, self.beta, self.audio_sink = engine, limits, beta, audio_sink
         self.metrics = metrics
-        info = engine.info()
-        self.config = SessionConfig(model=model, voice=info.default_voice, instructions=instructions,
-                                    wants_audio=info.has_audio_output)
+        self.config = config
         self.conversation = Conversation()
         self.outbox = Outbox(limits.max_queued_events, beta, limits.max_queued_audio_bytes)
         self.input: InputBuffer | None = None
         self.response: Response | None = None
-        self.audio_rate = AudioRateLimit(limits.max_audio_rate, limits.audio_burst_s)
+        self.audio_rate = TokenBucket(limits.max_audio_rate, limits.audio_burst_s)
         self.violation: str | None = None  # why the transport must close the session (policy), once set
         self._has_spoken = False  # the voice is fixed once audio was produced
         self._turn_item_id: str | None = None
@@ -120,7 +126,7 @@ class RealtimeSession:
             client_id = event.get("event_id")
             await self.send_error(exc, client_id if isinstance(client_id, str) else None)
         except Exception:  # a bug must cost one event, not the session
-            log.exception("realtime %s: %s failed", self.id, event.get("type"), extra={"session_id": self.id})
+            log.exception("realtime %s: %s failed", self.id, event.get("type"), extra=self.log_ids)
             await self.send_error(ProtocolError("the server failed to apply the event", "internal_error",
                                                 error_type="server_error"))
 
@@ -248,7 +254,7 @@ class RealtimeSession:
         item = Item(new_id("item"), "assistant")
         previous = self.conversation.add(item) if opts.in_conversation else None
         self.response = Response(self.engine, self.outbox, new_id("resp"), item, opts, self.beta, previous,
-                                 self.audio_sink, self.metrics, self.id, self.conversation.leave_out)
+                                 self.audio_sink, self.metrics, self.log_ids, self.conversation.leave_out)
         self._has_spoken |= opts.wants_audio
         self.response.start(messages)
 

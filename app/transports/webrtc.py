@@ -1,7 +1,9 @@
 """WebRTC voice calls, each a peer connection around a `RealtimeSession`, and their HTTP signalling:
 `POST /v1/realtime/calls` (GA) or `POST /v1/realtime?model=…` (beta) takes an SDP offer and answers it,
-`POST /v1/realtime/calls/{id}/hangup` ends a call. A call is refused with OpenAI's error shape when the
-Realtime session limit or the engine's wait queues are full.
+`POST /v1/realtime/calls/{id}/hangup` ends a call (with the API key that started it, or minted the client
+secret that did; other keys get 404). A call is refused with OpenAI's error shape when the
+Realtime session limit, the API key's own `max_sessions` or the engine's wait queues are full. A client
+secret on the offer (`Authorization: Bearer ek_…`) gives the call's session its settings.
 
 The client posts an SDP offer (`Content-Type: application/sdp`) and gets the SDP answer back, as
 with OpenAI. Then the microphone flows in as Opus (48 kHz, usually stereo), is resampled by PyAV to
@@ -40,6 +42,8 @@ from app.audio.vad import VAD_RATE
 from app.errors import APIError
 from app.ops.admission import check_admission
 from app.ops.lifecycle import SHUTDOWN_REASON
+from app.realtime.client_secrets import http_error, starting_config
+from app.realtime.config import SessionConfig
 from app.realtime.events import ProtocolError, new_id
 from app.realtime.session import RealtimeSession
 from app.transports.webrtc_track import PacedAudioTrack
@@ -82,17 +86,16 @@ class CallRegistry:
 class Call:
     """One WebRTC session: the peer connection, the Realtime session, and the tasks between them."""
 
-    def __init__(self, request: Request, beta: bool, model: str):
+    def __init__(self, request: Request, beta: bool, config: SessionConfig, key_id: str | None):
         server = request.app.state.server
         self.registry: CallRegistry = request.app.state.webrtc
         self.sessions, self.limits = request.app.state.realtime, request.app.state.realtime.limits
         self.id = new_id("rtc")
         self.pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))  # never a public STUN server
         self.track = PacedAudioTrack(self.send, input_rate=server.engine.info().output_sample_rate)
-        self.session = RealtimeSession(server.engine, model, self.limits, self.sessions.vad, beta=beta,
-                                       instructions=server.system_prompt or "", audio_sink=self.track,
-                                       metrics=server.metrics)
-        self.log = logging.LoggerAdapter(log, {"session_id": self.session.id})
+        self.session = RealtimeSession(server.engine, config, self.limits, self.sessions.vad, beta=beta,
+                                       audio_sink=self.track, metrics=server.metrics, key_id=key_id)
+        self.log = logging.LoggerAdapter(log, self.session.log_ids)
         self.channel = None
         self.channel_open = asyncio.Event()
         self.inbox: asyncio.Queue[str | bytes] = asyncio.Queue(self.limits.max_queued_events)
@@ -265,7 +268,7 @@ async def create_call_beta(request: Request) -> Response:
 @router.post("/v1/realtime/calls/{call_id}/hangup")
 async def hangup(call_id: str, request: Request) -> JSONResponse:
     call = request.app.state.webrtc.calls.get(call_id)
-    if call is None:
+    if call is None or call.session.log_ids["key_id"] != request.state.principal.key_id:  # only its own key's
         raise APIError(404, f"no call {call_id!r}", "call_id", "call_not_found")
     await call.end("hangup")
     return JSONResponse({})
@@ -273,21 +276,21 @@ async def hangup(call_id: str, request: Request) -> JSONResponse:
 
 async def _call(request: Request, beta: bool, status: int) -> Response:
     offer = await _read_offer(request)
-    server, sessions = request.app.state.server, request.app.state.realtime
-    model = request.query_params.get("model") or server.model_names[0]
-    if model not in server.model_names:
-        raise APIError(404, f"the model {model!r} does not exist; served: {', '.join(server.model_names)}",
-                       "model", "model_not_found")
+    server, sessions, principal = request.app.state.server, request.app.state.realtime, request.state.principal
+    try:  # a client secret's settings, else the server's for ?model=
+        config = starting_config(server, principal.secret, request.query_params.get("model"))
+    except ProtocolError as exc:
+        raise http_error(exc) from exc
+    error = sessions.refusal(TRANSPORT, principal.key)  # the server's session limit, or the key's
+    if error is not None:
+        raise APIError(429, error.message, None, error.code, headers={"Retry-After": "5"})
     try:
-        if sessions.is_full:
-            raise APIError(429, f"the server has {sessions.limits.max_sessions} realtime sessions open; try again "
-                           "later", None, "session_limit_reached", headers={"Retry-After": "5"})
         check_admission(server)  # 429 when the engine's wait queues are full, 503 while draining
     except APIError:
         sessions.refused(TRANSPORT)
         raise
-    call = Call(request, beta, model)
-    sessions.try_add(call.session, TRANSPORT, functools.partial(call.end, state="shutdown"))  # room checked above
+    call = Call(request, beta, config, principal.key_id)
+    sessions.add(call.session, TRANSPORT, functools.partial(call.end, state="shutdown"))
     request.app.state.webrtc.calls[call.id] = call
     try:
         answer = await call.answer(offer)
@@ -300,7 +303,7 @@ async def _call(request: Request, beta: bool, status: int) -> Response:
         raise APIError(400, f"the SDP offer cannot be used: {exc or type(exc).__name__}", "sdp",
                        "invalid_sdp") from exc
     call.log.info("webrtc %s: answered (model %s, beta %s, session %s); candidates offered %s, answered %s", call.id,
-             model, beta, call.session.id, _candidates(offer), _candidates(answer))
+                  config.model, beta, call.session.id, _candidates(offer), _candidates(answer))
     return Response(answer, status, media_type="application/sdp",
                     headers={"Location": f"/v1/realtime/calls/{call.id}"})
 

@@ -3,14 +3,16 @@
 One reader loop (client events, size limit, idle timeout) and one writer task (the session's
 outbox -> text frames) per connection. A client that sends `OpenAI-Beta: realtime=v1` (or offers the
 `openai-beta.realtime-v1` subprotocol, as browsers must) gets the beta event names and session shape.
-Refusals at connect are an `error` event followed by a close code whose reason says why: 1008 for an
-unknown model, 1013 when `max_sessions` are open or the engine's wait queues are full, 1001 while the
-server drains. The idle timeout sends an `error` event, then closes with 1000. A client that sends
-input audio faster than the session's audio rate limit gets an `error` event
-(`input_audio_rate_exceeded`) and a close 1008 saying why; one that takes no event for
-`send_timeout_s` is closed with 1008 "client not reading". On shutdown, once the
-running responses have finished (or the drain deadline passed), each session gets an `error` event
-(`server_shutting_down`) and a close 1001 "server shutting down". Log lines carry the session id.
+The caller's client secret (`Authorization: Bearer ek_…` or the `openai-insecure-api-key.ek_…`
+subprotocol) gives the session its settings. Refusals at connect are an `error` event followed by a close
+code whose reason says why: 1008 for an unknown model (or not the client secret's), 1013 when
+`max_sessions` are open, the API key's own limit (`max_sessions`, `requests_per_minute`) is reached or the
+engine's wait queues are full, 1001 while the server drains. The idle timeout sends an `error` event,
+then closes with 1000. A client that sends input audio faster than the session's audio rate limit gets
+an `error` event (`input_audio_rate_exceeded`) and a close 1008 saying why; one that takes no event for
+`send_timeout_s` is closed with 1008 "client not reading". On shutdown, once the running responses have
+finished (or the drain deadline passed), each session gets an `error` event (`server_shutting_down`)
+and a close 1001 "server shutting down". Log lines carry the session id and the API key's id.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from starlette.websockets import WebSocketDisconnect, WebSocketState
 
 from app.ops.admission import WS_GOING_AWAY, WS_TRY_AGAIN_LATER, session_refusal
 from app.ops.lifecycle import SHUTDOWN_REASON
+from app.ops.quotas import LimitExceeded
+from app.realtime.client_secrets import starting_config
 from app.realtime.events import ProtocolError, error_event
 from app.realtime.registry import SessionRegistry
 from app.realtime.session import RealtimeLimits, RealtimeSession
@@ -55,27 +59,30 @@ def _is_beta(ws: WebSocket) -> bool:
 
 @router.websocket("/v1/realtime")
 async def realtime(ws: WebSocket) -> None:
-    server, registry = ws.app.state.server, ws.app.state.realtime
+    server, registry, principal = ws.app.state.server, ws.app.state.realtime, ws.state.principal
     offered = [p.strip() for p in ws.headers.get("sec-websocket-protocol", "").split(",") if p.strip()]
     await ws.accept(subprotocol="realtime" if "realtime" in offered else None)
-    model = ws.query_params.get("model") or server.model_names[0]
-    if model not in server.model_names:
-        return await _refuse(ws, registry, ProtocolError(f"the model {model!r} does not exist; served: "
-                                                         f"{', '.join(server.model_names)}", "model_not_found",
-                                                         "model"), CLOSE_POLICY)
+    try:  # a client secret's settings, else the server's for ?model=
+        config = starting_config(server, principal.secret, ws.query_params.get("model"))
+        if principal.key is not None:
+            ws.app.state.quotas.take_request(principal.key)  # a session start is a request per minute
+    except ProtocolError as exc:
+        return await _refuse(ws, registry, exc, CLOSE_POLICY)
+    except LimitExceeded as exc:
+        return await _refuse(ws, registry, exc.realtime(), CLOSE_TRY_AGAIN)
     refusal = session_refusal(server)  # engine at capacity, or the server is draining
     if refusal is not None:
         code, reason = refusal
         return await _refuse(ws, registry, ProtocolError(reason, "server_busy" if code == CLOSE_TRY_AGAIN else
                                                          "server_shutting_down", error_type="server_error"), code)
-    session = RealtimeSession(server.engine, model, registry.limits, registry.vad, beta=_is_beta(ws),
-                              instructions=server.system_prompt or "", metrics=server.metrics)
+    error = registry.refusal(TRANSPORT, principal.key)  # the server's session limit, or the key's
+    if error is not None:
+        return await _refuse(ws, None, error, CLOSE_TRY_AGAIN)
+    session = RealtimeSession(server.engine, config, registry.limits, registry.vad, beta=_is_beta(ws),
+                              metrics=server.metrics, key_id=principal.key_id)
     conn = _Connection(ws, session)
-    if not registry.try_add(session, TRANSPORT, conn.end):
-        return await _refuse(ws, None, ProtocolError(f"the server has {registry.limits.max_sessions} realtime "
-                                                     "sessions open; try again later", "session_limit_reached",
-                                                     error_type="server_error"), CLOSE_TRY_AGAIN)
-    conn.log.info("realtime session open (model %s, beta %s)", model, session.beta)
+    registry.add(session, TRANSPORT, conn.end)
+    conn.log.info("realtime session open (model %s, beta %s)", config.model, session.beta)
     try:
         await conn.serve(registry.limits)
     finally:
@@ -89,7 +96,7 @@ class _Connection:
 
     def __init__(self, ws: WebSocket, session: RealtimeSession):
         self.ws, self.session = ws, session
-        self.log = logging.LoggerAdapter(log, {"session_id": session.id})
+        self.log = logging.LoggerAdapter(log, session.log_ids)
         self.writer: asyncio.Task | None = None
         self.state = "closed"  # how it ended, for /metrics: closed (by the client), timeout, policy, shutdown
 

@@ -1,0 +1,59 @@
+"""What the demo page (`web/`, served at `/`) calls besides the Realtime API, so that it works with keys on
+while the real key never reaches the browser.
+
+- `GET /demo/config` -> `{"voices", "default", "auth"}`, `auth` being how the page gets in: `none` (the
+  server has no keys), `client_secret` (the operator started it with `--demo-key-id ID`: before each call
+  the page fetches a client secret), or `api_key` (keys are on and the demo is not enabled: the page says
+  so instead of calling).
+- `POST /demo/client_secret` (with `--demo-key-id ID` only; 404 `demo_not_enabled` otherwise) -> a client
+  secret as `POST /v1/realtime/client_secrets` answers it, minted under the key `ID`: each one counts as a
+  request against ID's `requests_per_minute`, and the sessions it starts against ID's `max_sessions`.
+
+The origin check refuses this POST from pages of other origins, and CORS keeps them from reading the
+answer; a client that sends no `Origin` (curl) gets a secret like the page does. So enabling the demo lets
+anyone who can reach the server talk to the agent, within key ID's limits: give it a key of its own.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, FastAPI, Request
+
+from app.errors import APIError
+from app.ops.quotas import LimitExceeded
+from app.realtime.client_secrets import DEFAULT_TTL_S, ga_body, mint, starting_config
+from pipeline.api import EngineInfo
+
+router = APIRouter(prefix="/demo", include_in_schema=False)
+
+
+def voice_list(info: EngineInfo) -> dict:
+    return {"voices": list(info.voices), "default": info.default_voice}
+
+
+def install(app: FastAPI, demo_key_id: str | None) -> None:
+    app.state.demo_key_id = demo_key_id
+    app.include_router(router)
+
+
+@router.get("/config")
+async def config(request: Request) -> dict:
+    state = request.app.state
+    auth = "none" if state.keys.is_open else "client_secret" if state.demo_key_id else "api_key"
+    return {**voice_list(state.server.engine.info()), "auth": auth}
+
+
+@router.post("/client_secret")
+async def client_secret(request: Request) -> dict:
+    state = request.app.state
+    if state.demo_key_id is None:
+        raise APIError(404, "the demo has no client secrets: start the server with --demo-key-id ID", None,
+                       "demo_not_enabled")
+    key = state.keys.get(state.demo_key_id)
+    if key is None:
+        raise APIError(503, f"the demo's key {state.demo_key_id!r} is not in the keys file", None,
+                       "demo_not_enabled")
+    try:
+        state.quotas.take_request(key)
+    except LimitExceeded as exc:
+        raise exc.http() from exc
+    return ga_body(mint(request, key.id, starting_config(state.server, None, None), DEFAULT_TTL_S))
