@@ -9,6 +9,9 @@ header needs the length first), as OpenAI streams `pcm16`.
 Input: `wav`, `mp3` and `flac` (OpenAI takes wav and mp3), each opened as the format it says it is
 (no probing), decoded to float32 mono at its own rate, and refused once it runs longer than the limit,
 before the rest is decoded.
+
+PyAV is imported where it is used: a server without it (a bare wheel set) still serves text, `pcm16` and
+`wav` output.
 """
 
 from __future__ import annotations
@@ -16,7 +19,6 @@ from __future__ import annotations
 import io
 from dataclasses import dataclass, field
 
-import av
 import numpy as np
 
 from app.audio.pcm import AudioFormatError, encode_wav
@@ -66,14 +68,14 @@ class StreamEncoder:
         self._codec = CODECS.get(fmt)
         self._out = _Pieces()
         if self._codec is not None:
-            self._container = av.open(self._out, mode="w", format=self._codec.container, options=self._codec.options)
+            self._container = _av().open(self._out, mode="w", format=self._codec.container, options=self._codec.options)
             self._stream = self._container.add_stream(self._codec.codec, rate=sample_rate, layout="mono")
             self._stream.codec_context.bit_rate = BIT_RATE
 
     def encode(self, pcm16: bytes) -> bytes:
         if self._codec is None or not pcm16:
             return pcm16 if self._codec is None else b""
-        frame = av.AudioFrame.from_ndarray(np.frombuffer(pcm16, "<i2").reshape(1, -1), format="s16", layout="mono")
+        frame = _av().AudioFrame.from_ndarray(np.frombuffer(pcm16, "<i2").reshape(1, -1), format="s16", layout="mono")
         frame.sample_rate = self.sample_rate
         self._mux(frame)
         return self._out.take()
@@ -85,7 +87,7 @@ class StreamEncoder:
         self._container.close()
         return self._out.take()
 
-    def _mux(self, frame: av.AudioFrame | None) -> None:
+    def _mux(self, frame) -> None:
         for packet in self._stream.encode(frame):
             self._container.mux(packet)
 
@@ -101,6 +103,7 @@ def encode_file(pcm16: bytes, sample_rate: int, fmt: str) -> bytes:
 def decode_file(data: bytes, fmt: str, max_seconds: float) -> tuple[np.ndarray, int]:
     """A `fmt` file -> (float32 mono samples, sample rate). AudioFormatError if it is not a readable `fmt`
     file, holds no audio, or runs past `max_seconds` (found out frame by frame, before the rest is decoded)."""
+    av = _av()
     try:
         with av.open(io.BytesIO(data), format=fmt) as container:
             return _decode(container, fmt, max_seconds)
@@ -112,7 +115,7 @@ def decode_file(data: bytes, fmt: str, max_seconds: float) -> tuple[np.ndarray, 
 
 def _decode(container, fmt: str, max_seconds: float) -> tuple[np.ndarray, int]:
     stream = container.streams.audio[0]
-    mono = av.AudioResampler(format="flt", layout="mono")  # FFmpeg's downmix; the file's own rate
+    mono = _av().AudioResampler(format="flt", layout="mono")  # FFmpeg's downmix; the file's own rate
     parts, num_samples = [], 0
     for frame in container.decode(stream):
         for out in mono.resample(frame):
@@ -123,6 +126,13 @@ def _decode(container, fmt: str, max_seconds: float) -> tuple[np.ndarray, int]:
     if not num_samples:
         raise AudioFormatError(f"the {fmt} file holds no audio")
     return np.concatenate(parts).astype(np.float32, copy=False), stream.codec_context.sample_rate
+
+
+def _av():
+    """PyAV, imported on first use."""
+    import av
+
+    return av
 
 
 class AudioTooLong(AudioFormatError):
