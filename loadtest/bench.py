@@ -215,6 +215,7 @@ def server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="folder for NAME.json, NAME.md and NAME.png (default: "
                    "bench-results/NAME-<date>-<time>/, a run folder git ignores; docs/benchmarks/ holds the "
                    "committed figures, refreshed only on purpose)")
+    p.add_argument("--dry-run", action="store_true", help="say what would run against this server, and stop")
 
 
 def server_platform(url: str) -> str:
@@ -269,10 +270,17 @@ def plan(args: argparse.Namespace) -> argparse.Namespace:
     lens, conc = SWEEPS["cpu" if platform == "cpu" else "gpu"]
     args.prompt_lens, args.concurrency = args.prompt_lens or lens, args.concurrency or conc
     num = sum(args.warmup + max(args.requests_per_point, c * args.rounds) for c in args.concurrency)
-    print(f"omnirt bench: {platform} server at {args.url}: prompt lengths {args.prompt_lens} x concurrency "
-          f"{args.concurrency}, {num * len(args.prompt_lens)} requests of {args.thinker_tokens} tokens and "
-          f"{args.talker_frames * 0.08:.1f} s of speech each (--prompt-lens, --concurrency to change)", flush=True)
+    say_plan(args, f"{platform} server at {args.url}: prompt lengths {args.prompt_lens} x concurrency "
+             f"{args.concurrency}, {num * len(args.prompt_lens)} requests of {args.thinker_tokens} tokens and "
+             f"{args.talker_frames * 0.08:.1f} s of speech each (--prompt-lens, --concurrency to change)")
     return args
+
+
+def say_plan(args: argparse.Namespace, plan_text: str) -> None:
+    """Print what will run; with --dry-run, only that."""
+    print(f"{'would run' if args.dry_run else 'running'}: {plan_text}", flush=True)
+    if args.dry_run:
+        raise SystemExit(0)
 
 
 def main(argv: list[str] | None = None) -> None:

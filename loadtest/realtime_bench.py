@@ -34,7 +34,7 @@ import numpy as np
 
 from app.audio.pcm import float_to_pcm16
 from app.audio.wire import PCM16
-from loadtest.bench import _underruns, server_args, server_platform, write_report
+from loadtest.bench import _underruns, say_plan, server_args, server_platform, write_report
 
 RATE = PCM16.sample_rate
 CHUNK_S = 0.02
@@ -568,11 +568,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    if args.sessions is None:
-        platform = server_platform(args.url)
-        args.sessions = SESSIONS["cpu" if platform == "cpu" else "gpu"]
-        print(f"omnirt bench realtime: {platform} server at {args.url}: {args.sessions} sessions x "
-              f"{args.warmup_turns} + {args.turns} turns, mode {args.mode} (--sessions to change)", flush=True)
+    platform = server_platform(args.url)
+    args.sessions = args.sessions or SESSIONS["cpu" if platform == "cpu" else "gpu"]
+    say_plan(args, f"{platform} server at {args.url}: {args.sessions} {args.transport} sessions x "
+             f"({args.warmup_turns} + {args.turns}) turns, mode {args.mode}"
+             f"{f', each point again beside {args.abusive} abusive' if args.abusive else ''} (--sessions to change)")
     rows = []
     for n in args.sessions:
         for abusive in sorted({0, args.abusive}):
