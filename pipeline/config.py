@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import yaml
+from pipeline.yaml_lines import YamlError, read_yaml
 
 if TYPE_CHECKING:
     from pipeline.api import EngineOptions
@@ -242,51 +242,13 @@ class Origin:
 def load_profile(path: str | Path, platform: str, overrides: dict[str, Any] | None = None,
                  stage_overrides: dict[str, dict[str, Any]] | None = None) -> EngineConfig:
     """Read a profile, merge its `platforms.<platform>` entry, then the CLI overrides."""
-    raw, lines = _read(Path(path))
+    try:
+        raw, lines = read_yaml(Path(path))
+    except YamlError as exc:
+        raise ProfileError(exc.problem, source=f"deploy profile {path}{exc.where}") from exc
     if not isinstance(raw, dict):
         raise ProfileError("the top level must be a mapping of keys", source=f"deploy profile {path}")
     return build_config(raw, platform, overrides or {}, stage_overrides or {}, Origin(str(path), lines))
-
-
-def _read(path: Path) -> tuple[Any, dict[str, int]]:
-    """The profile's data, and the line of each of its keys."""
-    try:
-        loader = yaml.SafeLoader(path.read_text())
-    except OSError as exc:
-        raise ProfileError(f"cannot be read ({exc.strerror or exc})", source=f"deploy profile {path}") from exc
-    try:
-        node = loader.get_single_node()
-        return (loader.construct_document(node) if node else {}), _key_lines(node)
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        where = f", line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ProfileError(f"is not valid YAML: {exc.problem or exc.context}",
-                           source=f"deploy profile {path}{where}") from exc
-    except yaml.YAMLError as exc:
-        raise ProfileError(f"is not valid YAML: {exc}", source=f"deploy profile {path}") from exc
-    finally:
-        loader.dispose()
-
-
-def _key_lines(node: yaml.Node | None, prefix: str = "") -> dict[str, int]:
-    """Key path -> 1-based line, spelled as errors name keys (stage entries by their stage_id)."""
-    if isinstance(node, yaml.MappingNode):
-        children = [(f"{prefix}.{k.value}" if prefix else str(k.value), k, v) for k, v in node.value]
-    elif isinstance(node, yaml.SequenceNode):
-        children = [(f"{prefix}[{_stage_id(item) or i}]", item, item) for i, item in enumerate(node.value)]
-    else:
-        return {}
-    out = {}
-    for name, at, child in children:
-        out[name] = at.start_mark.line + 1
-        out.update(_key_lines(child, name))
-    return out
-
-
-def _stage_id(node: yaml.Node) -> str | None:
-    if isinstance(node, yaml.MappingNode):
-        return next((v.value for k, v in node.value if k.value == "stage_id" and str(v.value).isdigit()), None)
-    return None
 
 
 def build_config(raw: dict[str, Any], platform: str, overrides: dict[str, Any],
