@@ -70,6 +70,10 @@ MALFORMED = [
      "unsupported_parameter", "response.tools"),
     ("unknown field", {"type": "response.create", "response": {"temprature": 0.5}}, "unknown_parameter",
      "response.temprature"),
+    ("unknown event field", {"type": "response.cancel", "response": "resp_1"}, "unknown_parameter", "response"),
+    ("unknown item field", {"type": "conversation.item.create", "item": {"type": "message", "role": "user",
+     "content": [{"type": "input_text", "text": "hi", "cache_control": {}}]}}, "unknown_parameter",
+     "item.content.0.cache_control"),
     ("cancel without response", {"type": "response.cancel"}, "response_cancel_not_active", None),
     ("oversized event", {"type": "input_audio_buffer.append", "audio": "A" * 70000}, "event_too_large", None),
 ]

@@ -16,8 +16,8 @@ from typing import Any
 
 from app.audio.vad import VadConfig
 from app.audio.wire import FORMATS, FORMATS_BY_MIME, PCM16, AudioFormat
-from app.fields import FieldError, FieldRule, rule
-from app.realtime.events import ProtocolError, require
+from app.fields import FieldRule, rule
+from app.realtime.events import ProtocolError, check_fields, require
 from pipeline.api import EngineInfo
 
 MAX_OUTPUT_TOKENS = 4096
@@ -151,7 +151,7 @@ def parse_turn_detection(value: Any, where: str) -> VadConfig | None:
     if kind != "server_vad":
         raise ProtocolError(f"turn detection {kind!r} is not supported; use 'server_vad' or null",
                             "unsupported_parameter", f"{where}.type")
-    _check(VAD_FIELDS, value, where)
+    check_fields(VAD_FIELDS, value, where)
     kw = {k: require(value, k, t, where) for k, t in (("threshold", (float, int)), ("prefix_padding_ms", (int,)),
                                                       ("silence_duration_ms", (int,)), ("create_response", (bool,)),
                                                       ("interrupt_response", (bool,)), ("idle_timeout_ms", (int,)))}
@@ -203,21 +203,14 @@ def _truncation(value: Any, where: str) -> Any:
 
 def _fields(obj: dict, fields: FieldRule, audio_fields: FieldRule, where: str) -> tuple[dict, dict]:
     """The one rule over a session or response body and its `audio`; returns `audio.input`, `audio.output`."""
-    _check(fields, obj, where)
+    check_fields(fields, obj, where)
     audio = require(obj, "audio", (dict,), where, {})
-    _check(audio_fields, audio, f"{where}.audio")
+    check_fields(audio_fields, audio, f"{where}.audio")
     a_in = require(audio, "input", (dict,), f"{where}.audio", {})
     a_out = require(audio, "output", (dict,), f"{where}.audio", {})
-    _check(AUDIO_INPUT_FIELDS, a_in, f"{where}.audio.input")
-    _check(AUDIO_OUTPUT_FIELDS, a_out, f"{where}.audio.output")
+    check_fields(AUDIO_INPUT_FIELDS, a_in, f"{where}.audio.input")
+    check_fields(AUDIO_OUTPUT_FIELDS, a_out, f"{where}.audio.output")
     return a_in, a_out
-
-
-def _check(fields: FieldRule, obj: dict, where: str) -> None:
-    try:
-        fields.check(obj, where)
-    except FieldError as exc:
-        raise ProtocolError(exc.message, exc.code, exc.param) from exc
 
 
 def _modalities(value: Any, where: str) -> bool:
