@@ -11,17 +11,18 @@ from __future__ import annotations
 import argparse
 import errno
 import faulthandler
-import logging
 import os
 import signal
 import socket
 import sys
+from typing import TYPE_CHECKING
 
 from app.flags import build_parser
 from app.transports.ice import IceSettings
 from pipeline.api import EngineOptions, EngineStartError, check_options, start_engine
 
-log = logging.getLogger("omnirt")
+if TYPE_CHECKING:
+    from app.server import ServerSettings
 
 
 def engine_options(args: argparse.Namespace) -> EngineOptions:
@@ -77,7 +78,7 @@ def serve(args: argparse.Namespace) -> None:
         sys.exit(f"omnirt: {health.reason}")
 
 
-def server_settings(args: argparse.Namespace, system_prompt: str | None):
+def server_settings(args: argparse.Namespace, system_prompt: str | None) -> ServerSettings:
     from app.realtime.session import RealtimeLimits
     from app.server import ServerSettings
 
