@@ -1,58 +1,69 @@
-# omnirt: `make serve` and `make test` each set up (or update) the local virtualenv first.
+# omnirt: `make serve` and `make test` each set up (or update) the local virtualenv first, with what that
+# command needs: serving installs the server and WebRTC; the test and load-test tools come with `make test`
+# (and `make loadtest`) only.
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
-EXTRAS ?= dev,webrtc,loadtest,ray
-STAMP  := $(VENV)/.installed
+TORCH  ?= torch==2.13.0
+EXTRAS_serve    ?= webrtc
+EXTRAS_test     ?= dev,webrtc,loadtest,ray
+EXTRAS_loadtest ?= webrtc,loadtest
 HOST   ?= 127.0.0.1
 PORT   ?= 8091
 export OMNIRT_THREADS ?= 2
 
 .PHONY: serve test test-fast lint venv sysdeps clean loadtest soak fuzz
 
-# torch is installed first and pinned: the local CPU wheel, never a several-GB CUDA build.
-$(STAMP): pyproject.toml
+# torch is installed first and pinned: the local CPU wheel, never a several-GB CUDA build (elsewhere:
+# TORCH="torch --index-url https://download.pytorch.org/whl/cpu", see the README).
+$(VENV)/.torch:
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e ".[$(EXTRAS)]"
+	$(BIN)/python -m pip install -q $(TORCH)
 	@touch $@
 
-venv: $(STAMP)
+$(VENV)/.installed-%: pyproject.toml $(VENV)/.torch
+	$(BIN)/python -m pip install -q -e ".[$(EXTRAS_$*)]"
+	@touch $@
+
+venv: $(VENV)/.installed-test
 
 # Debian packages the tests use: espeak-ng (real speech for VAD tests), chromium (browser tests).
 sysdeps:
 	@command -v espeak-ng >/dev/null && command -v chromium >/dev/null || \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq espeak-ng chromium >/dev/null)
 
-serve: $(STAMP)
+serve: $(VENV)/.installed-serve
 	$(BIN)/omnirt serve --model tiny --host $(HOST) --port $(PORT)
 
-test: $(STAMP) sysdeps
+test: $(VENV)/.installed-test sysdeps
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
 
 # The edit loop's tier (under 3 minutes): unit, engine and parity tests; no server, browser or soak.
-test-fast: $(STAMP)
+test-fast: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m fast tests
 
-# Locust, headless, against a server it starts on 127.0.0.1; CSV + HTML + raw samples in docs/loadtest/.
+# Locust, headless, against a server it starts on 127.0.0.1; CSV + HTML + raw samples in a run folder
+# (bench-results/loadtest-<date>-<time>/, untracked). LOADTEST_OUT=docs/loadtest refreshes the committed report.
 LOADTEST_USERS ?= 8
 LOADTEST_TIME  ?= 60s
-loadtest: $(STAMP)
-	$(BIN)/python -m loadtest.run --users $(LOADTEST_USERS) --spawn-rate 4 --run-time $(LOADTEST_TIME)
+LOADTEST_OUT   ?=
+loadtest: $(VENV)/.installed-loadtest
+	$(BIN)/python -m loadtest.run --users $(LOADTEST_USERS) --spawn-rate 4 --run-time $(LOADTEST_TIME) \
+	  $(if $(LOADTEST_OUT),--out $(LOADTEST_OUT))
 
 # The full soaks, chat and Realtime (CI runs 8 chat clients / 6 Realtime clients for 30 s), and a longer
 # fuzz run; figures go to tests/artifacts/.
-soak: $(STAMP) sysdeps
+soak: $(VENV)/.installed-test sysdeps
 	OMNIRT_SOAK_N=64 OMNIRT_SOAK_S=600 OMNIRT_RT_SOAK_N=64 OMNIRT_RT_SOAK_S=600 OMNIRT_SOAK_CHECK_RSS=1 \
 	  $(BIN)/python -m pytest -q -s \
 	  -p no:cacheprovider -o timeout=1800 tests/test_soak.py tests/test_realtime_soak.py
 
-fuzz: $(STAMP)
+fuzz: $(VENV)/.installed-test
 	OMNIRT_FUZZ_CASES=20000 OMNIRT_SCHEMA_CASES=3000 OMNIRT_RT_FUZZ_CASES=50000 $(BIN)/python -m pytest -q -s \
 	  -p no:cacheprovider -o timeout=3600 tests/test_fuzz.py tests/test_realtime_fuzz.py
 
-lint: $(STAMP)
+lint: $(VENV)/.installed-test
 	$(BIN)/ruff check app pipeline loadtest tests
 
 clean:

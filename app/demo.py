@@ -1,10 +1,12 @@
 """What the demo page (`web/`, served at `/`) calls besides the Realtime API, so that it works with keys on
 while the real key never reaches the browser.
 
-- `GET /demo/config` -> `{"voices", "default", "auth"}`, `auth` being how the page gets in: `none` (the
-  server has no keys), `client_secret` (the operator started it with `--demo-key-id ID`: before each call
-  the page fetches a client secret), or `api_key` (keys are on and the demo is not enabled: the page says
-  so instead of calling).
+- `GET /demo/config` -> `{"model", "voices", "default", "aliases", "auth", "ice_servers"}`: the served model
+  (shown on load), the voices (`GET /v1/voices`), the STUN/TURN servers its peer connection should use
+  (`--webrtc-ice-servers`; none by default), and `auth`, how the page gets in: `none` (the server has no
+  keys), `client_secret` (the operator started it with `--demo-key-id ID`: before each call the page
+  fetches a client secret), or `api_key` (keys are on and the demo is not enabled: the page says so
+  instead of calling).
 - `POST /demo/client_secret` (with `--demo-key-id ID` only; 404 `demo_not_enabled` otherwise) -> a client
   secret as `POST /v1/realtime/client_secrets` answers it, minted under the key `ID`: each one counts as a
   request against ID's `requests_per_minute`, and the sessions it starts against ID's `max_sessions`.
@@ -21,17 +23,20 @@ from fastapi import APIRouter, FastAPI, Request
 from app.errors import APIError
 from app.ops.quotas import LimitExceeded
 from app.realtime.client_secrets import DEFAULT_TTL_S, ga_body, mint, starting_config
+from app.transports.ice import IceServer
 from pipeline.api import EngineInfo
 
 router = APIRouter(prefix="/demo", include_in_schema=False)
 
 
 def voice_list(info: EngineInfo) -> dict:
-    return {"voices": list(info.voices), "default": info.default_voice}
+    """The model's voices, the default, and the other names each answers to (OpenAI's, from the profile)."""
+    return {"voices": list(info.voices), "default": info.default_voice, "aliases": dict(info.voice_aliases)}
 
 
-def install(app: FastAPI, demo_key_id: str | None) -> None:
+def install(app: FastAPI, demo_key_id: str | None, ice_servers: tuple[IceServer, ...]) -> None:
     app.state.demo_key_id = demo_key_id
+    app.state.demo_ice_servers = [s.browser() for s in ice_servers]
     app.include_router(router)
 
 
@@ -39,7 +44,8 @@ def install(app: FastAPI, demo_key_id: str | None) -> None:
 async def config(request: Request) -> dict:
     state = request.app.state
     auth = "none" if state.keys.is_open else "client_secret" if state.demo_key_id else "api_key"
-    return {**voice_list(state.server.engine.info()), "auth": auth}
+    return {"model": state.server.model_names[0], **voice_list(state.server.engine.info()), "auth": auth,
+            "ice_servers": state.demo_ice_servers}
 
 
 @router.post("/client_secret")

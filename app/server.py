@@ -14,7 +14,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from fastapi.staticfiles import StaticFiles
 
-from app import demo
+from app import __version__, demo
 from app.chat import routes as chat
 from app.errors import install_error_handlers
 from app.ops import metrics, security
@@ -27,6 +27,7 @@ from app.realtime import client_secrets
 from app.realtime.client_secrets import SecretStore
 from app.realtime.session import RealtimeLimits
 from app.transports import websocket
+from app.transports.ice import IceSettings
 from pipeline.api import EngineClient
 
 log = logging.getLogger(__name__)
@@ -40,7 +41,7 @@ class ServerSettings:
     max_body_bytes: int = 32 * 2**20
     max_audio_s: float = 300.0
     realtime: RealtimeLimits = field(default_factory=RealtimeLimits)
-    ice_addresses: tuple[str, ...] = ()  # WebRTC host candidates; empty: every interface but loopback (aioice)
+    ice: IceSettings = field(default_factory=IceSettings)  # WebRTC candidates: host addresses, NAT, STUN/TURN
     webrtc_connect_timeout_s: float = 30.0
     api_keys: tuple[str, ...] = ()  # none (and no keys file): no key needed
     api_keys_file: Path | None = None  # keys with ids and limits, reloaded when it changes (app.ops.keys)
@@ -82,7 +83,7 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
         yield
         watch.cancel()
 
-    app = FastAPI(title="omnirt", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="omnirt", version=__version__, lifespan=lifespan)
     server = app.state.server = OmniServer(engine, settings, Metrics(engine), lifecycle)
     install_error_handlers(app)
     app.state.keys = KeyRing(settings.api_keys, settings.api_keys_file)
@@ -97,7 +98,7 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     async def health():
         alive, stats = engine.health(), engine.stats()
         body = {"status": "ok" if alive.is_alive else "engine_dead", "model": settings.model_names[0],
-                "active_requests": engine.num_active_requests,
+                "platform": engine.info().platform, "active_requests": engine.num_active_requests,
                 "free_slots": {s.name: s.free_slots for s in stats.stages if s.slots},
                 "slots": {s.name: s.slots for s in stats.stages if s.slots}, "replicas": stats.replicas}
         if not alive.is_alive:
@@ -116,12 +117,12 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
 
     app.include_router(chat.router)
     app.include_router(client_secrets.router)
-    demo.install(app, settings.demo_key_id)
+    demo.install(app, settings.demo_key_id, settings.ice.servers)
     websocket.install(app, settings.realtime)
     if importlib.util.find_spec("aiortc") is not None:  # the `webrtc` extra
         from app.transports import webrtc
 
-        webrtc.install(app, settings.ice_addresses, settings.webrtc_connect_timeout_s)
+        webrtc.install(app, settings.ice, settings.webrtc_connect_timeout_s)
     app.include_router(metrics.router)
     if WEB_DIR.is_dir():
         app.mount("/", StaticFiles(directory=WEB_DIR, html=True), name="web")

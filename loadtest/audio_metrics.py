@@ -1,6 +1,6 @@
 """One response's audio as a client hears it, reported through Locust's request event: time to first
 audio, end-to-end latency, every gap between packets, and underruns (playback stalls >= 100 ms while
-audio was still owed, per DESIGN.md §6, using the server's own PlaybackClock definition)."""
+audio was still owed, per docs/benchmarks.md's definitions, using the server's own PlaybackClock definition)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 Each request is a streaming chat completion with `modalities ["text", "audio"]`. A sweep point is a
 closed loop at concurrency c (c workers, each sending its next request when the last one ends),
 after warm-up requests. Output lengths can be pinned (`min_tokens` = `max_tokens` for the Thinker and
-the Talker) so that runs compare even with random weights. Definitions (DESIGN.md §6):
+the Talker) so that runs compare even with random weights. Definitions (docs/benchmarks.md):
 TTFP = send -> first audio delta; RTF = (last audio delta - send) / audio seconds; underrun = the
 listener's buffer, filled from the first packet on, runs dry for >= 100 ms while audio is still owed.
 """
@@ -146,6 +146,7 @@ def summarize(samples: list[Sample], wall_s: float, prompt_len: int, concurrency
 async def sweep(args: argparse.Namespace) -> list[dict]:
     limits = httpx.Limits(max_connections=max(args.concurrency) + 8)
     results = []
+    points, t0 = [(p, c) for p in args.prompt_lens for c in args.concurrency], time.perf_counter()
     async with httpx.AsyncClient(timeout=args.timeout, limits=limits) as client:
         for prompt_len in args.prompt_lens:
             words = await calibrate(client, args.url, args.model, prompt_len)
@@ -156,7 +157,14 @@ async def sweep(args: argparse.Namespace) -> list[dict]:
                 row = summarize(samples, wall, prompt_len, c)
                 results.append(row)
                 print(format_row(row), flush=True)
+                _progress(len(results), len(points), time.perf_counter() - t0)
     return results
+
+
+def _progress(done: int, total: int, elapsed_s: float) -> None:
+    if done < total:
+        print(f"  point {done}/{total} after {elapsed_s:.0f} s; about {elapsed_s / done * (total - done):.0f} s "
+              "left at this pace (later points run more clients)", flush=True)
 
 
 COLUMNS = [("prompt_len", "prompt", "{}"), ("concurrency", "c", "{}"), ("ok", "ok", "{}"),
@@ -200,40 +208,85 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
 
 def server_args(p: argparse.ArgumentParser) -> None:
-    """The flags both benches take to reach a server."""
-    p.add_argument("--url", default="http://127.0.0.1:8091")
-    p.add_argument("--model", default="tiny")
-    p.add_argument("--voice", default="ethan")
+    """The flags both benches take to reach a server, and where their report goes."""
+    p.add_argument("--url", default="http://127.0.0.1:8091", help="the running server")
+    p.add_argument("--model", default="tiny", help="the served model id")
+    p.add_argument("--voice", default="ethan", help="the voice replies are spoken in")
+    p.add_argument("--out", default=None, help="folder for NAME.json, NAME.md and NAME.png (default: "
+                   "bench-results/NAME-<date>-<time>/, a run folder git ignores; docs/benchmarks/ holds the "
+                   "committed figures, refreshed only on purpose)")
+    p.add_argument("--dry-run", action="store_true", help="say what would run against this server, and stop")
+
+
+def server_platform(url: str) -> str:
+    """Where the server's engine runs (its /health), to pick a sweep that fits it."""
+    try:
+        return httpx.get(f"{url}/health", timeout=10).json().get("platform", "cpu")
+    except (httpx.HTTPError, ValueError) as exc:
+        raise SystemExit(f"omnirt bench: no server answers at {url}/health ({exc}); start one with `omnirt serve` "
+                         "or pass --url") from exc
 
 
 def write_report(args: argparse.Namespace, rows: list[dict], markdown, plot) -> None:
     """NAME.json (arguments and rows), NAME.md and NAME.png under --out; the table to stdout."""
-    out = Path(args.out)
+    out = Path(args.out or f"bench-results/{args.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{args.name}.json").write_text(json.dumps({"args": vars(args), "results": rows}, indent=1))
     (out / f"{args.name}.md").write_text(markdown(rows, args.name))
     plot(rows, out / f"{args.name}.png", args.name)
     print(markdown(rows, args.name))
+    print(f"report: {out}/{args.name}.md (.json, .png)")
+
+
+# The sweep when none is given: the full one on an accelerator, a small one a CPU finishes in minutes.
+SWEEPS = {"cpu": ([10, 160], [1, 2, 4]), "gpu": ([10, 160, 320, 640], [1, 16, 32, 64])}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from app.flags import HelpFormatter
+
+    p = argparse.ArgumentParser(prog="omnirt bench", description=__doc__.split("\n")[0], formatter_class=HelpFormatter)
+    server_args(p)
+    cpu, gpu = SWEEPS["cpu"], SWEEPS["gpu"]
+    p.add_argument("--prompt-lens", type=int, nargs="+", default=None, help="prompt lengths in tokens (default: "
+                   f"{' '.join(map(str, gpu[0]))} on an accelerator, {' '.join(map(str, cpu[0]))} on a CPU server)")
+    p.add_argument("--concurrency", type=int, nargs="+", default=None, help="concurrent clients per point (default: "
+                   f"{' '.join(map(str, gpu[1]))} on an accelerator, {' '.join(map(str, cpu[1]))} on a CPU server)")
+    p.add_argument("--thinker-tokens", type=int, default=40, help="text tokens per reply")
+    p.add_argument("--talker-frames", type=int, default=145, help="codec frames per reply (80 ms each)")
+    p.add_argument("--fixed-lengths", action=argparse.BooleanOptionalAction, default=True,
+                   help="pin reply lengths (min_tokens = max_tokens) so that runs compare, even with random weights")
+    p.add_argument("--requests-per-point", type=int, default=8, help="at least this many requests per point")
+    p.add_argument("--rounds", type=int, default=2, help="requests per worker at each point")
+    p.add_argument("--warmup", type=int, default=4, help="requests before each point, not counted")
+    p.add_argument("--timeout", type=float, default=600, help="seconds one request may take")
+    p.add_argument("--name", default="bench", help="the report's name")
+    return p
+
+
+def plan(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill in the sweep for the server's platform, and say what will run."""
+    platform = server_platform(args.url)
+    lens, conc = SWEEPS["cpu" if platform == "cpu" else "gpu"]
+    args.prompt_lens, args.concurrency = args.prompt_lens or lens, args.concurrency or conc
+    num = sum(args.warmup + max(args.requests_per_point, c * args.rounds) for c in args.concurrency)
+    say_plan(args, f"{platform} server at {args.url}: prompt lengths {args.prompt_lens} x concurrency "
+             f"{args.concurrency}, {num * len(args.prompt_lens)} requests of {args.thinker_tokens} tokens and "
+             f"{args.talker_frames * 0.08:.1f} s of speech each (--prompt-lens, --concurrency to change)")
+    return args
+
+
+def say_plan(args: argparse.Namespace, plan_text: str) -> None:
+    """Print what will run; with --dry-run, only that."""
+    print(f"{'would run' if args.dry_run else 'running'}: {plan_text}", flush=True)
+    if args.dry_run:
+        raise SystemExit(0)
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="omnirt bench", description=__doc__.split("\n")[0])
-    server_args(p)
-    p.add_argument("--prompt-lens", type=int, nargs="+", default=[10, 160, 320, 640])
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 32, 64])
-    p.add_argument("--thinker-tokens", type=int, default=40)
-    p.add_argument("--talker-frames", type=int, default=145, help="codec frames per reply (80 ms each)")
-    p.add_argument("--fixed-lengths", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--requests-per-point", type=int, default=8)
-    p.add_argument("--rounds", type=int, default=2, help="requests per worker at each point")
-    p.add_argument("--warmup", type=int, default=4)
-    p.add_argument("--timeout", type=float, default=600)
-    p.add_argument("--name", default="bench")
-    p.add_argument("--out", default="docs/benchmarks")
-    args = p.parse_args(argv)
+    args = plan(build_parser().parse_args(argv))
     write_report(args, asyncio.run(sweep(args)), markdown, plot)
 
 
 if __name__ == "__main__":
     main()
-

@@ -34,7 +34,7 @@ import numpy as np
 
 from app.audio.pcm import float_to_pcm16
 from app.audio.wire import PCM16
-from loadtest.bench import _underruns, server_args, write_report
+from loadtest.bench import _underruns, say_plan, server_args, server_platform, write_report
 
 RATE = PCM16.sample_rate
 CHUNK_S = 0.02
@@ -533,28 +533,46 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="omnirt bench realtime", description=__doc__.split("\n")[0])
+SESSIONS = {"cpu": [1, 4], "gpu": [1, 8, 16]}  # session counts when none are given
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from app.flags import HelpFormatter
+
+    p = argparse.ArgumentParser(prog="omnirt bench realtime", description=__doc__.split("\n")[0],
+                                formatter_class=HelpFormatter)
     server_args(p)
-    p.add_argument("--sessions", type=int, nargs="+", default=[1, 8, 16], help="session counts to run, in turn")
+    p.add_argument("--sessions", type=int, nargs="+", default=None, help="session counts to run, in turn (default: "
+                   f"{' '.join(map(str, SESSIONS['gpu']))} on an accelerator, {' '.join(map(str, SESSIONS['cpu']))} "
+                   "on a CPU server)")
     p.add_argument("--turns", type=int, default=3, help="turns per session that are measured")
     p.add_argument("--warmup-turns", type=int, default=1, help="turns per session before those, not counted "
                    "(a fresh server's first turns pay for one-time work)")
-    p.add_argument("--mode", choices=("cancel", "full", "no-responses"), default="cancel")
+    p.add_argument("--mode", choices=("cancel", "full", "no-responses"), default="cancel",
+                   help="cancel: each reply is cancelled at its first audio; full: whole replies; no-responses: "
+                        "the VAD alone")
     p.add_argument("--transport", choices=("websocket", "webrtc"), default="websocket",
                    help="webrtc: each session is an aiortc call whose microphone track carries the speech")
     p.add_argument("--clients", type=int, default=4, help="client processes the sessions are spread over")
     p.add_argument("--stagger", type=float, default=0.1, help="seconds between session starts")
-    p.add_argument("--wav", help="the utterance (any rate, mono or not); default: an espeak-ng phrase")
-    p.add_argument("--turn-timeout", type=float, default=120.0)
+    p.add_argument("--wav", help="the utterance (any rate, mono or not) (default: an espeak-ng phrase)")
+    p.add_argument("--turn-timeout", type=float, default=120.0, help="seconds a turn may take")
     p.add_argument("--abusive", type=int, default=0, help="also run each point with this many abusive sessions "
                    "beside the normal ones (flooding audio, malformed events, not reading), after the same point "
                    "without them")
     p.add_argument("--deaf-s", type=float, default=60.0, help="how long an abusive session reads nothing (long "
                    "enough for the kernel's socket buffers to fill)")
-    p.add_argument("--name", default="realtime")
-    p.add_argument("--out", default="bench-results", help="folder for the JSON, markdown and plot")
-    args = p.parse_args(argv)
+    p.add_argument("--name", default="realtime", help="the report's name")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    platform = server_platform(args.url)
+    args.sessions = args.sessions or SESSIONS["cpu" if platform == "cpu" else "gpu"]
+    say_plan(args, f"{platform} server at {args.url}: {args.sessions} {args.transport} sessions x "
+             f"({args.warmup_turns} + {args.turns}) turns, mode {args.mode}"
+             f"{f', each point again beside {args.abusive} abusive' if args.abusive else ''} (--sessions to change)")
     rows = []
     for n in args.sessions:
         for abusive in sorted({0, args.abusive}):

@@ -1,5 +1,7 @@
 """`make loadtest`: start a server on a free loopback port, run Locust headless against it (bounded users
-and time), write CSV + HTML + raw samples under docs/loadtest/, stop the server.
+and time), write CSV + HTML + raw samples into a run folder (bench-results/loadtest-<date>-<time>/, which
+git ignores), stop the server. The committed report in docs/loadtest/ is refreshed only on purpose:
+`make loadtest LOADTEST_OUT=docs/loadtest`.
 
     python -m loadtest.run --users 8 --spawn-rate 4 --run-time 60s [--server-arg=--api-key ...]
 """
@@ -40,17 +42,28 @@ def start_server(port: int, extra: list[str], log: Path) -> subprocess.Popen:
     sys.exit("server did not start")
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--users", type=int, default=8)
-    p.add_argument("--spawn-rate", type=float, default=4)
-    p.add_argument("--run-time", default="60s")
-    p.add_argument("--out", default="docs/loadtest")
-    p.add_argument("--name", default="omnirt")
-    p.add_argument("--server-arg", action="append", default=[], help="extra `omnirt serve` argument (repeatable)")
+def build_parser() -> argparse.ArgumentParser:
+    from app.flags import HelpFormatter
+
+    class Formatter(HelpFormatter, argparse.RawDescriptionHelpFormatter):
+        pass
+
+    p = argparse.ArgumentParser(prog="make loadtest", description=__doc__, formatter_class=Formatter)
+    p.add_argument("--users", type=int, default=8, help="concurrent Locust users")
+    p.add_argument("--spawn-rate", type=float, default=4, help="users started per second")
+    p.add_argument("--run-time", default="60s", help="how long the load runs")
+    p.add_argument("--out", default=None, help="report folder, relative to the repository (default: "
+                   "bench-results/loadtest-<date>-<time>/)")
+    p.add_argument("--name", default="omnirt", help="the report files' prefix")
+    p.add_argument("--server-arg", action="append", default=[], help="extra `omnirt serve` argument (repeatable; "
+                   "default: none)")
     p.add_argument("user_classes", nargs="*", help="Locust user classes (default: all)")
-    args = p.parse_args()
-    out = ROOT / args.out
+    return p
+
+
+def main() -> None:
+    args = build_parser().parse_args()
+    out = ROOT / (args.out or f"bench-results/loadtest-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     port = free_port()
     server = start_server(port, ["--threads", os.environ.get("OMNIRT_THREADS", "2"), *args.server_arg],

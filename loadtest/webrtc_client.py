@@ -22,7 +22,7 @@ from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamError
 
 from app.audio.pcm import float_to_pcm16
-from app.transports.webrtc import offer_host_addresses
+from app.transports.ice import offer_host_addresses
 from app.transports.webrtc_track import PacedAudioTrack
 
 

@@ -3,7 +3,8 @@
 An `EngineClient` takes requests and streams their events back, whether the engine runs in this
 process (`InprocClient`) or in an engine core process of its own (`CoreClient`, the default where
 a device is used). The request, event, info and stats types are msgspec structs, so they cross the
-process boundary as typed messages; importing this module loads neither torch nor the models.
+process boundary as typed messages; importing this module loads neither torch nor the models (the
+flags' choices come from `pipeline/config.py`, which does not either).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from typing import Any, Literal, Protocol, TypedDict
 
 import msgspec
 import numpy as np
+
+from pipeline.config import ATTENTION, COMPILE, DISTRIBUTED, DTYPES, MOE_BACKENDS, PLATFORMS  # noqa: F401 (the flags)
 
 
 class Part(TypedDict, total=False):
@@ -136,6 +139,13 @@ class EngineInfo(msgspec.Struct, frozen=True, tag=True):
     retry_after_s: float
     max_output_buffer_bytes: int  # unread output a request may hold before it is aborted
     kind: str = "omnirt"  # "omnirt" | "reference"
+    platform: str = "cpu"  # where the engine runs (cuda, rocm, npu, xpu, cpu)
+    voice_aliases: dict[str, str] = msgspec.field(default_factory=dict)  # other names -> voices (the profile's)
+
+    @property
+    def voice_names(self) -> tuple[str, ...]:
+        """Every name a request may give as its voice: the model's voices, then their aliases."""
+        return self.voices + tuple(a for a in self.voice_aliases if a not in self.voices)
 
     def stages_for(self, wants_audio: bool) -> tuple[str, ...]:
         stages = tuple(self.stage_limits)
@@ -222,6 +232,19 @@ class EngineOptions:
     process: Literal["auto", "core", "inproc"] = "auto"
     log_level: str = "info"
     log_format: str = "text"
+
+
+def check_options(opts: EngineOptions) -> None:
+    """The profile and engine flags as the engine will read them, on every platform it may detect, checked
+    without importing torch, so that `omnirt serve` stops on a bad value before the model loads. Raises
+    EngineStartError naming the key, the file and line or the flag it came from, and what is accepted."""
+    from pipeline.config import ProfileError
+    from pipeline.config import check_options as check
+
+    try:
+        check(opts)
+    except ProfileError as exc:
+        raise EngineStartError(str(exc)) from exc
 
 
 def start_engine(opts: EngineOptions, log_setup: Callable[[str, str], None] | None = None) -> EngineClient:

@@ -2,21 +2,28 @@
 
 Precedence, highest first: CLI overrides (`--stage-overrides`, global flags) > the profile's
 `platforms.<detected>` entry > the profile > built-in defaults. A bad profile raises
-`ProfileError` naming the offending key.
+`ProfileError` naming the offending key, where it came from (the file and line, or the flag) and
+the accepted values. Nothing here imports torch: `omnirt serve` checks a profile for every platform
+(`check_options`) before the model loads.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import yaml
+from pipeline.yaml_lines import YamlError, read_yaml
 
-from pipeline.platform import PLATFORMS
+if TYPE_CHECKING:
+    from pipeline.api import EngineOptions
 
+DEPLOY_DIR = Path(__file__).resolve().parents[1] / "deploy"
+PLATFORMS = ("cuda", "rocm", "npu", "xpu", "cpu")
 STAGE_NAMES = ("thinker", "talker", "code2wav")
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION = ("auto", "slots", "dense")
@@ -24,16 +31,24 @@ COMPILE = ("auto", "on", "off")
 MOE_BACKENDS = ("auto", "grouped_mm", "batched_mm", "eager", "triton")  # triton: pipeline/moe.py's fused kernels
 ROUTING = ("least_loaded", "round_robin")
 DISTRIBUTED = ("none", "ray")
+SAMPLING_KEYS = ("temperature", "top_k", "top_p", "repetition_penalty", "max_tokens", "min_tokens", "seed")
 
 
 class ProfileError(ValueError):
-    pass
+    """A profile or flag value the engine cannot use; `key` names it as the profile spells it."""
+
+    def __init__(self, message: str, key: str | None = None, source: str | None = None):
+        super().__init__(f"{source or 'deploy profile'}: {message}")
+        self.message, self.key = message, key
+
+    def at(self, source: str | None) -> ProfileError:
+        return ProfileError(self.message, self.key, source)
 
 
 @dataclass(slots=True, frozen=True)
 class StageConfig:
     stage_id: int
-    devices: str = "0"
+    devices: str | int = "0"  # "0" or "1,2" (YAML reads a bare 0 as a number)
     num_replicas: int = 1
     max_num_seqs: int = 8
     max_num_batched_tokens: int = 2048
@@ -83,6 +98,10 @@ class StageConfig:
         _check(all(k in ("num_cpus", "num_gpus", "memory") and isinstance(v, int | float) and v >= 0
                    for k, v in self.ray_resources.items()), f"{key}.ray_resources",
                "must map num_cpus / num_gpus / memory to numbers >= 0")
+        for name, value in self.default_sampling_params.items():
+            where = f"{key}.default_sampling_params.{name}"
+            _check(name in SAMPLING_KEYS, where, f"is not a sampling parameter ({', '.join(SAMPLING_KEYS)})")
+            _check(_is_number(value) or (name == "seed" and value is None), where, f"must be a number, got {value!r}")
 
 
 @dataclass(slots=True, frozen=True)
@@ -112,6 +131,7 @@ class EngineConfig:
     distributed: str = "none"  # where out-of-process stage replicas run: "none" (local processes) | "ray" (actors)
     async_output: bool = True  # stage threads never wait for the consumer of their outputs
     default_voice: str = "ethan"
+    voice_aliases: dict[str, str] = field(default_factory=dict)  # other names for the model's voices (OpenAI's)
     system_prompt: str = "You are a helpful voice assistant."
     connector: ConnectorConfig = field(default_factory=ConnectorConfig)
     stages: tuple[StageConfig, ...] = ()
@@ -123,12 +143,14 @@ class EngineConfig:
         _check(self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}")
         _check(self.moe_backend in MOE_BACKENDS, "moe_backend", f"must be one of {', '.join(MOE_BACKENDS)}")
         _check(self.attention in ATTENTION, "attention", f"must be one of {', '.join(ATTENTION)}")
-        if isinstance(self.compile, bool):  # YAML reads a bare on/off as a boolean
-            object.__setattr__(self, "compile", "on" if self.compile else "off")
         _check(self.compile in COMPILE, "compile", f"must be one of {', '.join(COMPILE)}")
         _check(self.platform in PLATFORMS, "platform", f"must be one of {', '.join(PLATFORMS)}")
         _check(self.distributed in DISTRIBUTED, "distributed", f"must be one of {', '.join(DISTRIBUTED)}")
         _check(self.max_output_buffer_bytes >= 4096, "max_output_buffer_bytes", "must be >= 4096")
+        for alias, voice in self.voice_aliases.items():
+            _check(isinstance(alias, str) and isinstance(voice, str), f"voice_aliases.{alias}",
+                   "must map a name to one of the model's voices (a string)")
+        object.__setattr__(self, "voice_aliases", {a.lower(): v.lower() for a, v in self.voice_aliases.items()})
         if not self.stages:
             object.__setattr__(self, "stages", tuple(StageConfig(i) for i in range(len(STAGE_NAMES))))
         _check([s.stage_id for s in self.stages] == list(range(len(STAGE_NAMES))), "stages",
@@ -143,25 +165,105 @@ class EngineConfig:
             return graphs and not self.stage(name).enforce_eager
         return self.compile == "on"
 
+    def check_voices(self, voices: list[str]) -> None:
+        """Every alias names a voice of the loaded model (known once it is loaded; a model without speech
+        has none to name)."""
+        for alias, voice in self.voice_aliases.items():
+            _check(not voices or voice in voices, f"voice_aliases.{alias}",
+                   f"names {voice!r}, not a voice of this model ({', '.join(voices)})")
+
 
 def _check(ok: bool, key: str, why: str) -> None:
     if not ok:
-        raise ProfileError(f"deploy profile: {key} {why}")
+        raise ProfileError(f"{key} {why}", key)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+# ---- from the command line's options -----------------------------------------------------------------
+
+
+def profile_path(opts: EngineOptions) -> Path:
+    """The profile `--deploy-config` names, else the model's own."""
+    if opts.deploy_config:
+        return Path(opts.deploy_config)
+    return DEPLOY_DIR / ("tiny.yaml" if opts.model == "tiny" else "qwen3_omni_moe.yaml")
+
+
+def engine_config(opts: EngineOptions, platform: str) -> EngineConfig:
+    """The engine's config on `platform`: the profile, its platform entry, then the flags."""
+    overrides = {"model": opts.model, "load_format": opts.load_format, "dtype": opts.dtype,
+                 "async_output": opts.async_output or None, "moe_backend": opts.moe_backend,
+                 "attention": opts.attention, "compile": "off" if opts.enforce_eager else opts.compile,
+                 "distributed": opts.distributed, "max_output_buffer_bytes": opts.max_output_buffer_bytes}
+    stage_overrides = {str(k): dict(v) for k, v in opts.stage_overrides.items()}
+    if opts.enforce_eager:
+        for sid in map(str, range(len(STAGE_NAMES))):
+            stage_overrides[sid] = {**stage_overrides.get(sid, {}), "enforce_eager": True}
+    cfg = load_profile(profile_path(opts), platform, overrides, stage_overrides)
+    if not opts.async_chunk:
+        cfg = dataclasses.replace(cfg, connector=dataclasses.replace(cfg.connector, async_chunk=False))
+    return cfg
+
+
+def check_options(opts: EngineOptions) -> None:
+    """Raise ProfileError if the engine would refuse these options on `--platform`, or on any platform
+    when it is left to detection (which needs torch)."""
+    for platform in (opts.platform,) if opts.platform else PLATFORMS:
+        engine_config(opts, platform)
+
+
+# ---- reading and merging ------------------------------------------------------------------------------
+
+
+@dataclass(slots=True, frozen=True)
+class Origin:
+    """Where the values came from, to name it in errors: the profile's file and its keys' lines, and the
+    keys the command line set (`--dtype`, `--stage-overrides`)."""
+
+    path: str | None = None
+    lines: dict[str, int] = field(default_factory=dict)  # "stages[1].max_num_seqs" -> line
+    flags: dict[str, str] = field(default_factory=dict)  # the same keys -> the flag that set them
+
+    def of(self, key: str | None, platform: str) -> str | None:
+        """The flag, or the file and line, that gave `key` (or the nearest entry around it) its value."""
+        while key:
+            if key in self.flags:
+                return self.flags[key]
+            for k in (f"platforms.{platform}.{key}", key):
+                if k in self.lines:
+                    return f"deploy profile {self.path}, line {self.lines[k]}"
+            key = key.rpartition("[" if key.endswith("]") else ".")[0]
+        return f"deploy profile {self.path}" if self.path else None
 
 
 def load_profile(path: str | Path, platform: str, overrides: dict[str, Any] | None = None,
                  stage_overrides: dict[str, dict[str, Any]] | None = None) -> EngineConfig:
     """Read a profile, merge its `platforms.<platform>` entry, then the CLI overrides."""
     try:
-        raw = yaml.safe_load(Path(path).read_text()) or {}
-    except (OSError, yaml.YAMLError) as exc:
-        raise ProfileError(f"deploy profile {path}: {exc}") from exc
-    _check(isinstance(raw, dict), "(top level)", "must be a mapping")
-    return build_config(raw, platform, overrides or {}, stage_overrides or {})
+        raw, lines = read_yaml(Path(path))
+    except YamlError as exc:
+        raise ProfileError(exc.problem, source=f"deploy profile {path}{exc.where}") from exc
+    if not isinstance(raw, dict):
+        raise ProfileError("the top level must be a mapping of keys", source=f"deploy profile {path}")
+    return build_config(raw, platform, overrides or {}, stage_overrides or {}, Origin(str(path), lines))
 
 
 def build_config(raw: dict[str, Any], platform: str, overrides: dict[str, Any],
-                 stage_overrides: dict[str, dict[str, Any]]) -> EngineConfig:
+                 stage_overrides: dict[str, dict[str, Any]], origin: Origin = Origin()) -> EngineConfig:
+    flags = {k: f"--{k.replace('_', '-')}" for k, v in overrides.items() if v is not None}
+    flags |= {f"stages[{sid}].{k}": "--stage-overrides" for sid, entry in stage_overrides.items() for k in entry}
+    origin = dataclasses.replace(origin, flags={**flags, "platform": "--platform"})
+    try:
+        return _merged(raw, platform, overrides, stage_overrides)
+    except ProfileError as exc:
+        raise exc.at(origin.of(exc.key, platform)) from None
+
+
+def _merged(raw: dict[str, Any], platform: str, overrides: dict[str, Any],
+            stage_overrides: dict[str, dict[str, Any]]) -> EngineConfig:
     raw = copy.deepcopy(raw)
     platforms = raw.pop("platforms", None) or {}
     _check(isinstance(platforms, dict), "platforms", "must be a mapping of platform name to overrides")
@@ -169,6 +271,7 @@ def build_config(raw: dict[str, Any], platform: str, overrides: dict[str, Any],
         _check(name in PLATFORMS, f"platforms.{name}", f"is not a platform ({', '.join(PLATFORMS)})")
     stages = _stages_by_id(raw.pop("stages", []), "stages")
     entry = platforms.get(platform) or {}
+    _check(isinstance(entry, dict), f"platforms.{platform}", "must be a mapping of keys to override")
     _merge_stages(stages, _stages_by_id(entry.pop("stages", []), f"platforms.{platform}.stages"))
     raw = {**raw, **entry, **{k: v for k, v in overrides.items() if v is not None}}
     _merge_stages(stages, {int(k): v for k, v in stage_overrides.items()})
@@ -181,7 +284,9 @@ def _stages_by_id(items: Any, key: str) -> dict[int, dict[str, Any]]:
     out = {}
     for i, item in enumerate(items):
         _check(isinstance(item, dict) and "stage_id" in item, f"{key}[{i}]", "must be a mapping with stage_id")
-        out[int(item["stage_id"])] = dict(item)
+        _check(type(item["stage_id"]) is int, f"{key}[{i}].stage_id",
+               f"must be 0..{len(STAGE_NAMES) - 1} ({', '.join(STAGE_NAMES)})")
+        out[item["stage_id"]] = dict(item)
     return out
 
 
@@ -197,22 +302,44 @@ def _merge_stages(base: dict[int, dict[str, Any]], over: dict[int, dict[str, Any
 
 def _build(raw: dict[str, Any], stages: dict[int, dict[str, Any]]) -> EngineConfig:
     connector = raw.pop("connector", {}) or {}
+    _check(isinstance(connector, dict), "connector", "must be a mapping of keys")
     if "async_chunk" in raw:
         connector["async_chunk"] = raw.pop("async_chunk")
+    if isinstance(raw.get("compile"), bool):  # YAML reads a bare on/off as a boolean
+        raw["compile"] = "on" if raw["compile"] else "off"
     for sid in stages:
-        _check(0 <= sid < len(STAGE_NAMES), f"stages[stage_id={sid}].stage_id",
+        _check(0 <= sid < len(STAGE_NAMES), f"stages[{sid}].stage_id",
                f"must be 0..{len(STAGE_NAMES) - 1} ({', '.join(STAGE_NAMES)})")
-    stage_objs = tuple(_make(StageConfig, stages.get(i, {"stage_id": i}), f"stages[{i}]")
+    stage_objs = tuple(_make(StageConfig, stages.get(i, {"stage_id": i}), f"stages[{i}].")
                        for i in range(len(STAGE_NAMES)))
     return _make(EngineConfig, {**raw, "stages": stage_objs,
-                                "connector": _make(ConnectorConfig, connector, "connector")}, "(top level)")
+                                "connector": _make(ConnectorConfig, connector, "connector.")}, "")
 
 
-def _make(cls, values: dict[str, Any], where: str):
-    known = {f.name: f for f in dataclasses.fields(cls)}
-    for k in values:
-        _check(k in known, f"{where}.{k}", f"is not a known key ({', '.join(sorted(known))})")
-    try:
-        return cls(**values)
-    except TypeError as exc:
-        raise ProfileError(f"deploy profile: {where}: {exc}") from exc
+def _make(cls, values: dict[str, Any], prefix: str):
+    """`cls(**values)`, once every key is one of its fields and every value of the field's type."""
+    hints = typing.get_type_hints(cls)
+    for k, v in values.items():
+        _check(k in hints, f"{prefix}{k}", f"is not a known key ({', '.join(sorted(hints))})")
+        _check(_has_type(v, hints[k]), f"{prefix}{k}", f"must be {_type_name(hints[k])}, got {v!r}")
+    return cls(**values)
+
+
+_TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string", dict: "a mapping",
+               type(None): "null"}
+
+
+def _has_type(value: Any, hint: Any) -> bool:
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return any(_has_type(value, h) for h in typing.get_args(hint))
+    if hint is float:
+        return _is_number(value)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return hint is Any or isinstance(value, typing.get_origin(hint) or hint)
+
+
+def _type_name(hint: Any) -> str:
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(h) for h in typing.get_args(hint))
+    return _TYPE_NAMES.get(typing.get_origin(hint) or hint, getattr(hint, "__name__", str(hint)))

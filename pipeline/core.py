@@ -9,11 +9,9 @@ is also the heartbeat. The core stops when told to, on SIGTERM, or when the API 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import signal
 from collections.abc import Callable
-from pathlib import Path
 
 import zmq
 import zmq.asyncio
@@ -23,14 +21,13 @@ from pipeline.api import EngineOptions, EngineOverloaded, EngineStartError, Omni
 from pipeline.worker import watch_parent
 
 log = logging.getLogger("omnirt.core")
-DEPLOY_DIR = Path(__file__).resolve().parents[1] / "deploy"
 STATS_S = 0.2  # stats snapshot (and heartbeat) period
 MAX_PENDING_BYTES = 16 * 2**20  # events queued for one send: request tasks wait beyond this
 
 
 def build_engine(opts: EngineOptions):
     """Profile -> platform merge -> models -> started engine. Raises EngineStartError."""
-    from pipeline.config import ProfileError, load_profile
+    from pipeline.config import ProfileError, engine_config, profile_path
     from pipeline.models import ModelNotFoundError, load_models
     from pipeline.platform import detect_platform, get_platform, set_num_threads
     from pipeline.ray_replica import RayUnavailableError, require_ray
@@ -39,23 +36,13 @@ def build_engine(opts: EngineOptions):
         set_num_threads(opts.threads)
     try:
         platform = get_platform(opts.platform) if opts.platform else detect_platform()
-        profile = opts.deploy_config or DEPLOY_DIR / ("tiny.yaml" if opts.model == "tiny" else "qwen3_omni_moe.yaml")
-        overrides = {"model": opts.model, "load_format": opts.load_format, "dtype": opts.dtype,
-                     "async_output": opts.async_output or None, "moe_backend": opts.moe_backend,
-                     "attention": opts.attention, "compile": "off" if opts.enforce_eager else opts.compile,
-                     "distributed": opts.distributed, "max_output_buffer_bytes": opts.max_output_buffer_bytes}
-        stage_overrides = dict(opts.stage_overrides)
-        if opts.enforce_eager:
-            for sid in ("0", "1", "2"):
-                stage_overrides[sid] = {**stage_overrides.get(sid, {}), "enforce_eager": True}
-        cfg = load_profile(profile, platform.name, overrides, stage_overrides)
-        if not opts.async_chunk:
-            cfg = dataclasses.replace(cfg, connector=dataclasses.replace(cfg.connector, async_chunk=False))
+        cfg = engine_config(opts, platform.name)
         if cfg.distributed == "ray":
             require_ray()  # fail before loading weights when the extra is missing
-        _log_plan(platform.name, profile, cfg)
+        _log_plan(platform.name, profile_path(opts), cfg)
         local = tuple(s.name for s in cfg.stages if opts.engine == "reference" or not s.needs_workers)
         models = load_models(cfg, platform, local)  # stages in replica workers load there
+        cfg.check_voices(sorted(models.voices))
     except (ProfileError, ModelNotFoundError, RayUnavailableError, ValueError) as exc:
         raise EngineStartError(str(exc)) from exc
     return _start(opts.engine, cfg, models)

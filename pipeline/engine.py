@@ -59,7 +59,7 @@ class EngineBase:
         return EngineInfo(self.cfg.model, tuple(self.voices), self.cfg.default_voice, self.cfg.system_prompt,
                           graph.has_audio_output, self.models.input_sample_rate,
                           self.models.output_sample_rate, limits, self.cfg.retry_after_s,
-                          self.cfg.max_output_buffer_bytes, self.kind)
+                          self.cfg.max_output_buffer_bytes, self.kind, self.cfg.platform, self.cfg.voice_aliases)
 
     def check_admission(self, wants_audio: bool = True) -> None:
         """Raise EngineOverloaded when new work would have to wait past the stages' bounds (none here)."""
@@ -70,8 +70,10 @@ class EngineBase:
         if not self.models.graph.has_audio_output:
             raise RequestError("this model has no audio output", "modalities")
         voice = (req.voice or self.cfg.default_voice).lower()
+        voice = self.cfg.voice_aliases.get(voice, voice)
         if voice not in self.models.voices:
-            raise RequestError(f"unknown voice {req.voice!r}; available: {', '.join(self.voices)}", "voice",
+            aliases = f" (or {', '.join(self.cfg.voice_aliases)})" if self.cfg.voice_aliases else ""
+            raise RequestError(f"unknown voice {req.voice!r}; available: {', '.join(self.voices)}{aliases}", "voice",
                                "invalid_voice")
         return voice
 

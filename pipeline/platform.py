@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-PLATFORMS = ("cuda", "rocm", "npu", "xpu", "cpu")
+from pipeline.config import PLATFORMS  # defined where profiles are checked, without torch
 
 
 @dataclass(slots=True, frozen=True)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,7 +13,8 @@ import yaml
 from pipeline.config import ProfileError, build_config, load_profile
 from pipeline.platform import PLATFORMS, detect_platform, get_platform
 
-DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
+ROOT = Path(__file__).resolve().parents[1]
+DEPLOY = ROOT / "deploy"
 
 
 @pytest.mark.parametrize("profile", sorted(p.name for p in DEPLOY.glob("*.yaml")))
@@ -47,26 +51,110 @@ def test_precedence_cli_over_platform_over_profile():
     ({"stages": [{"stage_id": 0, "max_num_seq": 4}]}, "stages[0].max_num_seq"),
     ({"stages": [{"stage_id": 1, "devices": "0,a"}]}, "stages[1].devices"),
     ({"stages": [{"stage_id": 2, "num_replicas": 0}]}, "stages[2].num_replicas"),
+    ({"stages": [{"stage_id": 1, "max_num_seqs": "lots"}]}, "stages[1].max_num_seqs"),
+    ({"stages": [{"stage_id": 1, "enforce_eager": "no"}]}, "stages[1].enforce_eager"),
+    ({"stages": [{"stage_id": 0, "default_sampling_params": {"temprature": 1}}]},
+     "stages[0].default_sampling_params.temprature"),
+    ({"stages": [{"stage_id": 0, "default_sampling_params": {"top_p": "high"}}]},
+     "stages[0].default_sampling_params.top_p"),
+    ({"stages": [{"stage_id": "thinker"}]}, "stages[0].stage_id"),
     ({"connector": {"codec_chunk_frames": 0}}, "connector.codec_chunk_frames"),
     ({"connector": {"codec_left_context_frames": 0}}, "connector.codec_left_context_frames"),
+    ({"connector": [1]}, "connector"),
     ({"platforms": {"tpu": {}}}, "platforms.tpu"),
+    ({"platforms": {"cpu": [1]}}, "platforms.cpu"),
     ({"dtype": "int4"}, "dtype"),
     ({"load_format": "pt"}, "load_format"),
-    ({"stages": [{"stage_id": 7}]}, "stage_id"),
+    ({"stages": [{"stage_id": 7}]}, "stages[7].stage_id"),
     ({"stages": {"stage_id": 0}}, "stages"),
-    ({"bogus": 1}, "(top level).bogus"),
+    ({"voice_aliases": {"alloy": 1}}, "voice_aliases.alloy"),
+    ({"bogus": 1}, "bogus"),
 ])
 def test_bad_profile_names_the_key(raw, key):
-    with pytest.raises(ProfileError, match=key.replace("[", r"\[").replace("]", r"\]").replace("(", r"\(")
-                       .replace(")", r"\)")):
+    with pytest.raises(ProfileError) as err:
         build_config(raw, "cpu", {}, {})
+    assert err.value.key == key and str(err.value).startswith(f"deploy profile: {key} ")
 
 
-def test_unreadable_profile(tmp_path):
+@pytest.mark.parametrize("text,key,line,accepted", [
+    ("model: tiny\nstages:\n  - stage_id: 1\n    max_num_seqs: lots\n", "stages[1].max_num_seqs", 4, "an integer"),
+    ("dtype: int4\n", "dtype", 1, "float32, bfloat16, float16"),
+    ("stages:\n  - stage_id: 0\n    default_sampling_params: {temprature: 0.5}\n",
+     "stages[0].default_sampling_params.temprature", 3, "temperature, top_k"),
+    ("platforms:\n  cuda:\n    stages:\n      - {stage_id: 2, max_num_seqs: 0}\n", "stages[2].max_num_seqs", 4, ">= 1"),
+    ("connector:\n  codec_chunk_frames: 25\n  codec_chunk_franes: 4\n", "connector.codec_chunk_franes", 3,
+     "codec_chunk_frames"),
+])
+def test_a_bad_profile_file_names_the_key_file_line_and_accepted_values(tmp_path, text, key, line, accepted):
+    path = tmp_path / "mine.yaml"
+    path.write_text(text)
+    with pytest.raises(ProfileError) as err:
+        load_profile(path, "cuda")
+    assert str(err.value).startswith(f"deploy profile {path}, line {line}: {key} ") and accepted in str(err.value)
+
+
+def test_broken_yaml_names_the_file_line_and_column(tmp_path):
     bad = tmp_path / "bad.yaml"
-    bad.write_text("stages: [unclosed")
-    with pytest.raises(ProfileError):
+    bad.write_text("model: tiny\nstages: [unclosed\n")
+    with pytest.raises(ProfileError, match=rf"^deploy profile {bad}, line 3, column 1: is not valid YAML: expected"):
         load_profile(bad, "cpu")
+    with pytest.raises(ProfileError, match=rf"^deploy profile {tmp_path / 'none.yaml'}: cannot be read"):
+        load_profile(tmp_path / "none.yaml", "cpu")
+    bad.write_text("- a list\n")
+    with pytest.raises(ProfileError, match="the top level must be a mapping"):
+        load_profile(bad, "cpu")
+
+
+def test_values_from_the_command_line_are_named_by_their_flag():
+    with pytest.raises(ProfileError, match=r"^--stage-overrides: stages\[1\]\.max_num_seqs must be an integer"):
+        load_profile(DEPLOY / "tiny.yaml", "cpu", stage_overrides={"1": {"max_num_seqs": "8"}})
+    with pytest.raises(ProfileError, match=r"^--max-output-buffer-bytes: max_output_buffer_bytes must be >= 4096"):
+        load_profile(DEPLOY / "tiny.yaml", "cpu", {"max_output_buffer_bytes": 10})
+
+
+def test_check_options_reads_every_platform_entry(tmp_path):
+    """Without --platform the profile is checked for every platform it could be detected on."""
+    from pipeline.api import EngineOptions, EngineStartError, check_options
+
+    path = tmp_path / "p.yaml"
+    path.write_text("platforms:\n  rocm:\n    stages:\n      - {stage_id: 1, max_waiting: -1}\n")
+    check_options(EngineOptions(deploy_config=str(path), platform="cpu"))
+    with pytest.raises(EngineStartError, match=rf"deploy profile {path}, line 4: stages\[1\].max_waiting must be >= 0"):
+        check_options(EngineOptions(deploy_config=str(path)))
+
+
+def test_the_profile_check_never_imports_torch(tmp_path):
+    path = tmp_path / "p.yaml"
+    path.write_text("stages:\n  - {stage_id: 1, max_num_seqs: lots}\n")
+    code = ("import sys; from pipeline.api import EngineOptions, EngineStartError, check_options\n"
+            f"try: check_options(EngineOptions(deploy_config={str(path)!r}))\n"
+            "except EngineStartError as exc: print(exc)\n"
+            "print('torch' in sys.modules, 'transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.stdout.splitlines() == [f"deploy profile {path}, line 2: stages[1].max_num_seqs must be an integer, "
+                                       "got 'lots'", "False False"], out.stderr
+
+
+def test_sampling_keys_are_the_sampling_parameters():
+    from pipeline.config import SAMPLING_KEYS
+    from pipeline.sampling import SamplingParams
+
+    assert set(SAMPLING_KEYS) == {f.name for f in dataclasses.fields(SamplingParams)}
+
+
+OPENAI_VOICES = ("alloy", "ash", "ballad", "coral", "echo", "fable", "nova", "onyx", "sage", "shimmer", "verse",
+                 "marin", "cedar")
+
+
+@pytest.mark.parametrize("profile", sorted(p.name for p in DEPLOY.glob("*.yaml")))
+def test_every_shipped_profile_names_openai_voices(profile):
+    """Each shipped profile maps every OpenAI voice name to one of Qwen3-Omni's three voices."""
+    cfg = load_profile(DEPLOY / profile, "cpu")
+    assert set(cfg.voice_aliases) == set(OPENAI_VOICES) and set(cfg.voice_aliases.values()) <= {"chelsie", "ethan",
+                                                                                                "aiden"}
+    cfg.check_voices(["aiden", "chelsie", "ethan"])
+    with pytest.raises(ProfileError, match="voice_aliases.alloy names 'chelsie', not a voice of this model"):
+        cfg.check_voices(["ethan"])
 
 
 def test_platform_detection_boundary(monkeypatch):

@@ -42,6 +42,31 @@ def test_locust_headless_short_run(server, tmp_path):
         assert 1 <= int(stats[name]["Request Count"]) <= len(raw), name  # raw also keeps the stop phase
 
 
+def test_bench_picks_a_sweep_that_fits_the_server_and_says_so(server, tmp_path):
+    """Against the CPU server, without a sweep given: the small CPU sweep, announced (--dry-run: only that)."""
+    for cmd, plan in ((["bench"], "prompt lengths [10, 160] x concurrency [1, 2, 4]"),
+                      (["bench", "realtime"], "[1, 4] websocket sessions x (1 + 3) turns, mode cancel")):
+        run = subprocess.run([sys.executable, "-m", "app.cli", *cmd, "--url", server.url, "--dry-run"], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert run.returncode == 0 and run.stdout.startswith(f"would run: cpu server at {server.url}: {plan}"), run
+    assert not list(tmp_path.iterdir())  # a dry run writes nothing
+
+
+def test_bench_writes_into_an_untracked_run_folder_by_default(server, tmp_path):
+    run = subprocess.run([sys.executable, "-m", "app.cli", "bench", "--url", server.url, "--prompt-lens", "10",
+                          "--concurrency", "1", "--requests-per-point", "2", "--rounds", "1", "--warmup", "1",
+                          "--thinker-tokens", "4", "--talker-frames", "6"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+    [folder] = (tmp_path / "bench-results").iterdir()
+    assert folder.name.startswith("bench-") and {f.name for f in folder.iterdir()} == {"bench.json", "bench.md",
+                                                                                     "bench.png"}
+    row = json.loads((folder / "bench.json").read_text())["results"][0]
+    assert (row["prompt_len"], row["concurrency"], row["ok"], row["failed"]) == (10, 1, 2, 0), row
+    ignored = subprocess.run(["git", "check-ignore", "-q", "bench-results/bench-x/bench.json"], cwd=ROOT)
+    assert ignored.returncode == 0  # in a checkout, that folder is one git ignores
+
+
 @pytest.mark.parametrize(("mode", "transport"), [("cancel", "websocket"), ("no-responses", "websocket"),
                                                ("cancel", "webrtc")])
 def test_bench_realtime_short_run(server, tmp_path, mode, transport):

@@ -64,6 +64,16 @@ MALFORMED = [
      "audio"),
     ("unknown item", {"type": "conversation.item.delete", "item_id": "item_nope"}, "item_not_found", "item_id"),
     ("unsupported voice", {"type": "session.update", "session": {"voice": "nobody"}}, "invalid_voice", None),
+    ("unserved field at a value", {"type": "session.update", "session": {"audio": {"output": {"speed": 1.5}}}},
+     "unsupported_parameter", "session.audio.output.speed"),
+    ("unserved field: tools", {"type": "response.create", "response": {"tools": [{"type": "function"}]}},
+     "unsupported_parameter", "response.tools"),
+    ("unknown field", {"type": "response.create", "response": {"temprature": 0.5}}, "unknown_parameter",
+     "response.temprature"),
+    ("unknown event field", {"type": "response.cancel", "response": "resp_1"}, "unknown_parameter", "response"),
+    ("unknown item field", {"type": "conversation.item.create", "item": {"type": "message", "role": "user",
+     "content": [{"type": "input_text", "text": "hi", "cache_control": {}}]}}, "unknown_parameter",
+     "item.content.0.cache_control"),
     ("cancel without response", {"type": "response.cancel"}, "response_cancel_not_active", None),
     ("oversized event", {"type": "input_audio_buffer.append", "audio": "A" * 70000}, "event_too_large", None),
 ]
@@ -204,6 +214,8 @@ async def test_per_response_instructions_voice_and_out_of_band(server):
         assert again_pcm == base_pcm
         voiced, voiced_pcm = await answer(ws, audio={"output": {"voice": "chelsie"}})
         assert voiced["audio"]["output"]["voice"] == "chelsie" and voiced_pcm != base_pcm
+        aliased, aliased_pcm = await answer(ws, audio={"output": {"voice": "alloy"}})  # OpenAI's name for chelsie
+        assert aliased["audio"]["output"]["voice"] == "alloy" and aliased_pcm == voiced_pcm
         told, _ = await answer(ws, instructions="Answer like a pirate, in one short sentence, always.")
         assert told["usage"]["input_tokens"] > base["usage"]["input_tokens"]
         texted, text_pcm = await answer(ws, output_modalities=["text"])
@@ -222,3 +234,15 @@ async def test_an_audio_item_shorter_than_one_feature_window_is_answered(server)
         events = await until_done(ws)
     assert not [e for e in events if e["type"] == "error"]
     assert events[-1]["response"]["status"] in ("completed", "incomplete")
+
+
+async def test_a_client_may_send_back_the_session_it_was_given(server):
+    """The one field rule: `session.created`'s session object, sent back whole in `session.update`, is accepted
+    (its unserved fields are at values that ask for nothing), in both dialects."""
+    for headers in ({}, {"OpenAI-Beta": "realtime=v1"}):
+        async with websockets.connect(ws_url(server), additional_headers=headers) as ws:
+            created = await recv_type(ws, "session.created")
+            await ws.send(json.dumps({"type": "session.update", "session": created["session"]}))
+            updated = await recv(ws)
+            assert updated["type"] == "session.updated", updated
+            assert updated["session"] == created["session"], (updated, created)

@@ -15,6 +15,7 @@ import pytest
 from aiortc import RTCConfiguration, RTCPeerConnection
 
 from app.server import ServerSettings, create_app
+from app.transports.ice import IceSettings
 from app.transports.webrtc import CLOSE_STEP_TIMEOUT_S, MEDIA_TIMEOUT_S, Call
 from loadtest.webrtc_client import RealtimeCall, connect
 from tests.conftest import ROOT, ServerProcess
@@ -239,7 +240,7 @@ async def test_a_closing_step_that_never_ends_does_not_hold_up_the_close(caplog)
 @pytest.mark.timeout(120)  # a close that hangs fails here, not at the suite's 600 s
 async def test_no_task_or_track_outlives_a_call(engine):
     """In process: after a page close mid-answer and after shutdown, nothing of the call is left running."""
-    app = create_app(engine, ServerSettings(ice_addresses=("127.0.0.1",)))
+    app = create_app(engine, ServerSettings(ice=IceSettings(("127.0.0.1",))))
     baseline = asyncio.all_tasks()
     transport = httpx.ASGITransport(app=app)
     ended = []

@@ -66,11 +66,16 @@ async def demo_page(server, tmp_path, tail_silence_s: float, responses: list | N
 
 
 async def test_browser_talks_to_the_agent(server, tmp_path):
-    async with demo_page(server, tmp_path, tail_silence_s=40) as (page, console):
+    responses = []
+    async with demo_page(server, tmp_path, tail_silence_s=40, responses=responses) as (page, console):
         voices = httpx.get(f"{server.url}/v1/voices", timeout=5).json()["voices"]
         assert await page.eval_on_selector_all("#voice option", "os => os.map(o => o.value)") == voices
+        assert await page.inner_text("#model") == "tiny"  # the served model, before any call
+        assert (await page.inner_text("#status")).startswith("Press Talk")
         await page.select_option("#voice", "chelsie")
         await page.click("#talk")
+        await page.wait_for_function("document.querySelector('#status').textContent === 'Connected: talk.'",
+                                     timeout=60_000)
         # the user's turn (server VAD on the fake microphone), then the agent's transcript and audio
         await page.wait_for_selector("#transcript li.user", timeout=60_000)
         await page.wait_for_function("demo.turns.length && demo.turns[0].transcript.length > 0", timeout=90_000)
@@ -82,6 +87,10 @@ async def test_browser_talks_to_the_agent(server, tmp_path):
         await page.screenshot(path=str(ARTIFACTS / "webrtc-demo.png"), full_page=True)
         metrics = await page.inner_text("#metrics tbody tr")
         await page.click("#talk")  # hang up
+        status = await page.inner_text("#status")
+    assert status.startswith("You hung up. Press Talk"), status
+    assert [r.status for r in responses if r.url.endswith("/favicon.svg")] == [200]
+    assert not [(r.url, r.status) for r in responses if r.status >= 400]  # no favicon 404, nothing else
     assert agent_text.strip() and agent_text.strip() == turn["transcript"].strip()  # innerText trims
     assert turn["heardAt"] - turn["since"] > 0
     cells = metrics.split("\t")
@@ -99,10 +108,14 @@ async def test_browser_user_interrupts_by_talking(server, tmp_path):
         await page.wait_for_function("demo.agentLevel < 0.002", timeout=5_000)  # the agent went quiet
         assert await page.eval_on_selector("#transcript li.agent", "li => li.classList.contains('cancelled')")
         await page.wait_for_function("demo.turns.length >= 2", timeout=60_000)  # the interrupting turn is answered
+        await page.wait_for_function("demo.turns[0].heard !== null", timeout=10_000)  # the item as the server cut it
         await page.screenshot(path=str(ARTIFACTS / "webrtc-demo-barge-in.png"), full_page=True)
         first = await page.evaluate("({...demo.turns[0], el: null, row: null})")
+        shown = await page.inner_text("#transcript li.agent .text")
         row = (await page.inner_text("#metrics tbody tr")).split("\t")
     assert 0 < first["audioMs"] < 8000  # truncated where the user cut in
+    # the interrupted answer shows only what was heard: the server's truncated transcript, a prefix of all it sent
+    assert shown.strip() == first["heard"].strip() and first["transcript"].startswith(first["heard"])
     assert row[1].endswith(" ms") and row[2] == "—" and row[5] == "interrupted"
 
 

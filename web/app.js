@@ -8,18 +8,22 @@
 const $ = (id) => document.getElementById(id);
 const LEVEL_HEARD = 0.01; // RMS above which agent audio counts as heard
 
-// `window.demo` is the page's state; the browser test reads it too.
-const demo = window.demo = { auth: "none", pc: null, channel: null, mic: null, callUrl: null, audio: null,
-  turns: [], byResponse: new Map(), userTurn: null, lastSpeechStop: null, maxAgentLevel: 0, agentLevel: 0 };
+// `window.demo` is the page's state; the browser test reads it too. `phase` is the call's:
+// idle -> mic (asking for the microphone) -> calling (the offer is out) -> call (answered) -> idle.
+const demo = window.demo = { auth: "none", iceServers: [], phase: "idle", ended: null, pc: null, channel: null,
+  mic: null, callUrl: null, audio: null, turns: [], byResponse: new Map(), userTurn: null, lastSpeechStop: null,
+  maxAgentLevel: 0, agentLevel: 0 };
 
-// ---- voices and access ------------------------------------------------------------------------------
+// ---- the model, voices and access ------------------------------------------------------------------------
 
 async function loadConfig() {
   const r = await fetch("/demo/config");
-  const { voices, default: preferred, auth } = await r.json();
+  const { model, voices, default: preferred, auth, ice_servers: iceServers } = await r.json();
   demo.auth = auth; // "none", "client_secret" (fetched per call) or "api_key" (the demo is not enabled)
+  demo.iceServers = iceServers; // none unless the operator configured STUN/TURN (--webrtc-ice-servers)
+  $("model").textContent = model;
   $("voice").replaceChildren(...voices.map((v) => new Option(v, v, v === preferred, v === preferred)));
-  if (auth === "api_key") status("This server needs an API key; its operator can enable the demo (--demo-key-id).");
+  showStatus();
 }
 
 async function authorization() {
@@ -48,30 +52,32 @@ window.addEventListener("pagehide", () => {
 
 async function call() {
   $("talk").disabled = true;
-  status("Asking for the microphone…");
+  setPhase("mic");
   // media permission first: Chromium then offers real host addresses instead of mDNS names
   demo.mic = await navigator.mediaDevices.getUserMedia({ audio: { echoCancellation: true, noiseSuppression: true } });
-  const pc = demo.pc = new RTCPeerConnection({ iceServers: [] }); // never a public STUN server
+  const pc = demo.pc = new RTCPeerConnection({ iceServers: demo.iceServers }); // none by default: no network asked
   pc.addTrack(demo.mic.getAudioTracks()[0], demo.mic);
   pc.ontrack = (e) => playAgent(e.streams[0] || new MediaStream([e.track]));
   pc.onconnectionstatechange = () => {
-    status(`Connection ${pc.connectionState}.`);
-    if (["failed", "closed"].includes(pc.connectionState)) hangUp(`Connection ${pc.connectionState}.`);
+    if (demo.pc !== pc) return; // a call this page already ended
+    if (["failed", "closed"].includes(pc.connectionState)) hangUp(`The connection ${pc.connectionState}.`);
+    else showStatus();
   };
   const channel = demo.channel = pc.createDataChannel("oai-events");
-  channel.onopen = () => { status("Connected: talk."); sendVoice(); };
+  channel.onopen = () => { showStatus(); sendVoice(); };
   channel.onmessage = (m) => onEvent(JSON.parse(m.data));
   channel.onclose = () => { if (demo.pc === pc) hangUp("The server ended the call."); };
   meter(demo.mic, $("mic-level"));
 
   await pc.setLocalDescription(await pc.createOffer());
   await gathered(pc); // the server does not trickle: send every candidate in the offer
-  status("Calling…");
+  setPhase("calling");
   const r = await fetch("/v1/realtime/calls", { method: "POST", body: pc.localDescription.sdp,
     headers: { "Content-Type": "application/sdp", ...(await authorization()) } });
   if (!r.ok) throw new Error((await r.json()).error?.message || `HTTP ${r.status}`);
   demo.callUrl = r.headers.get("Location");
   await pc.setRemoteDescription({ type: "answer", sdp: await r.text() });
+  setPhase("call");
   $("talk").textContent = "Hang up";
   $("talk").classList.add("live");
   $("talk").disabled = false;
@@ -87,17 +93,20 @@ function gathered(pc) {
 
 function hangUp(message) {
   const pc = demo.pc;
-  if (!pc) return;
+  demo.ended = message;
+  if (demo.phase === "idle") return showStatus(); // nothing to end (e.g. the page could not load its config)
   demo.pc = null;
-  if (demo.callUrl && demo.auth === "none") fetch(demo.callUrl + "/hangup", { method: "POST" }).catch(() => {});
+  // hang up first (keyless servers), then close: closing first would end the call before the hangup arrives
+  const hangup = demo.callUrl && demo.auth === "none" && !["failed", "closed"].includes(pc?.connectionState)
+    ? fetch(demo.callUrl + "/hangup", { method: "POST" }).catch(() => {}) : Promise.resolve();
+  hangup.finally(() => pc?.close());
   demo.callUrl = null;
   demo.channel = null;
-  pc.close();
   demo.mic?.getTracks().forEach((t) => t.stop());
   $("talk").textContent = "Talk";
   $("talk").classList.remove("live");
   $("talk").disabled = false;
-  status(message);
+  setPhase("idle");
 }
 
 function fail(err) {
@@ -174,9 +183,16 @@ function onEvent(ev) {
     case "output_audio_buffer.cleared": // interrupted while playing (its generation may have ended already)
       if (turn) { turn.playing = false; turn.status = "interrupted"; turn.el.li.classList.add("cancelled"); }
       break;
-    case "conversation.item.truncated": {
+    case "conversation.item.truncated": { // the server cut the item at what was played: show only that
       const t = demo.turns.find((x) => x.itemId === ev.item_id);
       if (t) t.audioMs = ev.audio_end_ms;
+      send({ type: "conversation.item.retrieve", item_id: ev.item_id });
+      break;
+    }
+    case "conversation.item.retrieved": {
+      const t = demo.turns.find((x) => x.itemId === ev.item.id);
+      const heard = ev.item.content.find((c) => c.transcript != null)?.transcript;
+      if (t && heard != null) { t.heard = heard; t.el.text.textContent = heard; row(t); }
       break;
     }
     case "response.output_item.added":
@@ -193,7 +209,8 @@ function onEvent(ev) {
 }
 
 function startTurn(responseId) {
-  const turn = { n: demo.turns.length + 1, responseId, itemId: null, transcript: "", createdAt: performance.now(),
+  const turn = { n: demo.turns.length + 1, responseId, itemId: null, transcript: "", heard: null,
+    createdAt: performance.now(),
     since: demo.lastSpeechStop ?? performance.now(), doneAt: null, heardAt: null, audioMs: null, underruns: null,
     status: "in progress", playing: false, el: line("agent", "Agent", "") };
   demo.lastSpeechStop = null;
@@ -238,7 +255,23 @@ function row(turn) {
   turn.row.replaceChildren(...cells.map((c) => Object.assign(document.createElement("td"), { textContent: c })));
 }
 
-function status(text) { $("status").textContent = text; }
+// The status line follows from the call's phase and its connection's state, not from which event came last.
+function setPhase(phase) { demo.phase = phase; showStatus(); }
+
+function showStatus() {
+  const pc = demo.pc, open = demo.channel?.readyState === "open";
+  const idle = demo.auth === "api_key"
+    ? "This server needs an API key; its operator can enable the demo (--demo-key-id)."
+    : "Press Talk and allow the microphone. Speak; pause to let the agent answer; talk over it to interrupt.";
+  const text = {
+    idle: demo.ended ? `${demo.ended} ${idle}` : idle,
+    mic: "Asking for the microphone…",
+    calling: "Calling…",
+    call: pc?.connectionState === "connected" && open ? "Connected: talk." : "Connecting…",
+  }[demo.phase];
+  $("status").textContent = text;
+}
+
 function error(text) { $("errors").textContent = text; }
 
 loadConfig().catch(fail);

@@ -1,4 +1,4 @@
-"""Audio containers: audio files in, WAV out, PCM16 bytes to and from float32 samples."""
+"""PCM16 bytes to and from float32 samples, and the WAV container (compressed files: `app/audio/files.py`)."""
 
 from __future__ import annotations
 
@@ -6,22 +6,10 @@ import io
 import wave
 
 import numpy as np
-import soundfile
 
 
 class AudioFormatError(ValueError):
     pass
-
-
-def decode_audio_file(data: bytes) -> tuple[np.ndarray, int]:
-    """A WAV (or FLAC/OGG) file -> (float32 mono samples, sample rate)."""
-    try:
-        samples, rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=True)
-    except Exception as exc:
-        raise AudioFormatError(f"not a readable audio file ({exc.__class__.__name__})") from exc
-    if samples.size == 0:
-        raise AudioFormatError("the audio file has no samples")
-    return samples.mean(axis=1), int(rate)
 
 
 def encode_wav(pcm16: bytes, sample_rate: int) -> bytes:

@@ -1,6 +1,7 @@
 """The client's playback clock, shared by the server's metrics and the load tests: playback starts
 with the first audio packet and stalls whenever the audio received so far has all been played.
-An underrun is a stall of at least `UNDERRUN_S` while the response still owes audio (DESIGN.md §6)."""
+An underrun is a stall of at least `UNDERRUN_S` while the response still owes audio (the definitions of
+docs/benchmarks.md)."""
 
 from __future__ import annotations
 

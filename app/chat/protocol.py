@@ -1,20 +1,28 @@
-"""The request shapes of POST /v1/chat/completions (OpenAI's), and their translation to engine terms."""
+"""The request shapes of POST /v1/chat/completions (OpenAI's), the fields each accepts (the one rule of
+`app/fields.py`), and their translation to engine terms."""
 
 from __future__ import annotations
 
 import base64
 import binascii
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from app.audio.pcm import AudioFormatError, decode_audio_file
+from app.audio.files import INPUT_FORMATS, OUTPUT_FORMATS, AudioTooLong, decode_file
+from app.audio.pcm import AudioFormatError
 from app.audio.resample import resample
 from app.errors import APIError
+from app.fields import FieldError, FieldRule, rule
+
+NO_LIST, NO_MAP = (None, []), (None, {})  # an unserved field at one of these asks for nothing
 
 
 class _Open(BaseModel):
-    model_config = ConfigDict(extra="allow")  # unknown OpenAI fields are accepted and ignored
+    """Other fields pass pydantic and are judged by `fields` (`check_fields`): ignored, inert or refused."""
+
+    model_config = ConfigDict(extra="allow")
+    fields: ClassVar[FieldRule] = rule(())
 
 
 class InputAudio(_Open):
@@ -32,15 +40,19 @@ class ChatMessage(_Open):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     audio: dict[str, Any] | None = None  # a previous assistant audio reference: the transcript is in content
+    # what the SDK echoes back from an earlier reply (`message.model_dump()`), and tool bookkeeping
+    fields = rule((), ignored=("name", "refusal", "annotations", "tool_call_id"),
+                  inert={"tool_calls": NO_LIST, "function_call": (None,)})
 
 
 class AudioParams(_Open):
     voice: str | None = None
-    format: Literal["wav", "pcm16"] = "wav"
+    format: Literal[OUTPUT_FORMATS] = "wav"
 
 
 class StreamOptions(_Open):
     include_usage: bool = False
+    fields = rule((), ignored=("include_obfuscation",))  # no obfuscation padding is ever added
 
 
 class ChatRequest(_Open):
@@ -55,16 +67,41 @@ class ChatRequest(_Open):
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     seed: int | None = None
-    min_tokens: int | None = Field(default=None, ge=0)  # vLLM's extension: no end of text before this many
     n: int = Field(default=1, ge=1, le=1)
+    # vLLM's extensions: no end of text before min_tokens; top-k; repetition penalty
+    min_tokens: int | None = Field(default=None, ge=0)
+    top_k: int | None = Field(default=None, ge=-1)
+    repetition_penalty: float | None = Field(default=None, gt=0, le=2)
     # omnirt extensions (vLLM-Omni names): per-stage talker sampling, first audio chunk size
     talker_sampling: dict[str, Any] | None = None
     initial_codec_chunk_frames: int | None = Field(default=None, ge=1, le=64)
+    fields = rule((), ignored=("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
+                               "parallel_tool_calls"),
+                  inert={"tools": NO_LIST, "functions": NO_LIST, "tool_choice": (None, "none", "auto"),
+                         "function_call": (None, "none", "auto"), "response_format": (None, {"type": "text"}),
+                         "logprobs": (None, False), "top_logprobs": (None, 0), "frequency_penalty": (None, 0),
+                         "presence_penalty": (None, 0), "logit_bias": NO_MAP, "stop": (None, [], ""),
+                         "prediction": (None,), "web_search_options": (None,), "reasoning_effort": (None,),
+                         "verbosity": (None,)})
 
     def thinker_overrides(self) -> dict[str, Any]:
-        out = {"temperature": self.temperature, "top_p": self.top_p, "seed": self.seed,
+        out = {"temperature": self.temperature, "top_p": self.top_p, "seed": self.seed, "top_k": self.top_k,
+               "repetition_penalty": self.repetition_penalty,
                "max_tokens": self.max_completion_tokens or self.max_tokens, "min_tokens": self.min_tokens}
         return {k: v for k, v in out.items() if v is not None}
+
+
+def check_fields(model: _Open, where: str = "") -> None:
+    """The one rule over the request and every object in it; APIError 400 naming the first field it refuses."""
+    try:
+        model.fields.check(model.model_extra or {}, where)
+    except FieldError as exc:
+        raise APIError(400, exc.message, exc.param, exc.code) from exc
+    for name in model.model_fields_set:
+        value = getattr(model, name)
+        for key, item in enumerate(value) if isinstance(value, list) else [(None, value)]:
+            if isinstance(item, _Open):
+                check_fields(item, ".".join(str(p) for p in (where, name, key) if p not in ("", None)))
 
 
 def to_engine_messages(messages: list[ChatMessage], input_rate: int, max_audio_s: float) -> list[dict]:
@@ -89,8 +126,9 @@ def _part(p: ContentPart, where: str, input_rate: int, max_audio_s: float) -> di
         return {"type": "text", "text": p.text}
     if p.input_audio is None:
         raise APIError(400, f"{where}.input_audio is required", f"{where}.input_audio", "invalid_value")
-    if p.input_audio.format not in ("wav", "flac"):
-        raise APIError(400, f"input audio format {p.input_audio.format!r} is not supported (wav, flac)",
+    fmt = p.input_audio.format
+    if fmt not in INPUT_FORMATS:
+        raise APIError(400, f"input audio format {fmt!r} is not supported ({', '.join(INPUT_FORMATS)})",
                        f"{where}.input_audio.format", "unsupported_audio_format")
     try:
         raw = base64.b64decode(p.input_audio.data, validate=True)
@@ -98,11 +136,10 @@ def _part(p: ContentPart, where: str, input_rate: int, max_audio_s: float) -> di
         raise APIError(400, "input_audio.data is not valid base64", f"{where}.input_audio.data",
                        "invalid_base64") from exc
     try:
-        samples, rate = decode_audio_file(raw)
+        samples, rate = decode_file(raw, fmt, max_audio_s)
+    except AudioTooLong as exc:
+        raise APIError(400, f"input audio is longer than the limit of {max_audio_s:g} s", f"{where}.input_audio.data",
+                       "audio_too_long") from exc
     except AudioFormatError as exc:
-        raise APIError(400, f"input_audio.data: {exc}", f"{where}.input_audio.data",
-                       "invalid_audio") from exc
-    if samples.size / rate > max_audio_s:
-        raise APIError(400, f"input audio is {samples.size / rate:.1f} s; the limit is {max_audio_s:.0f} s",
-                       f"{where}.input_audio.data", "audio_too_long")
+        raise APIError(400, f"input_audio.data: {exc}", f"{where}.input_audio.data", "invalid_audio") from exc
     return {"type": "audio", "audio": resample(samples, rate, input_rate)}

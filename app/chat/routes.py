@@ -1,8 +1,10 @@
 """POST /v1/chat/completions in OpenAI's shapes: text or text+audio, streaming (SSE) or not.
 
 With audio output, as in OpenAI's API, the text arrives as the audio's transcript
-(`message.audio.transcript`, `delta.audio.transcript`) and `content` is null; audio is a base64
-WAV in the non-streaming body and base64 PCM16 (24 kHz mono) deltas when streaming.
+(`message.audio.transcript`, `delta.audio.transcript`) and `content` is null; the audio is base64 in
+`audio.format`: a whole file in the non-streaming body (`message.audio.data`); when streaming, each
+`delta.audio.data` is the next piece of the file, as the encoder has it (`wav` streams its 24 kHz mono
+PCM16 samples, as `pcm16` does: a WAV header would need the length first).
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from app.audio.pcm import encode_wav
-from app.chat.protocol import ChatRequest, to_engine_messages
+from app.audio.files import StreamEncoder, encode_file
+from app.chat.protocol import ChatRequest, check_fields, to_engine_messages
 from app.errors import APIError
 from app.ops.admission import check_draining, overloaded_error
 from pipeline.api import (
@@ -37,8 +39,9 @@ router = APIRouter()
 AUDIO_TTL_S = 3600
 
 
-def _engine_request(body: ChatRequest, request: Request) -> OmniRequest:
+async def _engine_request(body: ChatRequest, request: Request) -> OmniRequest:
     server = request.app.state.server
+    check_fields(body)
     if body.model not in server.model_names:
         raise APIError(404, f"the model {body.model!r} does not exist; served: {', '.join(server.model_names)}",
                        "model", "model_not_found")
@@ -46,7 +49,8 @@ def _engine_request(body: ChatRequest, request: Request) -> OmniRequest:
     if wants_audio and body.audio is None:
         raise APIError(400, "audio output needs the `audio` parameter ({voice, format})", "audio",
                        "missing_audio_params")
-    messages = to_engine_messages(body.messages, server.engine.info().input_sample_rate, server.max_audio_s)
+    messages = await asyncio.to_thread(to_engine_messages, body.messages, server.engine.info().input_sample_rate,
+                                       server.max_audio_s)  # decoding audio files is not the event loop's work
     if server.system_prompt and not any(m["role"] == "system" for m in messages):
         messages.insert(0, {"role": "system", "content": server.system_prompt})
     return OmniRequest(
@@ -60,7 +64,7 @@ async def chat_completions(body: ChatRequest, request: Request):
     started = time.monotonic()
     server = request.app.state.server
     check_draining(server)
-    req = _engine_request(body, request)
+    req = await _engine_request(body, request)
     try:
         events = await server.engine.submit(req)
     except RequestError as exc:
@@ -72,11 +76,11 @@ async def chat_completions(body: ChatRequest, request: Request):
         raise APIError(503, str(exc), code="engine_unavailable") from exc
     events = server.metrics.observe(events, "chat", started, {"request_id": req.request_id,
                                                                "key_id": request.state.principal.key_id})
+    rate = server.engine.info().output_sample_rate
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return ClosingStreamingResponse(_sse(body, req, events, include_usage), media_type="text/event-stream",
+        return ClosingStreamingResponse(_sse(body, req, events, include_usage, rate), media_type="text/event-stream",
                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    rate = server.engine.info().output_sample_rate
     return await _until_done_or_gone(_collect(body, req, events, rate), request)
 
 
@@ -111,7 +115,7 @@ async def _collect(body: ChatRequest, req: OmniRequest, events: AsyncIterator, r
     _raise_if_failed(fin)
     message: dict = {"role": "assistant", "content": reply.text, "refusal": None}
     if req.wants_audio:
-        data = encode_wav(reply.pcm16, rate) if body.audio.format == "wav" else reply.pcm16
+        data = await asyncio.to_thread(encode_file, reply.pcm16, rate, body.audio.format)
         message["content"] = None
         message["audio"] = {"id": f"audio_{uuid.uuid4().hex}", "data": base64.b64encode(data).decode(),
                             "expires_at": int(time.time()) + AUDIO_TTL_S, "transcript": reply.text}
@@ -135,8 +139,9 @@ def _usage(fin: Finished) -> dict:
             "completion_tokens_details": {"audio_tokens": u.audio_frames, "reasoning_tokens": 0}}
 
 
-async def _sse(body: ChatRequest, req: OmniRequest, events: AsyncIterator, include_usage: bool):
+async def _sse(body: ChatRequest, req: OmniRequest, events: AsyncIterator, include_usage: bool, rate: int):
     created, audio_id = int(time.time()), f"audio_{uuid.uuid4().hex}"
+    encoder = StreamEncoder(body.audio.format if req.wants_audio else "pcm16", rate)
 
     def chunk(delta: dict, finish: str | None = None, usage: dict | None = None, choices: bool = True) -> str:
         payload = {"id": req.request_id, "object": "chat.completion.chunk", "created": created,
@@ -153,16 +158,18 @@ async def _sse(body: ChatRequest, req: OmniRequest, events: AsyncIterator, inclu
             if isinstance(ev, TextDelta):
                 yield chunk({"audio": {"id": audio_id, "transcript": ev.text}} if req.wants_audio
                             else {"content": ev.text})
-            elif isinstance(ev, AudioChunk):
-                yield chunk({"audio": {"id": audio_id, "data": base64.b64encode(ev.pcm16).decode()}})
+            elif isinstance(ev, AudioChunk) and (data := await asyncio.to_thread(encoder.encode, ev.pcm16)):
+                yield chunk({"audio": {"id": audio_id, "data": base64.b64encode(data).decode()}})
             elif isinstance(ev, Finished):
                 if ev.error:  # failed, or ended by the server (shutdown, unread output): say why, in-stream
                     code = "generation_failed" if ev.finish_reason == "error" else "request_aborted"
                     err = {"message": ev.error, "type": "server_error", "param": None, "code": code}
                     yield f"data: {json.dumps({'error': err})}\n\n"
                     return
-                if req.wants_audio:
-                    yield chunk({"audio": {"id": audio_id, "expires_at": created + AUDIO_TTL_S}})
+                if req.wants_audio:  # with the encoder's last bytes
+                    tail = await asyncio.to_thread(encoder.close)
+                    yield chunk({"audio": {"id": audio_id, "expires_at": created + AUDIO_TTL_S,
+                                           **({"data": base64.b64encode(tail).decode()} if tail else {})}})
                 yield chunk({}, ev.finish_reason)
                 if include_usage:
                     yield chunk({}, usage=_usage(ev), choices=False)

@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 
 CONTEXT_KEYS = ("request_id", "session_id", "key_id", "status", "finish_reason", "ttfp_ms", "audio_s", "rtf", "error")
+# Third-party noise at start-up, shown only with --log-level debug: transformers warns that Qwen3-Omni's own
+# config carries rope keys its default rope type does not read (harmless: the model reads them itself).
+QUIET_LOGGERS = ("transformers.modeling_rope_utils",)
 
 
 class StructuredFormatter(logging.Formatter):
@@ -30,6 +34,11 @@ class StructuredFormatter(logging.Formatter):
 
 
 def setup(level: str, fmt: str) -> None:
+    """Logging for this process (the API process, and the engine core's, before it imports transformers)."""
     handler = logging.StreamHandler()
     handler.setFormatter(StructuredFormatter(as_json=fmt == "json"))
     logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), handlers=[handler], force=True)
+    if level != "debug":
+        for name in QUIET_LOGGERS:
+            logging.getLogger(name).setLevel(logging.ERROR)
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' "Loading weights" bar

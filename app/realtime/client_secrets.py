@@ -144,7 +144,7 @@ def _config(request: Request, session: dict[str, Any], model: Any, where: str) -
         raise APIError(400, f"the instructions of a client secret may be {MAX_INSTRUCTIONS_CHARS} characters; send "
                        "longer ones in a session.update once connected", f"{prefix}instructions", "invalid_value")
     try:
-        return apply_session_update(starting_config(server, None, model), session, server.engine.info().voices)
+        return apply_session_update(starting_config(server, None, model), session, server.engine.info().voice_names)
     except ProtocolError as exc:
         if exc.param == "model":
             exc.param = f"{prefix}model"

@@ -2,8 +2,10 @@
 generation (GA nested `audio.input/output`, beta flat fields) -> one frozen config, and back to the
 `session` object each dialect expects.
 
-What omnirt cannot do (tools, input transcription, noise reduction, semantic VAD, out-of-band
-`input`) is refused with an error rather than silently ignored.
+Fields follow the one rule of `app/fields.py` (docs/api-fields.md): what omnirt cannot do (tools, input
+transcription, noise reduction, semantic VAD, out-of-band `input`, another speed) is accepted only at a
+value that asks for nothing (so a client may send back the `session` object it got) and refused with an
+`error` otherwise, as is any unknown field.
 """
 
 from __future__ import annotations
@@ -14,14 +16,28 @@ from typing import Any
 
 from app.audio.vad import VadConfig
 from app.audio.wire import FORMATS, FORMATS_BY_MIME, PCM16, AudioFormat
-from app.realtime.events import ProtocolError, require
+from app.fields import FieldRule, rule
+from app.realtime.events import ProtocolError, check_fields, require
 from pipeline.api import EngineInfo
 
 MAX_OUTPUT_TOKENS = 4096
-_IGNORED = {"type", "object", "id", "expires_at", "tracing", "tool_choice", "include", "prompt",
-            "client_secret", "speed"}
-_VAD_KEYS = {"type", "threshold", "prefix_padding_ms", "silence_duration_ms", "create_response",
-             "interrupt_response", "idle_timeout_ms"}
+_ECHOED = ("type", "object", "id", "expires_at")  # parts of a session object a client may send back
+_UNSERVED = {"tools": (None, []), "tool_choice": (None, "auto", "none"), "prompt": (None,), "include": (None, []),
+             "speed": (None, 1.0)}
+SESSION_FIELDS = rule(
+    ("audio", "instructions", "output_modalities", "modalities", "voice", "input_audio_format", "output_audio_format",
+     "turn_detection", "temperature", "max_output_tokens", "max_response_output_tokens", "model", "truncation"),
+    ignored=(*_ECHOED, "tracing", "client_secret"),
+    inert={**_UNSERVED, "input_audio_transcription": (None,), "input_audio_noise_reduction": (None,)})
+RESPONSE_FIELDS = rule(
+    ("audio", "instructions", "output_modalities", "modalities", "voice", "output_audio_format", "temperature",
+     "max_output_tokens", "max_response_output_tokens", "conversation", "metadata", "talker_sampling"),
+    ignored=_ECHOED, inert={**_UNSERVED, "input": (None, [])})
+SESSION_AUDIO_FIELDS, RESPONSE_AUDIO_FIELDS = rule(("input", "output")), rule(("output",))
+AUDIO_INPUT_FIELDS = rule(("format", "turn_detection"), inert={"transcription": (None,), "noise_reduction": (None,)})
+AUDIO_OUTPUT_FIELDS = rule(("format", "voice"), inert={"speed": (None, 1.0)})
+VAD_FIELDS = rule(("type", "threshold", "prefix_padding_ms", "silence_duration_ms", "create_response",
+                   "interrupt_response", "idle_timeout_ms"))
 
 
 @dataclass(slots=True, frozen=True)
@@ -67,11 +83,7 @@ def initial_config(info: EngineInfo, model: str, instructions: str) -> SessionCo
 
 def apply_session_update(cfg: SessionConfig, update: dict[str, Any], voices: tuple[str, ...]) -> SessionConfig:
     """`session.update`'s `session` over the current config; only the fields present change."""
-    _refuse_unsupported(update, "session", extra={"truncation"})
-    audio = require(update, "audio", (dict,), "session", {})
-    a_in = require(audio, "input", (dict,), "session.audio", {})
-    a_out = require(audio, "output", (dict,), "session.audio", {})
-    _refuse_unsupported(a_in, "session.audio.input")
+    a_in, a_out = _fields(update, SESSION_FIELDS, SESSION_AUDIO_FIELDS, "session")
     if update.get("type") not in (None, "realtime"):
         raise ProtocolError("only `realtime` sessions are served (no transcription sessions)", "invalid_value",
                             "session.type")
@@ -107,12 +119,7 @@ def apply_session_update(cfg: SessionConfig, update: dict[str, Any], voices: tup
 def response_options(cfg: SessionConfig, body: dict[str, Any] | None, voices: tuple[str, ...]) -> ResponseOptions:
     """`response.create`'s `response` over the session defaults."""
     body = body or {}
-    _refuse_unsupported(body, "response", extra={"conversation", "metadata", "talker_sampling", "input"})
-    if body.get("input"):
-        raise ProtocolError("response.input (out-of-band input items) is not supported", "unsupported_parameter",
-                            "response.input")
-    audio = require(body, "audio", (dict,), "response", {})
-    a_out = require(audio, "output", (dict,), "response.audio", {})
+    _, a_out = _fields(body, RESPONSE_FIELDS, RESPONSE_AUDIO_FIELDS, "response")
     wants_audio = cfg.wants_audio
     for key in ("output_modalities", "modalities"):
         if body.get(key) is not None:
@@ -144,9 +151,7 @@ def parse_turn_detection(value: Any, where: str) -> VadConfig | None:
     if kind != "server_vad":
         raise ProtocolError(f"turn detection {kind!r} is not supported; use 'server_vad' or null",
                             "unsupported_parameter", f"{where}.type")
-    unknown = set(value) - _VAD_KEYS
-    if unknown:
-        raise ProtocolError(f"unknown turn_detection field {sorted(unknown)[0]!r}", "unknown_parameter", where)
+    check_fields(VAD_FIELDS, value, where)
     kw = {k: require(value, k, t, where) for k, t in (("threshold", (float, int)), ("prefix_padding_ms", (int,)),
                                                       ("silence_duration_ms", (int,)), ("create_response", (bool,)),
                                                       ("interrupt_response", (bool,)), ("idle_timeout_ms", (int,)))}
@@ -196,23 +201,16 @@ def _truncation(value: Any, where: str) -> Any:
     return {"type": "retention_ratio", "retention_ratio": float(ratio)}
 
 
-def _refuse_unsupported(obj: dict, where: str, extra: frozenset | set = frozenset()) -> None:
-    for key in ("tools",):
-        if obj.get(key):
-            raise ProtocolError(f"{where}.{key}: function calling is not supported", "unsupported_parameter",
-                                f"{where}.{key}")
-    for key in ("input_audio_transcription", "transcription", "input_audio_noise_reduction", "noise_reduction"):
-        if obj.get(key) is not None:
-            raise ProtocolError(f"{where}.{key} is not supported; set it to null", "unsupported_parameter",
-                                f"{where}.{key}")
-    if where in ("session", "response"):
-        known = {"audio", "instructions", "output_modalities", "modalities", "voice", "input_audio_format",
-                 "output_audio_format", "turn_detection", "temperature", "max_output_tokens",
-                 "max_response_output_tokens", "model", "tools", "input_audio_transcription",
-                 "input_audio_noise_reduction"} | _IGNORED | set(extra)
-        unknown = sorted(set(obj) - known)
-        if unknown:
-            raise ProtocolError(f"unknown parameter {where}.{unknown[0]}", "unknown_parameter", f"{where}.{unknown[0]}")
+def _fields(obj: dict, fields: FieldRule, audio_fields: FieldRule, where: str) -> tuple[dict, dict]:
+    """The one rule over a session or response body and its `audio`; returns `audio.input`, `audio.output`."""
+    check_fields(fields, obj, where)
+    audio = require(obj, "audio", (dict,), where, {})
+    check_fields(audio_fields, audio, f"{where}.audio")
+    a_in = require(audio, "input", (dict,), f"{where}.audio", {})
+    a_out = require(audio, "output", (dict,), f"{where}.audio", {})
+    check_fields(AUDIO_INPUT_FIELDS, a_in, f"{where}.audio.input")
+    check_fields(AUDIO_OUTPUT_FIELDS, a_out, f"{where}.audio.output")
+    return a_in, a_out
 
 
 def _modalities(value: Any, where: str) -> bool:

@@ -19,12 +19,15 @@ import numpy as np
 from app.audio.pcm import AudioFormatError
 from app.audio.resample import resample
 from app.audio.wire import AudioFormat, decode
-from app.realtime.events import ProtocolError, new_id, require
+from app.fields import rule
+from app.realtime.events import ProtocolError, check_fields, new_id, require
 
 _ROLES = {"user": ("input_text", "input_audio"), "system": ("input_text",),
           "assistant": ("output_text", "output_audio", "text", "audio")}
 _BETA_TYPES = {"output_text": "text", "output_audio": "audio"}
 _GA_TYPES = {"text": "output_text", "audio": "output_audio"}
+ITEM_FIELDS = rule(("type", "role", "content", "id"), ignored=("object", "status"))  # status: an item sent back
+CONTENT_FIELDS = rule(("type", "text", "audio", "transcript"))
 
 
 @dataclass(slots=True)
@@ -138,6 +141,7 @@ def item_object(item: Item, beta: bool) -> dict[str, Any]:
 
 def parse_item(obj: dict[str, Any], input_format: AudioFormat, audio_rate: int) -> Item:
     """`conversation.item.create`'s `item` -> an Item (audio decoded and resampled to `audio_rate`)."""
+    check_fields(ITEM_FIELDS, obj, "item")
     kind = require(obj, "type", (str,), "item", "message")
     if kind != "message":
         raise ProtocolError(f"item type {kind!r} is not supported (function calling is not)", "unsupported_parameter",
@@ -158,6 +162,7 @@ def parse_item(obj: dict[str, Any], input_format: AudioFormat, audio_rate: int) 
 def _content(part: Any, role: str, where: str, fmt: AudioFormat, audio_rate: int) -> Content:
     if not isinstance(part, dict):
         raise ProtocolError(f"`{where}` must be an object", "invalid_type", where)
+    check_fields(CONTENT_FIELDS, part, where)
     kind = require(part, "type", (str,), where)
     if kind not in _ROLES[role]:
         raise ProtocolError(f"a {role} item cannot hold {kind!r} content", "invalid_value", f"{where}.type")

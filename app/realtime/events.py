@@ -11,6 +11,8 @@ import json
 import uuid
 from typing import Any
 
+from app.fields import FieldError, FieldRule, rule
+
 # field -> (accepted types, required)
 _FIELDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     "session.update": {"session": ((dict,), True)},
@@ -27,6 +29,7 @@ _FIELDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     "output_audio_buffer.clear": {"response_id": ((str,), False)},
 }
 CLIENT_EVENT_TYPES = tuple(_FIELDS)
+_EVENT_FIELDS = {kind: rule(("type", "event_id", *fields)) for kind, fields in _FIELDS.items()}
 
 # GA server event name -> beta name (None: the beta protocol has no such event)
 _BETA_NAMES: dict[str, str | None] = {
@@ -75,6 +78,7 @@ def validate_client_event(event: dict[str, Any]) -> None:
     fields = _FIELDS.get(kind)
     if fields is None:
         raise ProtocolError(f"unknown event type {kind!r}", "invalid_event_type", "type")
+    check_fields(_EVENT_FIELDS[kind], event, "")
     for name, (types, required) in fields.items():
         value = event.get(name)
         if value is None:
@@ -100,6 +104,14 @@ def error_event(exc: ProtocolError, client_event_id: str | None = None) -> dict[
     return {"type": "error", "event_id": new_id("event"),
             "error": {"type": exc.error_type, "code": exc.code, "message": exc.message, "param": exc.param,
                       "event_id": client_event_id}}
+
+
+def check_fields(fields: FieldRule, obj: dict, where: str) -> None:
+    """The one rule of `app/fields.py` over `obj`, its refusal as a ProtocolError."""
+    try:
+        fields.check(obj, where)
+    except FieldError as exc:
+        raise ProtocolError(exc.message, exc.code, exc.param) from exc
 
 
 def require(obj: dict, key: str, types: tuple[type, ...], where: str, default: Any = None) -> Any:

@@ -148,7 +148,7 @@ class RealtimeSession:
     # ---- session and input audio ----------------------------------------------------------------------
 
     async def _session_update(self, ev: dict) -> None:
-        new = apply_session_update(self.config, ev["session"], self.engine.info().voices)
+        new = apply_session_update(self.config, ev["session"], self.engine.info().voice_names)
         if new.voice != self.config.voice and self._has_spoken:
             raise ProtocolError("the voice cannot change once the model has produced audio", "invalid_value",
                                 "session.voice")
@@ -192,7 +192,7 @@ class RealtimeSession:
         await self._add_user_audio(turn.audio, item_id)
         td = self.config.turn_detection
         if td is not None and td.create_response and not self.is_busy:
-            await self._start_response(response_options(self.config, None, self.engine.info().voices))
+            await self._start_response(response_options(self.config, None, self.engine.info().voice_names))
 
     async def _commit(self, ev: dict) -> None:
         if self.input.duration_ms < MIN_COMMIT_MS:
@@ -247,7 +247,7 @@ class RealtimeSession:
         if self.is_busy:
             raise ProtocolError(f"a response is in progress ({self.response.id}); cancel it or wait for "
                                 "response.done", "conversation_already_has_active_response")
-        await self._start_response(response_options(self.config, ev.get("response"), self.engine.info().voices))
+        await self._start_response(response_options(self.config, ev.get("response"), self.engine.info().voice_names))
 
     async def _start_response(self, opts: ResponseOptions) -> None:
         messages = self.conversation.history(opts.instructions)

@@ -25,15 +25,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import ipaddress
 import json
 import logging
 from dataclasses import dataclass, field
 
-import aioice.ice
 import av
 import numpy as np
-from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
+from aiortc import RTCPeerConnection, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -46,6 +44,7 @@ from app.realtime.client_secrets import http_error, starting_config
 from app.realtime.config import SessionConfig
 from app.realtime.events import ProtocolError, new_id
 from app.realtime.session import RealtimeSession
+from app.transports.ice import IceSettings, advertise, candidates, offer_host_addresses, rtc_configuration
 from app.transports.webrtc_track import PacedAudioTrack
 
 log = logging.getLogger(__name__)
@@ -59,23 +58,12 @@ MAX_CHANNEL_BUFFER_BYTES = 2**20
 CLOSE_STEP_TIMEOUT_S = 2.0  # each step of closing a call; a peer that never finishes closing holds up nothing
 
 
-def offer_host_addresses(addresses: tuple[str, ...]) -> None:
-    """Make ICE offer exactly these host addresses (process-wide: aioice reads one module function).
-
-    aioice gathers a host candidate on every interface except loopback (it drops 127.0.0.1 and ::1),
-    so a server bound to 127.0.0.1 would offer only addresses it does not listen on. Empty: aioice's
-    own choice.
-    """
-    if addresses:
-        aioice.ice.get_host_addresses = lambda use_ipv4, use_ipv6: [
-            a for a in addresses if (use_ipv4 if ipaddress.ip_address(a).version == 4 else use_ipv6)]
-
-
 @dataclass(slots=True)
 class CallRegistry:
     """The app's calls: dropped when they end, all ended together on shutdown."""
 
     connect_timeout_s: float = 30.0  # ICE + DTLS must complete within this after the answer
+    ice: IceSettings = field(default_factory=IceSettings)
     calls: dict[str, Call] = field(default_factory=dict)
 
     async def close_all(self) -> None:
@@ -91,7 +79,7 @@ class Call:
         self.registry: CallRegistry = request.app.state.webrtc
         self.sessions, self.limits = request.app.state.realtime, request.app.state.realtime.limits
         self.id = new_id("rtc")
-        self.pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))  # never a public STUN server
+        self.pc = RTCPeerConnection(rtc_configuration(self.registry.ice))  # no ICE server unless configured
         self.track = PacedAudioTrack(self.send, input_rate=server.engine.info().output_sample_rate)
         self.session = RealtimeSession(server.engine, config, self.limits, self.sessions.vad, beta=beta,
                                        audio_sink=self.track, metrics=server.metrics, key_id=key_id)
@@ -118,7 +106,7 @@ class Call:
         await self.session.start()
         self.writer = asyncio.create_task(self._write(), name=f"webrtc-{self.id}-write")
         self._spawn(self._read(), self._watchdog())
-        return self.pc.localDescription.sdp
+        return advertise(self.pc.localDescription.sdp, self.registry.ice.advertised_address)
 
     # ---- events of the peer connection ---------------------------------------------------------------
 
@@ -248,9 +236,9 @@ class Call:
 # ---- signalling ------------------------------------------------------------------------------------
 
 
-def install(app: FastAPI, ice_addresses: tuple[str, ...] = (), connect_timeout_s: float = 30.0) -> None:
-    offer_host_addresses(ice_addresses)
-    app.state.webrtc = CallRegistry(connect_timeout_s)
+def install(app: FastAPI, ice: IceSettings, connect_timeout_s: float = 30.0) -> None:
+    offer_host_addresses(ice.host_addresses)
+    app.state.webrtc = CallRegistry(connect_timeout_s, ice)
     app.router.on_shutdown.insert(0, app.state.webrtc.close_all)
     app.include_router(router)
 
@@ -303,7 +291,7 @@ async def _call(request: Request, beta: bool, status: int) -> Response:
         raise APIError(400, f"the SDP offer cannot be used: {exc or type(exc).__name__}", "sdp",
                        "invalid_sdp") from exc
     call.log.info("webrtc %s: answered (model %s, beta %s, session %s); candidates offered %s, answered %s", call.id,
-                  config.model, beta, call.session.id, _candidates(offer), _candidates(answer))
+                  config.model, beta, call.session.id, candidates(offer), candidates(answer))
     return Response(answer, status, media_type="application/sdp",
                     headers={"Location": f"/v1/realtime/calls/{call.id}"})
 
@@ -325,8 +313,3 @@ async def _read_offer(request: Request) -> str:
         raise APIError(400, "the body is not an SDP offer (it must start with `v=0`)", "sdp", "invalid_sdp")
     return sdp
 
-
-def _candidates(sdp: str) -> list[str]:
-    """`address:port type` of each ICE candidate (for the log: what ICE had to work with)."""
-    fields = [line.split() for line in sdp.splitlines() if line.startswith("a=candidate:")]
-    return [f"{f[4]}:{f[5]} {f[7]}" for f in fields if len(f) >= 8]

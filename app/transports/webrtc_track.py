@@ -32,7 +32,7 @@ from app.realtime.events import new_id
 
 OPUS_RATE = 48000  # WebRTC's Opus clock
 FRAME_SAMPLES = OPUS_RATE // 50  # 20 ms
-UNDERRUN_FRAMES = 5  # a gap of 100 ms or more while audio is owed (DESIGN.md §6)
+UNDERRUN_FRAMES = 5  # a gap of 100 ms or more while audio is owed (docs/benchmarks.md, "Definitions")
 
 
 class PacedAudioTrack(MediaStreamTrack):
