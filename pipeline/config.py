@@ -46,6 +46,7 @@ class StageConfig:
     own_process: bool = False  # a worker process even as one replica on the engine's device
     device_ipc: bool = True  # device tensors to/from its workers through shared device memory where the platform can
     ray_resources: dict[str, float] = field(default_factory=dict)  # per replica actor, e.g. {num_gpus: 1}
+    prefix_caching: bool = True  # an ended request's KV stays resident for a prompt that starts the same way
 
     @property
     def name(self) -> str:

@@ -162,7 +162,8 @@ class Response:
         sampling = {"max_tokens": self.opts.max_output_tokens, "temperature": self.opts.temperature}
         return OmniRequest(self.id, messages, ("text", "audio") if self.opts.wants_audio else ("text",),
                            voice=self.opts.voice, thinker_sampling={k: v for k, v in sampling.items() if v is not None},
-                           talker_sampling=self.opts.talker_sampling or {}, truncation=self.opts.truncation)
+                           talker_sampling=self.opts.talker_sampling or {}, truncation=self.opts.truncation,
+                           cache_salt=self._ids.get("key_id"))  # one API key's sessions share cached prefixes
 
     def _finished(self, fin: Finished) -> None:
         if fin.truncated_messages and self.on_truncated is not None:
@@ -176,7 +177,7 @@ class Response:
         u = fin.usage
         out = u.completion_tokens + u.audio_frames
         self.usage = {"total_tokens": u.prompt_tokens + out, "input_tokens": u.prompt_tokens, "output_tokens": out,
-                      "input_token_details": {"cached_tokens": 0},
+                      "input_token_details": {"cached_tokens": u.cached_tokens},
                       "output_token_details": {"text_tokens": u.completion_tokens, "audio_tokens": u.audio_frames}}
 
     async def _text(self, text: str) -> None:
