@@ -44,10 +44,6 @@ class SlotKVCache:
         """Slots a new request can get: the free ones and the resident ones."""
         return len(self._free) + len(self.resident)
 
-    @property
-    def has_unused_slot(self) -> bool:
-        """A slot is free without giving up a resident one."""
-        return bool(self._free)
 
     @property
     def num_bytes(self) -> int:
@@ -62,6 +58,16 @@ class SlotKVCache:
         if self._free:
             return self._free.popleft()
         return self.resident.popitem(last=False)[0]
+
+    def spare(self, keep: int) -> int | None:
+        """A slot for a copy of resident slot `keep`'s prefix: a free one, else the least recently used
+        resident one but `keep` (None: `keep` is the only one)."""
+        if self._free:
+            return self._free.popleft()
+        victim = next((s for s in self.resident if s != keep), None)
+        if victim is not None:
+            del self.resident[victim]
+        return victim
 
     def free(self, slot: int) -> None:
         assert slot not in self._free and slot not in self.resident, f"slot {slot} freed twice"

@@ -95,33 +95,36 @@ class Scheduler:
                 self.running.append(req)
 
     def _place(self, req: StageRequest) -> None:
-        """Give `req` a slot: the resident one holding the longest start of its prompt (taken over when
-        the prompt covers all it holds or no slot is free, else copied to a free slot), or any free one."""
+        """Give `req` a slot: the resident one holding the longest start of its prompt, taken over when the
+        prompt covers all it holds, else copied into another slot (a free one, or the least recently used
+        resident one) so that the rest stays for whoever continues it; without any, a free slot."""
         found = self._lookup(req)
         if found is None:
             req.slot = self.kv.allocate()
             return
         slot, n = found
         held = self.kv.resident[slot]
-        if n < held.num_tokens and self.kv.has_unused_slot:
-            self.kv.touch(slot)
-            req.slot = self.kv.allocate()
-            self.kv.copy_prefix(slot, req.slot, n)
-        else:
-            req.slot = slot
+        spare = self.kv.spare(keep=slot) if n < held.num_tokens else None
+        if spare is None:
             self.kv.claim(slot)
+            req.slot = slot
+        else:
+            self.kv.touch(slot)
+            self.kv.copy_prefix(slot, spare, n)
+            req.slot = spare
         self.reuse.adopt(req, held, n)
         req.num_computed_tokens = req.num_cached_tokens = n
         self.num_cached_tokens += n
         self.cached.append((req.request_id, n))
 
     def _lookup(self, req: StageRequest) -> tuple[int, int] | None:
-        """(resident slot, positions of the prompt it has) with the most, if any; at least the prompt's last
-        token is left to compute (its logits start the reply)."""
+        """(resident slot, positions of the prompt it has) with the most, if any; the prompt's last token is
+        always left to compute (its logits start the reply)."""
         key = self.reuse.key(req) if self.reuse is not None else None
         if key is None or not self.kv.resident:
             return None
-        n, slot = max((self.reuse.match(held, key), slot) for slot, held in self.kv.resident.items())
+        matches = ((self.reuse.match(held, key), slot) for slot, held in reversed(self.kv.resident.items()))
+        n, slot = max(matches, key=lambda m: m[0])  # of equal ones, the most recently used
         n = min(n, req.num_prompt_tokens - 1)
         return (slot, n) if n > 0 else None
 
