@@ -43,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="hand off whole payloads: Talker after the Thinker, Code2Wav after the Talker (ablation)")
     s.add_argument("--no-async-output", action="store_true",
                    help="stage threads wait for the consumer of each output (ablation)")
+    s.add_argument("--no-prefix-caching", action="store_true",
+                   help="free each request's KV slot when it ends: every turn prefills its whole prompt (ablation)")
     s.add_argument("--engine", choices=["omnirt", "reference"], default="omnirt",
                    help="reference: transformers' own generate(), one request at a time (the baseline)")
     s.add_argument("--engine-process", choices=["auto", "core", "inproc"], default="auto",
@@ -108,7 +110,8 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
         load_format=args.load_format, dtype=args.dtype, stage_overrides=dict(args.stage_overrides or {}),
         moe_backend=args.moe_backend, attention=args.attention, compile=args.compile,
         enforce_eager=args.enforce_eager,
-        async_chunk=not args.no_async_chunk, async_output=not args.no_async_output, engine=args.engine,
+        async_chunk=not args.no_async_chunk, async_output=not args.no_async_output,
+        prefix_caching=not args.no_prefix_caching, engine=args.engine,
         platform=args.platform, distributed=args.distributed, threads=args.threads,
         max_output_buffer_bytes=args.max_output_buffer_bytes, process=args.engine_process,
         log_level=args.log_level, log_format=args.log_format)

@@ -222,6 +222,7 @@ class EngineOptions:
     enforce_eager: bool = False
     async_chunk: bool = True
     async_output: bool = True
+    prefix_caching: bool = True  # False: every stage prefills each prompt in full (ablation)
     engine: Literal["omnirt", "reference"] = "omnirt"
     platform: str | None = None
     distributed: str | None = None

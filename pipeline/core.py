@@ -45,9 +45,11 @@ def build_engine(opts: EngineOptions):
                      "attention": opts.attention, "compile": "off" if opts.enforce_eager else opts.compile,
                      "distributed": opts.distributed, "max_output_buffer_bytes": opts.max_output_buffer_bytes}
         stage_overrides = dict(opts.stage_overrides)
-        if opts.enforce_eager:
-            for sid in ("0", "1", "2"):
-                stage_overrides[sid] = {**stage_overrides.get(sid, {}), "enforce_eager": True}
+        forced = {"enforce_eager": True} if opts.enforce_eager else {}  # global ablations: every stage
+        if not opts.prefix_caching:
+            forced["prefix_caching"] = False
+        for sid in ("0", "1", "2") if forced else ():
+            stage_overrides[sid] = {**stage_overrides.get(sid, {}), **forced}
         cfg = load_profile(profile, platform.name, overrides, stage_overrides)
         if not opts.async_chunk:
             cfg = dataclasses.replace(cfg, connector=dataclasses.replace(cfg.connector, async_chunk=False))

@@ -4,8 +4,8 @@ Lifecycle: `response.created` -> output item / content part added -> text or tra
 audio deltas -> the `.done` events -> `response.done` with status `completed`, `incomplete`
 (`max_output_tokens`), `failed`, or `cancelled` (`turn_detected` / `client_cancelled`).
 Cancelling aborts the request in every engine stage at once (`engine.abort`), drops its queued
-audio from the outbox (or the audio sink), and ends the event stream with `response.done`; no audio
-delta of the response is sent after that.
+audio from the outbox (or the audio sink), and ends the event stream with `response.done` (whose usage
+still counts the prompt, and the tokens of it reused); no audio delta of the response is sent after that.
 """
 
 from __future__ import annotations
@@ -140,14 +140,14 @@ class Response:
     async def _stream(self, events) -> None:
         try:
             async for ev in events:
-                if self.cancel_reason:
-                    break
-                if isinstance(ev, TextDelta):
+                if isinstance(ev, Finished):  # a cancelled response's too: what its prompt took (usage, the cut)
+                    self._finished(ev)
+                elif self.cancel_reason:
+                    continue  # what was already on its way is dropped; the engine ends the stream
+                elif isinstance(ev, TextDelta):
                     await self._text(ev.text)
                 elif isinstance(ev, AudioChunk):
                     await self._audio(self._resampler(pcm16_to_float(ev.pcm16)), ev.pcm16)
-                elif isinstance(ev, Finished):
-                    self._finished(ev)
         finally:
             await events.aclose()
         if self.opts.wants_audio and not self.cancel_reason:
