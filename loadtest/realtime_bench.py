@@ -268,8 +268,12 @@ class WebRtcMic(Mic):
             self._sent.set()
 
 
-def _session_update(args: argparse.Namespace) -> dict:
+def _session_update(args: argparse.Namespace, index: int) -> dict:
+    """Session `index`'s settings. Its instructions are its own: sessions say the same utterance every turn,
+    and would otherwise share their whole history (a prefix cache would serve one session's turns from
+    another's)."""
     return {"type": "session.update", "session": {
+        "instructions": f"You are voice assistant number {index}. Be brief.",
         "turn_detection": {"type": "server_vad", "silence_duration_ms": SILENCE_MS,
                            "create_response": args.mode != "no-responses"},
         "input_audio_format": "pcm16", "output_audio_format": "pcm16", "voice": args.voice,
@@ -288,7 +292,7 @@ async def _client(index: int, sessions: list[int], args: argparse.Namespace, sta
         async with websockets.connect(url, max_size=None, open_timeout=60,
                                       additional_headers={"OpenAI-Beta": "realtime=v1"}) as ws:
             json.loads(await ws.recv())  # session.created
-            await ws.send(json.dumps(_session_update(args)))
+            await ws.send(json.dumps(_session_update(args, i)))
             await WebSocketMic(ws, i, speech, args, result).run(start_at + i * args.stagger)
 
     async def over_webrtc(i: int) -> None:
@@ -296,7 +300,7 @@ async def _client(index: int, sessions: list[int], args: argparse.Namespace, sta
         await mic.connect(args.url)
         try:
             await mic.call.wait_for(lambda e: e["type"] == "session.created", 60)
-            mic.call.send(_session_update(args))
+            mic.call.send(_session_update(args, i))
             await mic.run(start_at + i * args.stagger)
         finally:
             await mic.call.close()
@@ -339,7 +343,7 @@ async def _abuse_once(kind: str, url: str, speech: list[str], stop: asyncio.Even
     try:
         async with websockets.connect(url, sock=sock, max_size=None, max_queue=1 if kind == "deaf" else 16,
                                       open_timeout=60) as ws:
-            await ws.send(json.dumps(_session_update(args)))
+            await ws.send(json.dumps(_session_update(args, -1)))
             if kind == "flood":
                 reader = asyncio.create_task(_errors(ws, record))
                 with contextlib.suppress(websockets.ConnectionClosed):

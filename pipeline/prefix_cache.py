@@ -3,12 +3,13 @@
 When a request ends, its slot is parked *resident* (`SlotKVCache.park`) with what it holds instead of
 being freed: the keys of the positions whose KV was written. A new request whose prompt begins with
 those keys gets the slot and starts its prefill after them (`num_computed_tokens`), so nothing is
-recomputed. It takes the slot over when its prompt covers all the slot holds; when it matches only a
-part (another conversation with the same instructions, a reply cut short), the matched positions are
-copied into another slot (a free one, else the least recently used resident one), so that the rest
-stays for whoever continues it. Resident slots count as free: the least recently used one is given up
-whenever a slot is needed, so reuse never costs capacity, and a request that finds nothing (or whose
-slot was given up) is prefilled in full as without reuse.
+recomputed. It takes the slot over when it matches at least the ended request's prompt (it is that
+conversation's next turn); when it matches less (another conversation with the same instructions, the
+same history with another last message), the matched positions are copied into another slot (a free
+one, else the least recently used resident one), so that the rest stays for whoever continues it.
+Resident slots count as free: the least recently used one is given up whenever a slot is needed, so
+reuse never costs capacity, and a request that finds nothing (or whose slot was given up) is
+prefilled in full as without reuse.
 
 What a key is, and what else a slot holds for the request that takes it over, is the stage model's
 business (`PrefixReuse`); the scheduler only asks it.
@@ -29,6 +30,11 @@ class Held(Protocol):
     @property
     def num_tokens(self) -> int:
         """Positions [0, num_tokens) whose KV the slot holds."""
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Of those, the ended request's prompt; past them lies its own reply, which only the next turn of
+        its conversation would continue."""
 
     @property
     def num_bytes(self) -> int:

@@ -95,16 +95,16 @@ class Scheduler:
                 self.running.append(req)
 
     def _place(self, req: StageRequest) -> None:
-        """Give `req` a slot: the resident one holding the longest start of its prompt, taken over when the
-        prompt covers all it holds, else copied into another slot (a free one, or the least recently used
-        resident one) so that the rest stays for whoever continues it; without any, a free slot."""
+        """Give `req` a slot: the resident one holding the longest start of its prompt, taken over when that
+        covers the ended request's prompt, else copied into another slot (a free one, or the least recently
+        used resident one) so that the rest stays for whoever continues it; without any, a free slot."""
         found = self._lookup(req)
         if found is None:
             req.slot = self.kv.allocate()
             return
         slot, n = found
         held = self.kv.resident[slot]
-        spare = self.kv.spare(keep=slot) if n < held.num_tokens else None
+        spare = self.kv.spare(keep=slot) if n < held.num_prompt_tokens else None
         if spare is None:
             self.kv.claim(slot)
             req.slot = slot

@@ -19,7 +19,7 @@ from pipeline.request import RequestStatus, StageRequest
 from pipeline.sampling import SamplingParams
 from pipeline.scheduler import Scheduler, StepOutput
 from tests.test_parity import engine_generate, started_engine
-from tests.test_truncation import turn_text
+from tests.test_truncation import Driver, turn_text
 
 # ---- the scheduler and the slot cache, with keys that are plain token ids -------------------------------
 
@@ -27,6 +27,7 @@ from tests.test_truncation import turn_text
 @dataclasses.dataclass
 class Held:
     key: np.ndarray
+    num_prompt_tokens: int
     num_bytes: int = 0
 
     @property
@@ -44,7 +45,8 @@ class IdsReuse:
         return common_prefix(held.key, key)
 
     def held(self, req):
-        return Held(np.concatenate([req.state, np.asarray(req.output_ids, dtype=np.int64)])[:req.num_computed_tokens])
+        written = np.concatenate([req.state, np.asarray(req.output_ids, dtype=np.int64)])[:req.num_computed_tokens]
+        return Held(written, min(len(written), req.num_prompt_tokens))
 
     def adopt(self, req, held, n):
         pass
@@ -80,14 +82,24 @@ def test_a_prompt_that_extends_a_resident_slot_takes_it_over_and_prefills_the_re
     same = _req("s", list(range(10, 22)))  # all of it matches: its last token is still computed (its logits)
     s.add(same)
     s.schedule()
-    assert same.num_computed_tokens == 11 and same.slot != slot and slot in kv.resident  # copied: b extends it
+    assert same.num_computed_tokens == 11 and same.slot != slot and slot in kv.resident  # copied (a little short)
     s.finish(same, RequestStatus.FINISHED_ABORTED)
     second = _req("b", list(range(10, 22)) + [5, 5, 7])
     s.add(second)
     batch = s.schedule()
-    assert second.slot == slot and slot not in kv.resident  # it holds no more than b's prompt: taken over
+    assert second.slot == slot and slot not in kv.resident  # a's next turn: taken over
     assert second.num_cached_tokens == second.num_computed_tokens == 13 and batch.num_new_tokens == [2]
     assert s.cached == [("s", 11), ("b", 13)] and s.num_cached_tokens == 24
+
+
+def test_the_next_turn_takes_the_slot_over_even_where_the_reply_it_resends_differs():
+    kv, s = _setup(slots=2)
+    _run(s, _req("a", [1, 2, 3, 4]))  # holds [1, 2, 3, 4, 5]
+    (slot, _), = kv.resident.items()
+    nxt = _req("b", [1, 2, 3, 4, 6, 6])  # the reply cut short (barge-in) or re-tokenized otherwise
+    s.add(nxt)
+    s.schedule()
+    assert nxt.slot == slot and not kv.resident and nxt.num_computed_tokens == 4
 
 
 def test_a_partial_match_copies_into_another_slot_and_keeps_the_resident_one():
@@ -303,3 +315,14 @@ async def test_an_aborted_reply_leaves_a_prefix_the_next_turn_reuses_exactly(eng
         results.append(reply)
     assert results[0].token_ids == results[1].token_ids
     assert results[0].finished.usage.cached_tokens >= len(first.input_ids)
+
+
+async def test_realtime_usage_counts_the_history_each_response_reused(engine):
+    d = Driver(engine)
+    await d.start("auto")
+    usage = [(await d.turn(i))["usage"] for i in range(3)]
+    await d.close()
+    # each response reuses the one before's prompt, but for its assistant header (3 tokens) when the reply was
+    # empty (the tiny model's two tokens are often special ones): the session then leaves the item out
+    for before, now in zip(usage, usage[1:]):
+        assert before["input_tokens"] - 3 <= now["input_token_details"]["cached_tokens"] < now["input_tokens"], usage

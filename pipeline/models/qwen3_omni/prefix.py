@@ -38,6 +38,10 @@ class ThinkerHeld:
         return len(self.key.keys)
 
     @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.embeds)
+
+    @property
     def num_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.embeds, self.tapped))
 
@@ -83,8 +87,12 @@ class TalkerKey:
 @dataclass(slots=True, frozen=True)
 class TalkerHeld:
     key: TalkerKey
-    num_tokens: int  # user rows written
+    num_tokens: int  # user rows written (all of them prompt)
     num_bytes: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.num_tokens
 
 
 class TalkerPrefixes:
