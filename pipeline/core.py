@@ -44,13 +44,7 @@ def build_engine(opts: EngineOptions):
                      "async_output": opts.async_output or None, "moe_backend": opts.moe_backend,
                      "attention": opts.attention, "compile": "off" if opts.enforce_eager else opts.compile,
                      "distributed": opts.distributed, "max_output_buffer_bytes": opts.max_output_buffer_bytes}
-        stage_overrides = dict(opts.stage_overrides)
-        forced = {"enforce_eager": True} if opts.enforce_eager else {}  # global ablations: every stage
-        if not opts.prefix_caching:
-            forced["prefix_caching"] = False
-        for sid in ("0", "1", "2") if forced else ():
-            stage_overrides[sid] = {**stage_overrides.get(sid, {}), **forced}
-        cfg = load_profile(profile, platform.name, overrides, stage_overrides)
+        cfg = load_profile(profile, platform.name, overrides, stage_overrides(opts))
         if not opts.async_chunk:
             cfg = dataclasses.replace(cfg, connector=dataclasses.replace(cfg.connector, async_chunk=False))
         if cfg.distributed == "ray":
@@ -61,6 +55,18 @@ def build_engine(opts: EngineOptions):
     except (ProfileError, ModelNotFoundError, RayUnavailableError, ValueError) as exc:
         raise EngineStartError(str(exc)) from exc
     return _start(opts.engine, cfg, models)
+
+
+def stage_overrides(opts: EngineOptions) -> dict[str, dict]:
+    """`--stage-overrides`, with the global ablations (`--enforce-eager`, `--no-prefix-caching`) set in
+    every stage over them."""
+    forced = {"enforce_eager": True} if opts.enforce_eager else {}
+    if not opts.prefix_caching:
+        forced["prefix_caching"] = False
+    out = dict(opts.stage_overrides)
+    for sid in ("0", "1", "2") if forced else ():
+        out[sid] = {**out.get(sid, {}), **forced}
+    return out
 
 
 def _log_plan(platform: str, profile, cfg) -> None:

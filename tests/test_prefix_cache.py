@@ -326,3 +326,14 @@ async def test_realtime_usage_counts_the_history_each_response_reused(engine):
     # empty (the tiny model's two tokens are often special ones): the session then leaves the item out
     for before, now in zip(usage, usage[1:]):
         assert before["input_tokens"] - 3 <= now["input_token_details"]["cached_tokens"] < now["input_tokens"], usage
+
+
+def test_no_prefix_caching_turns_reuse_off_in_every_stage():
+    from pipeline.api import EngineOptions
+    from pipeline.config import build_config
+    from pipeline.core import stage_overrides
+
+    overrides = stage_overrides(EngineOptions(prefix_caching=False, stage_overrides={"1": {"max_num_seqs": 2}}))
+    cfg = build_config({}, "cpu", {}, overrides)
+    assert [s.prefix_caching for s in cfg.stages] == [False] * 3 and cfg.stage("talker").max_num_seqs == 2
+    assert all(s.prefix_caching for s in build_config({}, "cpu", {}, stage_overrides(EngineOptions())).stages)
