@@ -44,7 +44,6 @@ class SlotKVCache:
         """Slots a new request can get: the free ones and the resident ones."""
         return len(self._free) + len(self.resident)
 
-
     @property
     def num_bytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()

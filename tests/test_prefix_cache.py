@@ -280,8 +280,9 @@ async def test_resident_slots_are_evicted_under_pressure_and_answers_stay_the_sa
     with_reuse, without = await _text_turns(on, "evict", order), await _text_turns(off, "evict-full", order)
     assert [t for t, _ in with_reuse] == [t for t, _ in without]
     encode = on.models.encoder.encode
-    shared = common_prefix(*(encode([{"role": "system", "content": "You are terse."},
-                                     {"role": "user", "content": order[c][1]}]).cache_key for c in (0, 1)))
+    shared = common_prefix(*(np.frombuffer(encode([{"role": "system", "content": "You are terse."},
+                                                   {"role": "user", "content": order[c][1]}]).cache_key, np.int64)
+                             for c in (0, 1)))
     cached = [u.cached_tokens for _, u in with_reuse]
     # the round robin outgrows the slots, least recently used first: every turn until conversation 0 goes
     # on alone finds its own conversation given up (the instructions match, from another one's slot)...

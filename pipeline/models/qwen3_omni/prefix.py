@@ -35,7 +35,7 @@ class ThinkerHeld:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.key.keys)
+        return len(self.key)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -47,7 +47,7 @@ class ThinkerHeld:
 
     def head(self, n: int) -> ThinkerHeld:
         """What holding only its first `n` positions is."""
-        return ThinkerHeld(PromptKey(self.key.salt, self.key.keys[:n]), self.embeds[:n], self.tapped[:n])
+        return ThinkerHeld(self.key.head(n), self.embeds[:n], self.tapped[:n])
 
 
 class ThinkerPrefixes:
@@ -71,8 +71,7 @@ class ThinkerPrefixes:
         placeholder = np.flatnonzero(np.isin(reply, self.multimodal_ids))
         reply = reply[:placeholder[0]] if placeholder.size else reply
         rows = min(written, n_prompt)
-        keys = np.concatenate([st.key.keys[:rows], reply])
-        return ThinkerHeld(PromptKey(st.key.salt, keys), st.embeds[:rows], st.tapped[:rows])
+        return ThinkerHeld(st.key.head(rows, reply), st.embeds[:rows], st.tapped[:rows])
 
     def adopt(self, req: StageRequest, held: ThinkerHeld, num_tokens: int) -> None:
         req.state.cached = held  # its rows go into the state at the first step (`ThinkerModel.prepare`)

@@ -25,9 +25,10 @@ class EncodedPrompt:
     feature_mask: torch.Tensor | None = None  # [num_audios, frames]
     message_tokens: list[int] | None = None  # tokens of each message, then of the assistant header
     audio_spans: tuple[tuple[int, int], ...] = ()  # [start, end) of each audio's placeholder tokens, in order
-    # per position: the token id, or at an audio placeholder a digest of that audio's features (negative, so
-    # never a token id). Two prompts whose keys agree on positions [0, n) have the same KV there.
-    cache_key: np.ndarray | None = None
+    # int64 per position, as bytes: the token id, or at an audio placeholder a digest of that audio's
+    # features (negative, so never a token id). Two prompts whose keys agree on positions [0, n) have the
+    # same KV there.
+    cache_key: bytes = b""
 
     @property
     def audio_lengths(self) -> torch.Tensor | None:
@@ -36,14 +37,28 @@ class EncodedPrompt:
 
 @dataclass(slots=True, frozen=True)
 class PromptKey:
-    """A prompt's cache key (`EncodedPrompt.cache_key`, or a prefix of it) and its request's salt."""
+    """A prompt's cache key (`EncodedPrompt.cache_key`), or a prefix of it, and its request's salt. Kept as
+    bytes, it crosses to a stage's worker process inline, as the token ids do (an array would go through
+    the transport's data ring)."""
 
     salt: str | None
-    keys: np.ndarray
+    data: bytes
+
+    def __len__(self) -> int:
+        return len(self.data) // 8
+
+    @property
+    def keys(self) -> np.ndarray:
+        return np.frombuffer(self.data, dtype=np.int64)
 
     def common(self, other: PromptKey) -> int:
         """Leading positions on which the two prompts agree (none across salts)."""
         return common_prefix(self.keys, other.keys) if self.salt == other.salt else 0
+
+    def head(self, n: int, then: np.ndarray | None = None) -> PromptKey:
+        """The key of its first `n` positions, followed by the keys `then` (token ids)."""
+        more = b"" if then is None else then.astype(np.int64).tobytes()
+        return PromptKey(self.salt, self.data[:8 * n] + more)
 
 
 class PromptEncoder:
@@ -119,7 +134,7 @@ def _runs(ids: list[int], token: int) -> tuple[tuple[int, int], ...]:
     return tuple(runs)
 
 
-def _cache_key(ids: list[int], spans, feats: torch.Tensor | None, mask: torch.Tensor | None) -> np.ndarray:
+def _cache_key(ids: list[int], spans, feats: torch.Tensor | None, mask: torch.Tensor | None) -> bytes:
     """The token ids, each audio's placeholders replaced by a digest of that audio's own features."""
     key = np.asarray(ids, dtype=np.int64)
     for i, (start, end) in enumerate(spans[:0 if feats is None else len(feats)]):
@@ -127,4 +142,4 @@ def _cache_key(ids: list[int], spans, feats: torch.Tensor | None, mask: torch.Te
         digest = hashlib.blake2b(frames.tobytes(), digest_size=8, person=b"omnirt-audio")
         digest.update(np.int64(frames.shape[-1]).tobytes())
         key[start:end] = -1 - (int.from_bytes(digest.digest(), "little") >> 2)
-    return key
+    return key.tobytes()
