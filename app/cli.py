@@ -32,7 +32,8 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
         load_format=args.load_format, dtype=args.dtype, stage_overrides=dict(args.stage_overrides),
         moe_backend=args.moe_backend, attention=args.attention, compile=args.compile,
         enforce_eager=args.enforce_eager,
-        async_chunk=not args.no_async_chunk, async_output=not args.no_async_output, engine=args.engine,
+        async_chunk=not args.no_async_chunk, async_output=not args.no_async_output,
+        prefix_caching=not args.no_prefix_caching, engine=args.engine,
         platform=args.platform, distributed=args.distributed, threads=args.threads,
         max_output_buffer_bytes=args.max_output_buffer_bytes, process=args.engine_process,
         log_level=args.log_level, log_format=args.log_format)

@@ -132,6 +132,8 @@ def add_engine_args(s: argparse.ArgumentParser) -> None:
                    help="hand off whole payloads: Talker after the Thinker, Code2Wav after the Talker (ablation)")
     g.add_argument("--no-async-output", action="store_true",
                    help="stage threads wait for the consumer of each output (ablation)")
+    g.add_argument("--no-prefix-caching", action="store_true",
+                   help="free each request's KV slot when it ends: every turn prefills its whole prompt (ablation)")
     g.add_argument("--engine", choices=["omnirt", "reference"], default="omnirt",
                    help="reference: transformers' own generate(), one request at a time (the baseline)")
     g.add_argument("--engine-process", choices=["auto", "core", "inproc"], default="auto",

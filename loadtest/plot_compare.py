@@ -1,5 +1,6 @@
 """Overlay `omnirt bench` runs of the same sweep (req/s, mean audio TTFP and mean RTF against concurrency), or
-`omnirt bench realtime` runs (VAD lag, response latency and voice-to-voice p90 against sessions).
+`omnirt bench realtime` runs (VAD lag, response latency and voice-to-voice p90 against sessions; for runs of
+several turns also response latency p50 and prefilled prompt tokens against the turn of the conversation).
 
     python -m loadtest.plot_compare OUT.png FILE.json[=LABEL] ...
 
@@ -17,6 +18,8 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+
+from loadtest.realtime_bench import has_turns, plot_turns  # noqa: E402
 
 CHAT = [("req_per_s", "requests / s"), ("ttfp_mean_ms", "mean audio TTFP (ms)"), ("rtf_mean", "mean RTF")]
 VOICE = [("vad_lag_ms", "VAD lag p90 (ms)"), ("response_ms", "response latency p90 (ms)"),
@@ -38,13 +41,20 @@ def _value(row: dict, key: str) -> float | None:
 
 
 def main(out: str, runs: list[str]) -> None:
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    for run in runs:
-        path, _, label = run.partition("=")
-        x, rows = _points(json.loads(Path(path).read_text())["results"])
+    loaded = [(json.loads(Path(path).read_text())["results"], label or Path(path).stem)
+              for path, _, label in (run.partition("=") for run in runs)]
+    by_turn = any(has_turns(results) for results, _ in loaded)
+    fig, axes = plt.subplots(1 + by_turn, 3, figsize=(15, 4.2 * (1 + by_turn)), squeeze=False)
+    for results, label in loaded:
+        x, rows = _points(results)
         metrics = VOICE if x == "sessions" else CHAT
-        for ax, (key, _) in zip(axes, metrics):
-            ax.plot([r[x] for r in rows], [_value(r, key) for r in rows], marker="o", label=label or Path(path).stem)
+        for ax, (key, _) in zip(axes[0], metrics):
+            ax.plot([r[x] for r in rows], [_value(r, key) for r in rows], marker="o", label=label)
+        if by_turn:
+            plot_turns(axes[1][0], axes[1][1], rows, f"{label}, ")
+    if by_turn:
+        axes[1][2].set_visible(False)
+    axes = axes[0]
     for ax, (_, name) in zip(axes, metrics):
         ax.set_xlabel(x)
         ax.set_ylabel(name)

@@ -10,9 +10,12 @@ not the bottleneck (its own CPU is reported). Per session count N it reports p50
 - voice-to-voice: end of speech -> first audio delta;
 
 plus underruns while playing the reply (full mode), turns that never got audio, `error` events, and
-the API process's CPU per session (from its /metrics). Modes: `cancel` (each reply is cancelled at its
-first audio: turn latency alone), `full` (whole replies), `no-responses` (VAD only: the front end
-alone). JSON, markdown and a plot per run.
+the API process's CPU per session (from its /metrics). Per turn of the conversation (the same utterance
+each turn, so the history grows) it reports response latency and the prompt tokens of the turn's
+response, those whose KV was reused (`cached_tokens` in `response.done`'s usage) and those prefilled; per
+point the server's prefill token counters (`omnirt_stage_prefill_tokens`, computed vs cached, per
+stage). Modes: `cancel` (each reply is cancelled at its first audio: turn latency alone), `full` (whole
+replies), `no-responses` (VAD only: the front end alone). JSON, markdown and a plot per run.
 """
 
 from __future__ import annotations
@@ -52,6 +55,8 @@ class Turn:
     audio_s: float = 0.0
     underruns: int = 0
     status: str | None = None  # response.done status
+    input_tokens: int | None = None  # response.done usage: the prompt
+    cached_tokens: int | None = None  # of it, reused from a resident KV prefix
 
     @property
     def vad_lag_ms(self) -> float | None:
@@ -152,6 +157,9 @@ class Mic:
             self._playback = ev.get("omnirt_playback")
         elif kind == "response.done":
             turn.status = ev["response"]["status"]
+            usage = ev["response"].get("usage") or {}
+            turn.input_tokens = usage.get("input_tokens")
+            turn.cached_tokens = (usage.get("input_token_details") or {}).get("cached_tokens")
             self.turn_over.set()
 
     def _finish_turn(self) -> None:
@@ -260,8 +268,12 @@ class WebRtcMic(Mic):
             self._sent.set()
 
 
-def _session_update(args: argparse.Namespace) -> dict:
+def _session_update(args: argparse.Namespace, index: int) -> dict:
+    """Session `index`'s settings. Its instructions are its own: sessions say the same utterance every turn,
+    and would otherwise share their whole history (a prefix cache would serve one session's turns from
+    another's)."""
     return {"type": "session.update", "session": {
+        "instructions": f"You are voice assistant number {index}. Be brief.",
         "turn_detection": {"type": "server_vad", "silence_duration_ms": SILENCE_MS,
                            "create_response": args.mode != "no-responses"},
         "input_audio_format": "pcm16", "output_audio_format": "pcm16", "voice": args.voice,
@@ -280,7 +292,7 @@ async def _client(index: int, sessions: list[int], args: argparse.Namespace, sta
         async with websockets.connect(url, max_size=None, open_timeout=60,
                                       additional_headers={"OpenAI-Beta": "realtime=v1"}) as ws:
             json.loads(await ws.recv())  # session.created
-            await ws.send(json.dumps(_session_update(args)))
+            await ws.send(json.dumps(_session_update(args, i)))
             await WebSocketMic(ws, i, speech, args, result).run(start_at + i * args.stagger)
 
     async def over_webrtc(i: int) -> None:
@@ -288,7 +300,7 @@ async def _client(index: int, sessions: list[int], args: argparse.Namespace, sta
         await mic.connect(args.url)
         try:
             await mic.call.wait_for(lambda e: e["type"] == "session.created", 60)
-            mic.call.send(_session_update(args))
+            mic.call.send(_session_update(args, i))
             await mic.run(start_at + i * args.stagger)
         finally:
             await mic.call.close()
@@ -331,7 +343,7 @@ async def _abuse_once(kind: str, url: str, speech: list[str], stop: asyncio.Even
     try:
         async with websockets.connect(url, sock=sock, max_size=None, max_queue=1 if kind == "deaf" else 16,
                                       open_timeout=60) as ws:
-            await ws.send(json.dumps(_session_update(args)))
+            await ws.send(json.dumps(_session_update(args, -1)))
             if kind == "flood":
                 reader = asyncio.create_task(_errors(ws, record))
                 with contextlib.suppress(websockets.ConnectionClosed):
@@ -413,6 +425,22 @@ def _server_cpu_s(url: str) -> float | None:
     return None
 
 
+def _prefill_tokens(url: str) -> dict[str, dict[str, float]]:
+    """The server's prompt token counters: {stage: {"computed": n, "cached": n}} (empty before them)."""
+    out: dict[str, dict[str, float]] = {}
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith("omnirt_stage_prefill_tokens_total{"):
+            labels, value = line[line.index("{") + 1:].split("} ")
+            tags = dict(part.split("=") for part in labels.split(","))
+            out.setdefault(tags["stage"].strip('"'), {})[tags["source"].strip('"')] = float(value)
+    return out
+
+
+def _delta(after: dict, before: dict) -> dict[str, dict[str, float]]:
+    return {stage: {k: v - before.get(stage, {}).get(k, 0.0) for k, v in counts.items()}
+            for stage, counts in after.items()}
+
+
 def run_point(args: argparse.Namespace, n: int, abusive: int = 0) -> dict:
     """N sessions spread over the client processes (and `abusive` abusers in a process of their own, from
     before the first session starts until the last one ends); the row of figures."""
@@ -422,7 +450,7 @@ def run_point(args: argparse.Namespace, n: int, abusive: int = 0) -> dict:
     abusers = ctx.Process(target=_abusers_main, args=(abusive, args, stop, abuse_box)) if abusive else None
     if abusers is not None:
         abusers.start()
-    cpu0, t0 = _server_cpu_s(args.url), time.time()
+    cpu0, prefill0, t0 = _server_cpu_s(args.url), _prefill_tokens(args.url), time.time()
     start_at = time.perf_counter() + 3.0  # perf_counter is one clock for every process of this host
     procs = [ctx.Process(target=_client_main, args=(c, list(range(c, n, clients)), args, start_at, inbox))
              for c in range(clients)]
@@ -436,7 +464,8 @@ def run_point(args: argparse.Namespace, n: int, abusive: int = 0) -> dict:
     row = summarize(n, turns, [e for r in results for e in r["errors"]], args,
                     server_cpu=(cpu1 - cpu0) / wall if cpu0 is not None and cpu1 is not None else None,
                     client_cpu=sum(r["cpu_s"] for r in results) / wall)
-    return {**row, "abusive": abusive, "abuse": _abuse_summary(records)}
+    return {**row, "abusive": abusive, "abuse": _abuse_summary(records),
+            "prefill_tokens": _delta(_prefill_tokens(args.url), prefill0)}
 
 
 def _abuse_summary(records: list[dict]) -> dict:
@@ -483,7 +512,26 @@ def summarize(n: int, turns: list[dict], errors: list[str], args: argparse.Names
             "underruns": sum(t["underruns"] for t in turns) if args.mode == "full" else None,
             "errors": len(errors), "error_samples": errors[:5],
             "server_cpu_per_session": server_cpu / n if server_cpu is not None else None,
-            "client_cpu": client_cpu}
+            "client_cpu": client_cpu, "by_turn": _by_turn(turns)}
+
+
+def _mean(values: list) -> float | None:
+    xs = [v for v in values if v is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def _by_turn(turns: list[dict]) -> list[dict]:
+    """Per turn of the conversation (1-based, warm-up turns counted): latency percentiles over the
+    sessions, and the mean prompt, reused and prefilled tokens of the turn's response."""
+    rows = []
+    for index in sorted({t["index"] for t in turns}):
+        at = [t for t in turns if t["index"] == index]
+        prompt, cached = _mean([t["input_tokens"] for t in at]), _mean([t["cached_tokens"] for t in at])
+        rows.append({"turn": index + 1, "response_ms": _pcts([t["response_ms"] for t in at]),
+                     "voice_to_voice_ms": _pcts([t["voice_to_voice_ms"] for t in at]), "input_tokens": prompt,
+                     "cached_tokens": cached,
+                     "prefilled_tokens": None if prompt is None or cached is None else prompt - cached})
+    return rows
 
 
 def _cell(row: dict, key: str) -> str:
@@ -497,7 +545,25 @@ def markdown(rows: list[dict], title: str) -> str:
             + "---|" * 12 + "\n")
     abuse = "".join(f"\n- {r['sessions']} sessions, {r['abusive']} abusive: {kind}: {a['connections']} connections, "
                     f"closed {a['closes']}, errors {a['errors']}" for r in rows for kind, a in r["abuse"].items())
-    return f"### {title}\n\n{head}" + "".join(_row(r) for r in rows) + abuse + "\n"
+    return f"### {title}\n\n{head}" + "".join(_row(r) for r in rows) + abuse + "\n" + _turns_markdown(rows)
+
+
+def _turns_markdown(rows: list[dict]) -> str:
+    """Per session count, a row per turn; and the server's prefill counters over the point."""
+    rows = [r for r in rows if r.get("by_turn") and r["mode"] != "no-responses"]
+    if not rows:
+        return ""
+    num = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731
+    out = ["\n| turn | sessions | response ms p50 / p90 | voice-to-voice ms p50 | prompt tokens | reused | "
+           "prefilled |\n|---|---|---|---|---|---|---|\n"]
+    for r in rows:
+        out += [f"| turn {t['turn']} | {r['sessions']} | {num(t['response_ms']['p50'])} / "
+                f"{num(t['response_ms']['p90'])} | {num(t['voice_to_voice_ms']['p50'])} | {num(t['input_tokens'])} | "
+                f"{num(t['cached_tokens'])} | {num(t['prefilled_tokens'])} |\n" for t in r["by_turn"]]
+    out += [f"\n- {r['sessions']} sessions, server prompt tokens over the point: "
+            + "; ".join(f"{stage} {c.get('computed', 0):.0f} computed, {c.get('cached', 0):.0f} reused"
+                        for stage, c in r.get("prefill_tokens", {}).items()) for r in rows]
+    return "".join(out) + "\n"
 
 
 def _row(r: dict) -> str:
@@ -517,7 +583,8 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     panels = [(key, label) for key, label in (("vad_lag_ms", "VAD lag (ms)"), ("response_ms", "response latency (ms)"),
                                               ("voice_to_voice_ms", "voice-to-voice (ms)"))
               if any(r[key]["p50"] is not None for r in rows)]  # no-responses: the VAD lag alone
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    by_turn = has_turns(rows)
+    fig, axes = plt.subplots(1 + by_turn, len(panels), figsize=(5 * len(panels), 4 * (1 + by_turn)), squeeze=False)
     for ax, (key, label) in zip(axes[0], panels):
         for abusive in sorted({r["abusive"] for r in rows}):
             part = [r for r in rows if r["abusive"] == abusive]
@@ -528,9 +595,35 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
         ax.legend()
+    if by_turn:
+        plot_turns(axes[1][0], axes[1][1], rows, "")
+        for ax in axes[1][2:]:
+            ax.set_visible(False)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def has_turns(rows: list[dict]) -> bool:
+    """Whether the rows have several answered turns to draw against the turn index."""
+    return any(len(r.get("by_turn") or []) > 1 and r["mode"] != "no-responses" for r in rows)
+
+
+def plot_turns(latency_ax, tokens_ax, rows: list[dict], label: str) -> None:
+    """Response latency p50, and prefilled prompt tokens, against the turn of the conversation: a line per
+    session count (and abuse-free rows only)."""
+    for r in rows:
+        if r.get("abusive") or not r.get("by_turn"):
+            continue
+        turns = [t["turn"] for t in r["by_turn"]]
+        name = f"{label}{r['sessions']} sessions"
+        latency_ax.plot(turns, [t["response_ms"]["p50"] for t in r["by_turn"]], marker="o", label=name)
+        tokens_ax.plot(turns, [t["prefilled_tokens"] for t in r["by_turn"]], marker="o", label=name)
+    for ax, what in ((latency_ax, "response latency p50 (ms)"), (tokens_ax, "prompt tokens prefilled (mean)")):
+        ax.set_xlabel("turn of the conversation")
+        ax.set_ylabel(what)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
 
 
 SESSIONS = {"cpu": [1, 4], "gpu": [1, 8, 16]}  # session counts when none are given

@@ -44,6 +44,9 @@ class OmniRequest(msgspec.Struct, tag=True):
     # the leading system ones are left out until the rest fits within r of what the context leaves for
     # them (after each stage's output budget); `Finished.truncated_messages` says how many.
     truncation: float | None = None
+    # requests reuse each other's KV prefixes only within one salt (the server passes the API key's id, so
+    # that one tenant's prompts never warm, or reveal, another's); None is a salt of its own
+    cache_salt: str | None = None
 
     @property
     def wants_audio(self) -> bool:
@@ -73,6 +76,7 @@ class Usage(msgspec.Struct, frozen=True):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     audio_frames: int = 0
+    cached_tokens: int = 0  # of the prompt tokens, those whose KV an earlier request left (not prefilled)
 
 
 class Finished(msgspec.Struct, frozen=True, tag=True):
@@ -162,6 +166,10 @@ class StageStats(msgspec.Struct, frozen=True):
     batch_size_counts: list[int] | None = None  # steps per batch size
     busy_s: float | None = None  # seconds inside steps
     device_wait_s: float | None = None  # the part of busy_s spent waiting for the device
+    prefill_tokens: int | None = None  # prompt tokens computed by prefill steps
+    cached_tokens: int | None = None  # prompt tokens reused from resident slots instead
+    resident_slots: int | None = None  # slots holding an ended request's KV for reuse (counted in free_slots)
+    resident_bytes: int | None = None  # memory those keep beyond the KV cache (e.g. the Thinker's rows)
 
 
 class EngineStats(msgspec.Struct, frozen=True, tag=True):
@@ -224,6 +232,7 @@ class EngineOptions:
     enforce_eager: bool = False
     async_chunk: bool = True
     async_output: bool = True
+    prefix_caching: bool = True  # False: every stage prefills each prompt in full (ablation)
     engine: Literal["omnirt", "reference"] = "omnirt"
     platform: str | None = None
     distributed: str | None = None

@@ -61,6 +61,7 @@ class StageConfig:
     own_process: bool = False  # a worker process even as one replica on the engine's device
     device_ipc: bool = True  # device tensors to/from its workers through shared device memory where the platform can
     ray_resources: dict[str, float] = field(default_factory=dict)  # per replica actor, e.g. {num_gpus: 1}
+    prefix_caching: bool = True  # an ended request's KV stays resident for a prompt that starts the same way
 
     @property
     def name(self) -> str:
@@ -198,14 +199,22 @@ def engine_config(opts: EngineOptions, platform: str) -> EngineConfig:
                  "async_output": opts.async_output or None, "moe_backend": opts.moe_backend,
                  "attention": opts.attention, "compile": "off" if opts.enforce_eager else opts.compile,
                  "distributed": opts.distributed, "max_output_buffer_bytes": opts.max_output_buffer_bytes}
-    stage_overrides = {str(k): dict(v) for k, v in opts.stage_overrides.items()}
-    if opts.enforce_eager:
-        for sid in map(str, range(len(STAGE_NAMES))):
-            stage_overrides[sid] = {**stage_overrides.get(sid, {}), "enforce_eager": True}
-    cfg = load_profile(profile_path(opts), platform, overrides, stage_overrides)
+    cfg = load_profile(profile_path(opts), platform, overrides, stage_overrides(opts))
     if not opts.async_chunk:
         cfg = dataclasses.replace(cfg, connector=dataclasses.replace(cfg.connector, async_chunk=False))
     return cfg
+
+
+def stage_overrides(opts: EngineOptions) -> dict[str, dict]:
+    """`--stage-overrides`, with the global ablations (`--enforce-eager`, `--no-prefix-caching`) set in
+    every stage over them."""
+    forced = {"enforce_eager": True} if opts.enforce_eager else {}
+    if not opts.prefix_caching:
+        forced["prefix_caching"] = False
+    out = {str(k): dict(v) for k, v in opts.stage_overrides.items()}
+    for sid in map(str, range(len(STAGE_NAMES))) if forced else ():
+        out[sid] = {**out.get(sid, {}), **forced}
+    return out
 
 
 def check_options(opts: EngineOptions) -> None:

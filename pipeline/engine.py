@@ -274,6 +274,10 @@ class OmniEngine(EngineBase):
 
     def _on_step(self, stage: str, result: StepResult) -> None:
         node, handoffs = self.graph.node(stage), {}
+        if stage == self.graph.names[0]:  # the first stage's prefix hits are the request's cached tokens
+            for rid, n in result.cached:
+                if (stream := self._streams.get(rid)) is not None:
+                    stream.num_cached_tokens = n
         for out in result.outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
@@ -329,7 +333,8 @@ class OmniEngine(EngineBase):
         stream.closed = True
         self._streams.pop(stream.request.request_id, None)
         self.admission.release(stream.stages)
-        usage = Usage(stream.num_prompt_tokens, stream.num_completion_tokens, stream.num_audio_frames)
+        usage = Usage(stream.num_prompt_tokens, stream.num_completion_tokens, stream.num_audio_frames,
+                      stream.num_cached_tokens)
         stream.put(("finished", Finished(stream.request.request_id, reason or stream.finish_reason, usage, error,
                                          stream.truncated_messages)))
 
@@ -347,4 +352,5 @@ def _stage_stats(stage, admission_waiting: int) -> StageStats:
     if not isinstance(stage, Stage):
         return StageStats(stage.name, free_slots, slots, admission_waiting)
     return StageStats(stage.name, free_slots, slots, admission_waiting, stage.scheduler.num_running,
-                      stage.num_waiting, list(stage.batch_size_counts), stage.busy_s, stage.device_wait_s)
+                      stage.num_waiting, list(stage.batch_size_counts), stage.busy_s, stage.device_wait_s,
+                      *stage.prefix_stats())

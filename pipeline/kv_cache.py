@@ -7,11 +7,16 @@ writes the new K/V rows in place and returns what the batch attends over. With `
 slot-attention kernel, `pipeline/attention.py`) that is the layer's whole buffer plus a `SlotMask`;
 otherwise a dense copy of the batch's rows plus a boolean mask, for transformers' SDPA. One extra
 scratch slot (index `num_slots`) absorbs the writes of padded rows in captured graphs.
+
+A slot is free, in use, or *resident*: a finished request's KV kept for a later prompt that begins the
+same way (`pipeline/prefix_cache.py`). Resident slots count as free; `allocate` gives up the least
+recently used one when no slot is free.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
+from typing import Any
 
 import torch
 
@@ -32,10 +37,12 @@ class SlotKVCache:
         self.max_len = max_len
         self.in_place = in_place  # attention reads the slots themselves: no dense copy, no kv_len buckets
         self._free: deque[int] = deque(range(num_slots))
+        self.resident: OrderedDict[int, Any] = OrderedDict()  # slot -> what it holds, least recently used first
 
     @property
     def num_free_slots(self) -> int:
-        return len(self._free)
+        """Slots a new request can get: the free ones and the resident ones."""
+        return len(self._free) + len(self.resident)
 
     @property
     def num_bytes(self) -> int:
@@ -46,11 +53,42 @@ class SlotKVCache:
         return None if self.in_place else length_buckets(self.max_len)
 
     def allocate(self) -> int:
-        return self._free.popleft()
+        """A free slot, else the least recently used resident one (what it held is dropped)."""
+        if self._free:
+            return self._free.popleft()
+        return self.resident.popitem(last=False)[0]
+
+    def spare(self, keep: int) -> int | None:
+        """A slot for a copy of resident slot `keep`'s prefix: a free one, else the least recently used
+        resident one but `keep` (None: `keep` is the only one)."""
+        if self._free:
+            return self._free.popleft()
+        victim = next((s for s in self.resident if s != keep), None)
+        if victim is not None:
+            del self.resident[victim]
+        return victim
 
     def free(self, slot: int) -> None:
-        assert slot not in self._free, f"slot {slot} freed twice"
+        assert slot not in self._free and slot not in self.resident, f"slot {slot} freed twice"
         self._free.append(slot)
+
+    def park(self, slot: int, held: Any) -> None:
+        """Keep an ended request's slot resident, holding `held` (`pipeline/prefix_cache.Held`)."""
+        assert slot not in self._free and slot not in self.resident, f"slot {slot} freed twice"
+        self.resident[slot] = held
+
+    def claim(self, slot: int) -> Any:
+        """Take a resident slot over: it is in use again; returns what it held."""
+        return self.resident.pop(slot)
+
+    def touch(self, slot: int) -> None:
+        """A resident slot was useful: it is the last one given up."""
+        self.resident.move_to_end(slot)
+
+    def copy_prefix(self, src: int, dst: int, num_tokens: int) -> None:
+        """The KV of positions [0, num_tokens) of slot `src` into slot `dst`, every layer."""
+        self.k[:, dst, :, :num_tokens] = self.k[:, src, :, :num_tokens]
+        self.v[:, dst, :, :num_tokens] = self.v[:, src, :, :num_tokens]
 
     def view(self, slots: list[int], starts: list[int], lengths: list[int]) -> CacheView:
         """A step over `lengths[i]` new tokens of row i, written from position `starts[i]` of its slot."""

@@ -28,6 +28,7 @@ class RequestOutput:
     finish_reason: str = "stop"
     num_completion_tokens: int = 0
     num_audio_frames: int = 0
+    num_cached_tokens: int = 0  # prompt tokens the first stage reused from a resident slot
     closed: bool = False
     num_buffered_bytes: int = 0
     async_output: bool = True

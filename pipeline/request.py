@@ -44,6 +44,7 @@ class StageRequest:
     status: RequestStatus = RequestStatus.WAITING
     num_prompt_tokens: int = 0
     num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # of the prompt, taken from a resident slot (pipeline/prefix_cache.py)
     output_ids: list[int] = field(default_factory=list)
     slot: int | None = None
     generator: Any = None  # torch.Generator when seeded
@@ -82,3 +83,4 @@ class StepResult:
 
     outputs: list[Output] = field(default_factory=list)
     finished: list[Finish] = field(default_factory=list)
+    cached: list[tuple[str, int]] = field(default_factory=list)  # (request id, prompt tokens reused) of new hits

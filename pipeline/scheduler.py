@@ -4,6 +4,10 @@ There is no prefill or decode phase on a request: each has `num_computed_tokens`
 its token count. A step is either a prefill batch (prompt chunks within `max_num_batched_tokens`)
 or a decode batch (one token per running request); when both are waiting they alternate, so a
 long prompt never stalls the decoders for more than one step.
+
+With a `PrefixReuse` a request is placed in the resident slot that holds the longest start of its
+prompt, and its prefill begins after it (`pipeline/prefix_cache.py`); an ended request's slot stays
+resident unless it failed.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import Any
 import torch
 
 from pipeline.kv_cache import SlotKVCache
+from pipeline.prefix_cache import PrefixReuse
 from pipeline.request import RequestStatus, StageRequest
 
 
@@ -38,15 +43,19 @@ class StepOutput:
 
 class Scheduler:
     def __init__(self, kv: SlotKVCache, max_num_seqs: int, max_num_batched_tokens: int, eos_ids: list[int],
-                 is_ready: Callable[[StageRequest], bool]):
+                 is_ready: Callable[[StageRequest], bool], reuse: PrefixReuse | None = None):
         self.kv = kv
         self.max_num_seqs = min(max_num_seqs, kv.num_slots)
         self.max_num_batched_tokens = max_num_batched_tokens
         self.eos_ids = set(eos_ids)
         self.is_ready = is_ready  # may the request take its next step (its inputs have arrived)?
+        self.reuse = reuse  # None: every slot is freed when its request ends
         self.waiting: deque[StageRequest] = deque()
         self.running: list[StageRequest] = []
         self._last_was_prefill = False
+        self.num_prefill_tokens = 0  # prompt tokens computed by prefill steps
+        self.num_cached_tokens = 0  # prompt tokens taken from resident slots instead
+        self.cached: list[tuple[str, int]] = []  # (request id, tokens reused) of hits not yet reported
 
     @property
     def num_unfinished(self) -> int:
@@ -81,9 +90,43 @@ class Scheduler:
                 break
             if self.is_ready(req):
                 self.waiting.remove(req)
-                req.slot = self.kv.allocate()
+                self._place(req)
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
+
+    def _place(self, req: StageRequest) -> None:
+        """Give `req` a slot: the resident one holding the longest start of its prompt, taken over when that
+        covers the ended request's prompt, else copied into another slot (a free one, or the least recently
+        used resident one) so that the rest stays for whoever continues it; without any, a free slot."""
+        found = self._lookup(req)
+        if found is None:
+            req.slot = self.kv.allocate()
+            return
+        slot, n = found
+        held = self.kv.resident[slot]
+        spare = self.kv.spare(keep=slot) if n < held.num_prompt_tokens else None
+        if spare is None:
+            self.kv.claim(slot)
+            req.slot = slot
+        else:
+            self.kv.touch(slot)
+            self.kv.copy_prefix(slot, spare, n)
+            req.slot = spare
+        self.reuse.adopt(req, held, n)
+        req.num_computed_tokens = req.num_cached_tokens = n
+        self.num_cached_tokens += n
+        self.cached.append((req.request_id, n))
+
+    def _lookup(self, req: StageRequest) -> tuple[int, int] | None:
+        """(resident slot, positions of the prompt it has) with the most, if any; the prompt's last token is
+        always left to compute (its logits start the reply)."""
+        key = self.reuse.key(req) if self.reuse is not None else None
+        if key is None or not self.kv.resident:
+            return None
+        matches = ((self.reuse.match(held, key), slot) for slot, held in reversed(self.kv.resident.items()))
+        n, slot = max(matches, key=lambda m: m[0])  # of equal ones, the most recently used
+        n = min(n, req.num_prompt_tokens - 1)
+        return (slot, n) if n > 0 else None
 
     def _prefill_batch(self, reqs: list[StageRequest]) -> Batch:
         chosen, counts, budget = [], [], self.max_num_batched_tokens
@@ -103,6 +146,8 @@ class Scheduler:
             if req.status.is_finished:  # aborted while the step ran
                 continue
             req.num_computed_tokens += n
+            if batch.is_prefill:
+                self.num_prefill_tokens += n
             if out.token is not None:
                 req.output_ids.append(out.token)
                 self._check_stop(req)
@@ -128,11 +173,19 @@ class Scheduler:
             self._retire(req)
 
     def _retire(self, req: StageRequest) -> None:
+        """Out of the running set; its slot stays resident with what it holds unless it failed (its KV is
+        then not known to be whole)."""
         if req in self.running:
             self.running.remove(req)
-        if req.slot is not None:
+        if req.slot is None:
+            return
+        ok = self.reuse is not None and req.status is not RequestStatus.FINISHED_ERROR
+        held = self.reuse.held(req) if ok else None
+        if held is not None and held.num_tokens > 0:
+            self.kv.park(req.slot, held)
+        else:
             self.kv.free(req.slot)
-            req.slot = None
+        req.slot = None
 
 
 class ChunkScheduler:

@@ -97,6 +97,15 @@ class Stage:
         kv = getattr(self.scheduler, "kv", None)
         return kv.num_slots if kv is not None else 0
 
+    def prefix_stats(self) -> tuple[int, int, int, int]:
+        """(prompt tokens prefilled, prompt tokens reused, resident slots, bytes they keep beyond the KV)."""
+        kv = getattr(self.scheduler, "kv", None)
+        if kv is None:
+            return 0, 0, 0, 0
+        held = list(kv.resident.values())
+        return (self.scheduler.num_prefill_tokens, self.scheduler.num_cached_tokens, len(held),
+                sum(h.num_bytes for h in held))
+
     # ---- called from other threads ------------------------------------------------------------------
 
     def start(self) -> None:
@@ -149,7 +158,16 @@ class Stage:
             self.requests.pop(req.request_id, None)
         self.on_step(self.name, StepResult([Output(r.request_id, o.token, o.payload)
                                             for r, o in zip(batch.requests, outputs)],
-                                           [_finish(r) for r in finished]))
+                                           [_finish(r) for r in finished], self._new_hits()))
+
+    def _new_hits(self) -> list[tuple[str, int]]:
+        """The scheduler's prefix hits since the last report (request id, prompt tokens reused)."""
+        hits = getattr(self.scheduler, "cached", None)
+        if not hits:
+            return []
+        out = list(hits)
+        hits.clear()
+        return out
 
     def _run_isolating(self, batch: Batch) -> tuple[Batch, list[StepOutput]]:
         """Run a batch; if it raises, retry its halves, so that only the requests that fail on their

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pipeline.attention import SlotMask, slot_attention
-from tests.test_parity import assert_greedy_parity, started_engine
+from tests.test_parity import PROMPTS, assert_greedy_parity, engine_generate, reference_generate, started_engine
 
 CUDA = torch.cuda.is_available()
 # compiled on a GPU (bf16 as served, and fp32); interpreted on the CPU (fp32: numpy has no bf16)
@@ -109,6 +109,21 @@ async def test_engine_with_slot_attention_matches_transformers_generate(slots_en
     assert models.thinker.kv.in_place and models.talker.kv.in_place and models.talker.predictor_kv.in_place
     assert models.thinker.graphs.lengths is None  # one graph per batch size serves every length
     await assert_greedy_parity(slots_engine, reference_model, f"slots-{kind}", kind)
+
+
+@cpu_only
+async def test_slot_attention_starts_a_turn_from_the_slot_the_last_one_left(slots_engine, reference_model):
+    """The second turn takes the first one's resident slot over (both stages) and prefills only what is
+    new; the kernel reads the slot as it was left, and the answer is generate()'s on the whole prompt."""
+    models = slots_engine.models
+    tokens, _, _, _ = await engine_generate(slots_engine, "slots-turn-1", PROMPTS["text"])
+    messages = PROMPTS["text"] + [{"role": "assistant", "content": models.decode_text(tokens)},
+                                  {"role": "user", "content": "And then?"}]
+    ref_tokens, ref_frames = reference_generate(reference_model, models.encoder.encode(messages))
+    tokens, frames, _, fin = await engine_generate(slots_engine, "slots-turn-2", messages)
+    assert fin.usage.cached_tokens >= len(models.encoder.encode(PROMPTS["text"]).input_ids)
+    assert tokens == [t for t in ref_tokens if t not in models.thinker.eos_ids] and frames == ref_frames
+    assert slots_engine.stage("talker").prefix_stats()[1] > 0
 
 
 def test_auto_attention_is_dense_without_graphs():

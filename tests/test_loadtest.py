@@ -83,6 +83,9 @@ def test_bench_realtime_short_run(server, tmp_path, mode, transport):
     assert row["turns_without_speech_stopped"] == 0 and row["vad_lag_ms"]["n"] == 2
     if mode == "cancel":
         assert row["turns_without_audio"] == 0 and row["response_ms"]["n"] == row["voice_to_voice_ms"]["n"] == 2
+        (turn,) = row["by_turn"]  # the second turn of each conversation: its start was the first turn's
+        assert turn["turn"] == 2 and turn["input_tokens"] > turn["cached_tokens"] > 0, turn
+        assert row["prefill_tokens"]["thinker"]["cached"] > 0 and row["prefill_tokens"]["thinker"]["computed"] > 0
     else:
         assert row["response_ms"]["n"] == 0  # no responses: the front end alone
     assert row["server_cpu_per_session"] is not None and row["client_cpu"] > 0

@@ -92,6 +92,18 @@ def test_audio_input_and_multi_turn(client):
     assert r.usage.prompt_tokens > 20  # the 1 s of audio became ~13 audio tokens plus three turns
 
 
+def test_a_resent_history_reports_the_tokens_it_did_not_prefill_again(client):
+    """A client that resends the conversation gets the KV of the part the server still holds reused, and
+    told so in `prompt_tokens_details.cached_tokens`."""
+    messages = [{"role": "user", "content": "Name three rivers of Europe, please."}]
+    first = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "And three mountains?"}]
+    second = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert first.usage.prompt_tokens <= cached < second.usage.prompt_tokens
+
+
 BAD = [
     ("malformed json", b'{"model": "tiny", "messages": [', 400, None),
     ("unknown model", {"model": "gpt-9", "messages": MSG}, 404, "model_not_found"),

@@ -50,8 +50,9 @@ def reference_generate(hf, prompt):
     return seqs[0, len(prompt.input_ids):].tolist(), captured["codes"][0].T.tolist()
 
 
-async def engine_generate(engine, rid, messages):
-    """Run one request; returns (token ids, codec frames fed to the vocoder, streamed PCM as float)."""
+async def engine_generate(engine, rid, messages, **request):
+    """Run one request (`request`: more OmniRequest fields); returns (token ids, codec frames fed to the
+    vocoder, streamed PCM as float, Finished)."""
     frames, original = [], engine.models.code2wav.decode
 
     def capture(windows):
@@ -65,7 +66,7 @@ async def engine_generate(engine, rid, messages):
         req = OmniRequest(rid, messages, ("text", "audio"), voice="ethan",
                           thinker_sampling={"temperature": 0.0, "max_tokens": THINKER_TOKENS},
                           talker_sampling={"temperature": 0.0, "max_tokens": TALKER_TOKENS,
-                                           "repetition_penalty": 1.05})
+                                           "repetition_penalty": 1.05}, **request)
         reply = await collect_reply(await engine.submit(req))
     finally:
         engine.models.code2wav.decode = original

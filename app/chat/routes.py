@@ -56,7 +56,8 @@ async def _engine_request(body: ChatRequest, request: Request) -> OmniRequest:
     return OmniRequest(
         request_id=f"chatcmpl-{uuid.uuid4().hex}", messages=messages, modalities=tuple(body.modalities),
         voice=body.audio.voice if body.audio else None, thinker_sampling=body.thinker_overrides(),
-        talker_sampling=body.talker_sampling or {}, initial_codec_chunk_frames=body.initial_codec_chunk_frames)
+        talker_sampling=body.talker_sampling or {}, initial_codec_chunk_frames=body.initial_codec_chunk_frames,
+        cache_salt=request.state.principal.key_id)
 
 
 @router.post("/v1/chat/completions")
@@ -136,6 +137,7 @@ def _usage(fin: Finished) -> dict:
     u = fin.usage
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
             "total_tokens": u.prompt_tokens + u.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
             "completion_tokens_details": {"audio_tokens": u.audio_frames, "reasoning_tokens": 0}}
 
 

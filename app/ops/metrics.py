@@ -113,6 +113,7 @@ class EngineCollector:
         yield slots
         yield _batch_histogram([st for st in stats.stages if st.batch_size_counts is not None])
         yield _step_seconds([st for st in stats.stages if st.busy_s is not None])
+        yield from _prefix_reuse([st for st in stats.stages if st.prefill_tokens is not None and st.slots])
         refused = GaugeMetricFamily("omnirt_admission_refused", "Requests refused because a stage was full "
                                     "(since start)")
         refused.add_metric([], stats.admission_refused)
@@ -137,6 +138,23 @@ def _step_seconds(stages: list[StageStats]) -> CounterMetricFamily:
         c.add_metric([stage.name, "host"], stage.busy_s - stage.device_wait_s)
         c.add_metric([stage.name, "device_wait"], stage.device_wait_s)
     return c
+
+
+def _prefix_reuse(stages: list[StageStats]):
+    """Prompt tokens prefilled against those reused from resident slots, and what the resident slots hold."""
+    tokens = CounterMetricFamily("omnirt_stage_prefill_tokens", "Prompt tokens by stage: computed by prefill "
+                                 "steps, or reused from a resident slot's KV (prefix reuse)",
+                                 labels=["stage", "source"])
+    resident = GaugeMetricFamily("omnirt_stage_resident_slots", "KV slots holding an ended request's prefix for "
+                                 "reuse (counted as free: given up when a slot is needed)", labels=["stage"])
+    held = GaugeMetricFamily("omnirt_stage_resident_bytes", "Memory resident slots keep beyond the KV cache",
+                             labels=["stage"])
+    for st in stages:
+        tokens.add_metric([st.name, "computed"], st.prefill_tokens)
+        tokens.add_metric([st.name, "cached"], st.cached_tokens)
+        resident.add_metric([st.name], st.resident_slots)
+        held.add_metric([st.name], st.resident_bytes)
+    yield from (tokens, resident, held)
 
 
 class StatusCounter:

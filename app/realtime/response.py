@@ -4,8 +4,8 @@ Lifecycle: `response.created` -> output item / content part added -> text or tra
 audio deltas -> the `.done` events -> `response.done` with status `completed`, `incomplete`
 (`max_output_tokens`), `failed`, or `cancelled` (`turn_detected` / `client_cancelled`).
 Cancelling aborts the request in every engine stage at once (`engine.abort`), drops its queued
-audio from the outbox (or the audio sink), and ends the event stream with `response.done`; no audio
-delta of the response is sent after that.
+audio from the outbox (or the audio sink), and ends the event stream with `response.done` (whose usage
+still counts the prompt, and the tokens of it reused); no audio delta of the response is sent after that.
 """
 
 from __future__ import annotations
@@ -140,14 +140,14 @@ class Response:
     async def _stream(self, events) -> None:
         try:
             async for ev in events:
-                if self.cancel_reason:
-                    break
-                if isinstance(ev, TextDelta):
+                if isinstance(ev, Finished):  # a cancelled response's too: what its prompt took (usage, the cut)
+                    self._finished(ev)
+                elif self.cancel_reason:
+                    continue  # what was already on its way is dropped; the engine ends the stream
+                elif isinstance(ev, TextDelta):
                     await self._text(ev.text)
                 elif isinstance(ev, AudioChunk):
                     await self._audio(self._resampler(pcm16_to_float(ev.pcm16)), ev.pcm16)
-                elif isinstance(ev, Finished):
-                    self._finished(ev)
         finally:
             await events.aclose()
         if self.opts.wants_audio and not self.cancel_reason:
@@ -162,7 +162,8 @@ class Response:
         sampling = {"max_tokens": self.opts.max_output_tokens, "temperature": self.opts.temperature}
         return OmniRequest(self.id, messages, ("text", "audio") if self.opts.wants_audio else ("text",),
                            voice=self.opts.voice, thinker_sampling={k: v for k, v in sampling.items() if v is not None},
-                           talker_sampling=self.opts.talker_sampling or {}, truncation=self.opts.truncation)
+                           talker_sampling=self.opts.talker_sampling or {}, truncation=self.opts.truncation,
+                           cache_salt=self._ids.get("key_id"))  # one API key's sessions share cached prefixes
 
     def _finished(self, fin: Finished) -> None:
         if fin.truncated_messages and self.on_truncated is not None:
@@ -176,7 +177,7 @@ class Response:
         u = fin.usage
         out = u.completion_tokens + u.audio_frames
         self.usage = {"total_tokens": u.prompt_tokens + out, "input_tokens": u.prompt_tokens, "output_tokens": out,
-                      "input_token_details": {"cached_tokens": 0},
+                      "input_token_details": {"cached_tokens": u.cached_tokens},
                       "output_token_details": {"text_tokens": u.completion_tokens, "audio_tokens": u.audio_frames}}
 
     async def _text(self, text: str) -> None:

@@ -17,6 +17,8 @@ import torch
 
 from pipeline.connector import CodecStream
 from pipeline.graph import StageGraph, StageNode, StageParts
+from pipeline.models.qwen3_omni.prefix import TalkerPrefixes, ThinkerPrefixes
+from pipeline.models.qwen3_omni.prompt import PromptKey
 from pipeline.models.qwen3_omni.talker import NUM_ASSISTANT_PREFIX, TalkerState
 from pipeline.models.qwen3_omni.thinker import ThinkerInput
 from pipeline.request import Output, RequestStatus, StageRequest
@@ -29,7 +31,8 @@ from pipeline.stage import ARRunner
 
 def build_thinker(cfg, models) -> StageParts:
     th, sc = models.thinker, cfg.stage("thinker")
-    return StageParts(Scheduler(th.kv, sc.max_num_seqs, sc.max_num_batched_tokens, th.eos_ids, lambda r: True),
+    reuse = ThinkerPrefixes(th.multimodal_ids) if sc.prefix_caching else None
+    return StageParts(Scheduler(th.kv, sc.max_num_seqs, sc.max_num_batched_tokens, th.eos_ids, lambda r: True, reuse),
                       ARRunner(th, Sampler(th.vocab_size, th.eos_ids)))
 
 
@@ -44,7 +47,8 @@ def thinker_to_client(eos_ids: list[int]):
 def build_talker(cfg, models) -> StageParts:
     tk, sc, async_chunk = models.talker, cfg.stage("talker"), cfg.connector.async_chunk
     return StageParts(Scheduler(tk.kv, sc.max_num_seqs, sc.max_num_batched_tokens, tk.eos_ids,
-                                lambda r: _talker_may_step(tk, async_chunk, r)),
+                                lambda r: _talker_may_step(tk, async_chunk, r),
+                                TalkerPrefixes() if sc.prefix_caching else None),
                       ARRunner(tk, Sampler(tk.vocab_size, tk.eos_ids, tk.suppress_ids)),
                       on_input=lambda r, rows: r.state.add(rows),
                       on_input_done=lambda stage, r: _thinker_done(tk, stage, r))
@@ -103,11 +107,11 @@ def audio_to_client(out: Output) -> tuple | None:
 def new_requests(models, cfg, req, prompt, voice: str | None, params: dict[str, SamplingParams]
                  ) -> dict[str, StageRequest]:
     """The request as each stage on its path first sees it."""
-    rid = req.request_id
-    out = {"thinker": StageRequest(rid, params["thinker"], ThinkerInput(prompt, wants_rows=voice is not None),
+    rid, key = req.request_id, PromptKey(req.cache_salt, prompt.cache_key)
+    out = {"thinker": StageRequest(rid, params["thinker"], ThinkerInput(prompt, voice is not None, key),
                                    num_prompt_tokens=len(prompt.input_ids), generator=_generator(params["thinker"]))}
     if voice is not None:
-        talker = TalkerState(models.voices[voice], prompt.input_ids, prompt.audio_lengths)
+        talker = TalkerState(models.voices[voice], prompt.input_ids, prompt.audio_lengths, key=key)
         out["talker"] = StageRequest(rid, params["talker"], talker, RequestStatus.WAITING_FOR_INPUT,
                                      generator=_generator(params["talker"]))
         codec = CodecStream.from_config(cfg.connector, req.initial_codec_chunk_frames)

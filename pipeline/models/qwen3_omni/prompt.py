@@ -1,7 +1,9 @@
-"""Chat messages -> Qwen3-Omni thinker inputs (ChatML ids with expanded audio placeholders + mel features)."""
+"""Chat messages -> Qwen3-Omni thinker inputs (ChatML ids with expanded audio placeholders + mel features),
+and the prompt's cache key: what a resident KV prefix must equal to be reused."""
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -10,6 +12,7 @@ from transformers import WhisperFeatureExtractor
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import _get_feat_extract_output_lengths
 
 from pipeline.api import Message
+from pipeline.prefix_cache import common_prefix
 
 INPUT_SAMPLE_RATE = 16000
 N_FFT = 400  # the STFT window; its reflect padding needs more input than half of it
@@ -21,10 +24,41 @@ class EncodedPrompt:
     input_features: torch.Tensor | None = None  # [num_audios, mel, frames]
     feature_mask: torch.Tensor | None = None  # [num_audios, frames]
     message_tokens: list[int] | None = None  # tokens of each message, then of the assistant header
+    audio_spans: tuple[tuple[int, int], ...] = ()  # [start, end) of each audio's placeholder tokens, in order
+    # int64 per position, as bytes: the token id, or at an audio placeholder a digest of that audio's
+    # features (negative, so never a token id). Two prompts whose keys agree on positions [0, n) have the
+    # same KV there.
+    cache_key: bytes = b""
 
     @property
     def audio_lengths(self) -> torch.Tensor | None:
         return None if self.feature_mask is None else self.feature_mask.sum(-1)
+
+
+@dataclass(slots=True, frozen=True)
+class PromptKey:
+    """A prompt's cache key (`EncodedPrompt.cache_key`), or a prefix of it, and its request's salt. Kept as
+    bytes, it crosses to a stage's worker process inline, as the token ids do (an array would go through
+    the transport's data ring)."""
+
+    salt: str | None
+    data: bytes
+
+    def __len__(self) -> int:
+        return len(self.data) // 8
+
+    @property
+    def keys(self) -> np.ndarray:
+        return np.frombuffer(self.data, dtype=np.int64)
+
+    def common(self, other: PromptKey) -> int:
+        """Leading positions on which the two prompts agree (none across salts)."""
+        return common_prefix(self.keys, other.keys) if self.salt == other.salt else 0
+
+    def head(self, n: int, then: np.ndarray | None = None) -> PromptKey:
+        """The key of its first `n` positions, followed by the keys `then` (token ids)."""
+        more = b"" if then is None else then.astype(np.int64).tobytes()
+        return PromptKey(self.salt, self.data[:8 * n] + more)
 
 
 class PromptEncoder:
@@ -34,6 +68,7 @@ class PromptEncoder:
     def __init__(self, tokenizer, n_window: int, num_mel_bins: int):
         self.tokenizer = tokenizer
         self.im_start_id = tokenizer.convert_tokens_to_ids("<|im_start|>")  # each message starts with it
+        self.audio_id = tokenizer.convert_tokens_to_ids("<|audio_pad|>")
         self.n_window = n_window
         self.features = WhisperFeatureExtractor(feature_size=num_mel_bins, sampling_rate=INPUT_SAMPLE_RATE,
                                                 hop_length=160, n_fft=N_FFT, return_attention_mask=True)
@@ -44,16 +79,27 @@ class PromptEncoder:
         feats = mask = None
         audio_tokens: list[int] = []
         if audios:
-            out = self.features([_at_least_one_window(a) for a in audios], sampling_rate=INPUT_SAMPLE_RATE,
-                                return_attention_mask=True, padding="longest", truncation=False,
-                                return_tensors="pt")
-            feats, mask = out.input_features, out.attention_mask
+            feats, mask = self._features(audios)
             audio_tokens = [int(_get_feat_extract_output_lengths(n, self.n_window)) for n in mask.sum(-1)]
         text = self._render(messages, iter(audio_tokens))
         ids = self.tokenizer(text, add_special_tokens=False).input_ids
         starts = [i for i, t in enumerate(ids) if t == self.im_start_id] + [len(ids)]
+        spans = _runs(ids, self.audio_id)
         return EncodedPrompt(input_ids=ids, input_features=feats, feature_mask=mask,
-                             message_tokens=[b - a for a, b in zip(starts, starts[1:])])
+                             message_tokens=[b - a for a, b in zip(starts, starts[1:])], audio_spans=spans,
+                             cache_key=_cache_key(ids, spans, feats, mask))
+
+    def _features(self, audios: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mel features [n, mel, frames] and their mask, each audio extracted alone and padded after: an
+        audio's features (so its tokens, and the cache key) never depend on the other audios of the prompt."""
+        outs = [self.features(_at_least_one_window(a), sampling_rate=INPUT_SAMPLE_RATE, return_attention_mask=True,
+                              padding="longest", truncation=False, return_tensors="pt") for a in audios]
+        frames = max(o.input_features.shape[-1] for o in outs)
+        feats = torch.cat([torch.nn.functional.pad(o.input_features, (0, frames - o.input_features.shape[-1]))
+                           for o in outs])
+        mask = torch.cat([torch.nn.functional.pad(o.attention_mask, (0, frames - o.attention_mask.shape[-1]))
+                          for o in outs])
+        return feats, mask
 
     @staticmethod
     def _render(messages: list[Message], audio_tokens) -> str:
@@ -74,3 +120,26 @@ def _at_least_one_window(audio) -> np.ndarray:
     """Audio shorter than one STFT window (25 ms), zero-padded to it: the feature extractor fails on less."""
     audio = np.asarray(audio, dtype=np.float32)
     return np.pad(audio, (0, max(0, N_FFT - audio.size)))
+
+
+def _runs(ids: list[int], token: int) -> tuple[tuple[int, int], ...]:
+    """[start, end) of each run of `token` in `ids`."""
+    runs, start = [], None
+    for i, t in enumerate([*ids, -1]):
+        if t == token and start is None:
+            start = i
+        elif t != token and start is not None:
+            runs.append((start, i))
+            start = None
+    return tuple(runs)
+
+
+def _cache_key(ids: list[int], spans, feats: torch.Tensor | None, mask: torch.Tensor | None) -> bytes:
+    """The token ids, each audio's placeholders replaced by a digest of that audio's own features."""
+    key = np.asarray(ids, dtype=np.int64)
+    for i, (start, end) in enumerate(spans[:0 if feats is None else len(feats)]):
+        frames = feats[i, :, : int(mask[i].sum())].contiguous().numpy()
+        digest = hashlib.blake2b(frames.tobytes(), digest_size=8, person=b"omnirt-audio")
+        digest.update(np.int64(frames.shape[-1]).tobytes())
+        key[start:end] = -1 - (int.from_bytes(digest.digest(), "little") >> 2)
+    return key.tobytes()

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from pipeline.compile import compile_layers
 from pipeline.cudagraph import GraphCache, batch_buckets
 from pipeline.kv_cache import SlotKVCache
 from pipeline.models.decoder import experts_implementation, last_rows, pad_rows, run_decoder
+from pipeline.models.qwen3_omni.prompt import PromptKey
 from pipeline.models.qwen3_omni.thinker import ThinkerRows
 from pipeline.platform import Platform
 from pipeline.sampling import sample_top_k_top_p
@@ -40,6 +42,8 @@ class TalkerState:
     prompt: torch.Tensor | None = None  # [T, H] talker prompt, built once the prefix is known
     position_ids: torch.Tensor | None = None  # [3, T]
     rope_delta: int = 0
+    key: PromptKey | None = None  # the Thinker prompt's (None: no prefix reuse)
+    user_positions: np.ndarray | None = None  # the Thinker position of each user row of the prompt, once built
 
     def add(self, rows: ThinkerRows) -> None:
         if rows.prompt_embeds is not None:
@@ -142,6 +146,7 @@ class TalkerModel:
         codec_track = torch.cat([torch.zeros(3, rows.shape[1], device=self.device, dtype=rows.dtype),
                                  self.stack.codec_embedding(codec_ids)])
         st.prompt = torch.cat([rows[user], text_track + codec_track])
+        st.user_positions = np.flatnonzero(user.cpu().numpy())
         talker_ids = torch.cat([ids[user], torch.full((NUM_ASSISTANT_PREFIX,), cfg.tts_pad_token_id,
                                                       device=self.device)])
         st.position_ids, st.rope_delta = self._positions(talker_ids, st.audio_lengths)

@@ -4,6 +4,7 @@ per-token rows the Talker consumes (token embedding and the `accept_hidden_layer
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -11,10 +12,13 @@ from pipeline.compile import compile_layers
 from pipeline.cudagraph import GraphCache, batch_buckets
 from pipeline.kv_cache import SlotKVCache
 from pipeline.models.decoder import experts_implementation, last_rows, pad_rows, run_decoder
-from pipeline.models.qwen3_omni.prompt import EncodedPrompt
+from pipeline.models.qwen3_omni.prompt import EncodedPrompt, PromptKey
 from pipeline.platform import Platform
 from pipeline.scheduler import Batch, StepOutput
 from pipeline.staging import HostStaging
+
+if TYPE_CHECKING:
+    from pipeline.models.qwen3_omni.prefix import ThinkerHeld
 
 
 @dataclass(slots=True)
@@ -23,16 +27,20 @@ class ThinkerInput:
 
     prompt: EncodedPrompt
     wants_rows: bool  # audio requested: hand rows to the Talker
+    key: PromptKey | None = None  # None: no prefix reuse
+    cached: ThinkerHeld | None = None  # the resident slot it starts from (num_computed_tokens of it)
 
 
 @dataclass(slots=True)
 class ThinkerState:
     input_ids: list[int]
     embeds: torch.Tensor  # [P, H]: token embeddings with audio features scattered in
+    tapped: torch.Tensor  # [P, H]: the Talker's tapped layer, filled as the prompt is computed
     position_ids: torch.Tensor  # [3, P]
     rope_delta: int
     audio_lengths: torch.Tensor | None
     wants_rows: bool  # audio requested: hand rows to the Talker
+    key: PromptKey | None = None
 
 
 @dataclass(slots=True)
@@ -53,7 +61,8 @@ class ThinkerModel:
         self.config = config
         self.kv = kv
         self.tap_layer = config.talker_config.accept_hidden_layer
-        self.audio_token_id = config.thinker_config.audio_token_id
+        tc = config.thinker_config
+        self.multimodal_ids = [tc.audio_token_id, tc.image_token_id, tc.video_token_id]
         self.device = kv.k.device
         self.vocab_size = config.thinker_config.text_config.vocab_size
         self.eos_ids = [config.im_end_token_id]
@@ -74,43 +83,53 @@ class ThinkerModel:
 
     def prepare(self, reqs) -> None:
         """Turn each new request's `ThinkerInput` into its `ThinkerState` at its first prefill step: the
-        audio of every request in the step goes through the audio encoder in one batch."""
+        audio of every request in the step goes through the audio encoder in one batch, but for the audio
+        inside a prefix it took from a resident slot (whose rows that slot kept)."""
         new = [r for r in reqs if isinstance(r.state, ThinkerInput)]
         if not new:
             return
-        feats = self._encode_audio([r.state.prompt for r in new])
-        for r, f in zip(new, feats):
-            r.state = self._state(r.state, f)
+        firsts = [sum(end <= r.num_computed_tokens for _, end in r.state.prompt.audio_spans) for r in new]
+        feats = self._encode_audio([r.state.prompt for r in new], firsts)
+        for r, f, first in zip(new, feats, firsts):
+            r.state = self._state(r.state, f, first, r.num_computed_tokens)
 
-    def _encode_audio(self, prompts: list[EncodedPrompt]) -> list[torch.Tensor | None]:
-        """Per prompt, its audio token rows [n, H] (None without audio), from one encoder call."""
-        with_audio = [p for p in prompts if p.input_features is not None]
-        if not with_audio:
+    def _encode_audio(self, prompts: list[EncodedPrompt], firsts: list[int]) -> list[torch.Tensor | None]:
+        """Per prompt, the token rows [n, H] of its audios from index `firsts[i]` on (None without any), from
+        one encoder call."""
+        todo = [(p, k) for p, k in zip(prompts, firsts) if p.input_features is not None and k < len(p.input_features)]
+        if not todo:
             return [None] * len(prompts)
-        frames = max(p.input_features.shape[-1] for p in with_audio)
-        features = torch.cat([torch.nn.functional.pad(p.input_features, (0, frames - p.input_features.shape[-1]))
-                              for p in with_audio]).to(self.device, self.thinker.dtype)
-        mask = torch.cat([torch.nn.functional.pad(p.feature_mask, (0, frames - p.feature_mask.shape[-1]))
-                          for p in with_audio]).to(self.device)
+        frames = max(p.input_features.shape[-1] for p, _ in todo)
+        features = torch.cat([torch.nn.functional.pad(p.input_features[k:], (0, frames - p.input_features.shape[-1]))
+                              for p, k in todo]).to(self.device, self.thinker.dtype)
+        mask = torch.cat([torch.nn.functional.pad(p.feature_mask[k:], (0, frames - p.feature_mask.shape[-1]))
+                          for p, k in todo]).to(self.device)
         rows = self.thinker.model.get_audio_features(features, mask, return_dict=True).last_hidden_state
-        parts = iter(rows.split([p.input_ids.count(self.audio_token_id) for p in with_audio]))
-        return [next(parts) if p.input_features is not None else None for p in prompts]
+        parts = iter(rows.split([sum(b - a for a, b in p.audio_spans[k:]) for p, k in todo]))
+        return [next(parts) if p.input_features is not None and k < len(p.input_features) else None
+                for p, k in zip(prompts, firsts)]
 
-    def _state(self, inp: ThinkerInput, audio_rows: torch.Tensor | None) -> ThinkerState:
-        """Token embeddings with the audio rows scattered in, and the multimodal rope positions."""
+    def _state(self, inp: ThinkerInput, audio_rows: torch.Tensor | None, first_audio: int,
+               num_cached: int) -> ThinkerState:
+        """Token embeddings with the rows of audios `first_audio`.. scattered in, the first `num_cached` rows
+        from the resident slot it starts from (if any), and the multimodal rope positions."""
         prompt = inp.prompt
         ids = torch.tensor([prompt.input_ids], device=self.device)
-        embeds = self.stack.embed_tokens(ids)
-        lengths = prompt.audio_lengths
+        embeds = self.stack.embed_tokens(ids)[0]
+        # the rows of reply tokens it starts from stay zero: the Talker reads no tapped row there (prefix.py)
+        tapped = torch.zeros_like(embeds)
         if audio_rows is not None:
-            mask = (ids == self.audio_token_id).unsqueeze(-1)
-            embeds = embeds.masked_scatter(mask, audio_rows.to(embeds.dtype))
+            at = torch.cat([torch.arange(a, b, device=self.device) for a, b in prompt.audio_spans[first_audio:]])
+            embeds[at] = audio_rows.to(embeds.dtype)
+        if inp.cached is not None:
+            n = min(num_cached, len(inp.cached.embeds))
+            embeds[:n], tapped[:n] = inp.cached.embeds[:n], inp.cached.tapped[:n]
+        lengths = prompt.audio_lengths
         pos, delta = self.thinker.model.get_rope_index(
             ids, None, None, torch.ones_like(ids), False,
             None if lengths is None else lengths.to(self.device), None)
-        return ThinkerState(prompt.input_ids, embeds[0], pos[:, 0].long(), int(delta.flatten()[0]),
-                            lengths, inp.wants_rows)
-
+        return ThinkerState(prompt.input_ids, embeds, tapped, pos[:, 0].long(), int(delta.flatten()[0]),
+                            lengths, inp.wants_rows, inp.key)
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> list[StepOutput]:
@@ -127,8 +146,9 @@ class ThinkerModel:
         view = self.kv.view([r.slot for r in reqs], starts, n_new)
         normed, tapped = run_decoder(self.stack, embeds, pos, view, self.tap_layer)
         logits = self.thinker.lm_head(last_rows(normed, n_new))
-        return [self._output(r, s, n, embeds[i], tapped[i], logits[i])
-                for i, (r, s, n) in enumerate(zip(reqs, starts, n_new))]
+        for i, (r, s, n) in enumerate(zip(reqs, starts, n_new)):
+            r.state.tapped[s:s + n] = tapped[i, :n]
+        return [self._output(r, s, s + n, logits[i]) for i, (r, s, n) in enumerate(zip(reqs, starts, n_new))]
 
     def _decode(self, reqs, starts: list[int]) -> list[StepOutput]:
         names = ("token_ids", "slots", "positions", "rope_pos")
@@ -146,12 +166,14 @@ class ThinkerModel:
         return (self.thinker.lm_head(normed[:, 0]),)
 
     @staticmethod
-    def _output(req, start, n, embeds, tapped, logits) -> StepOutput:
-        done_prompt = start + n >= req.num_prompt_tokens
-        rows = None
-        if req.state.wants_rows and req.is_prefill:
-            rows = ThinkerRows(prompt_embeds=embeds[:n], prompt_hidden=tapped[:n])
-        return StepOutput(logits=logits if done_prompt else None, payload=rows)
+    def _output(req, start: int, end: int, logits) -> StepOutput:
+        """A prefill step's result: the prompt rows [start, end) for the Talker (from 0 at the first step of a
+        request that starts from a resident slot: the rows that slot kept), and the logits once it is done."""
+        st, rows = req.state, None
+        if st.wants_rows and req.is_prefill:
+            begin = 0 if start == req.num_cached_tokens else start
+            rows = ThinkerRows(prompt_embeds=st.embeds[begin:end], prompt_hidden=st.tapped[begin:end])
+        return StepOutput(logits=logits if end >= req.num_prompt_tokens else None, payload=rows)
 
     def complete(self, reqs, outs: list[StepOutput], sampled: list[int],
                  tokens: torch.Tensor | None) -> list[ThinkerRows | None]:

@@ -1,0 +1,339 @@
+"""Prefix reuse (`pipeline/prefix_cache.py`): each turn of a conversation prefills only what is new, and
+answers exactly as a full prefill would; resident slots give way under pressure; aborts and failures
+leave nothing wrong behind."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.api import OmniRequest, TextDelta, collect_reply
+from pipeline.kv_cache import SlotKVCache
+from pipeline.prefix_cache import common_prefix
+from pipeline.request import RequestStatus, StageRequest
+from pipeline.sampling import SamplingParams
+from pipeline.scheduler import Scheduler, StepOutput
+from tests.test_parity import engine_generate, started_engine
+from tests.test_truncation import Driver, turn_text
+
+# ---- the scheduler and the slot cache, with keys that are plain token ids -------------------------------
+
+
+@dataclasses.dataclass
+class Held:
+    key: np.ndarray
+    num_prompt_tokens: int
+    num_bytes: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.key)
+
+
+class IdsReuse:
+    """A slot holds the ids it computed (prompt, then fed outputs); `req.state` is the prompt's ids."""
+
+    def key(self, req):
+        return req.state
+
+    def match(self, held, key):
+        return common_prefix(held.key, key)
+
+    def held(self, req):
+        written = np.concatenate([req.state, np.asarray(req.output_ids, dtype=np.int64)])[:req.num_computed_tokens]
+        return Held(written, min(len(written), req.num_prompt_tokens))
+
+    def adopt(self, req, held, n):
+        pass
+
+
+def _setup(slots: int = 3, max_len: int = 64):
+    kv = SlotKVCache(1, slots, 1, max_len, 2, torch.float32, "cpu")
+    return kv, Scheduler(kv, max_num_seqs=slots, max_num_batched_tokens=8, eos_ids=[99], is_ready=lambda r: True,
+                         reuse=IdsReuse())
+
+
+def _req(rid: str, ids: list[int], max_tokens: int = 2) -> StageRequest:
+    return StageRequest(rid, SamplingParams(temperature=0, max_tokens=max_tokens), np.asarray(ids, dtype=np.int64),
+                        num_prompt_tokens=len(ids))
+
+
+def _run(s: Scheduler, req: StageRequest, token: int = 5) -> None:
+    """Add `req` and step until it ends (every step samples `token`)."""
+    s.add(req)
+    while not req.status.is_finished:
+        batch = s.schedule()
+        s.update(batch, [StepOutput(token=token if not r.is_prefill or n + r.num_computed_tokens >= r.num_prompt_tokens
+                                    else None) for r, n in zip(batch.requests, batch.num_new_tokens)])
+
+
+def test_a_prompt_that_extends_a_resident_slot_takes_it_over_and_prefills_the_rest():
+    kv, s = _setup()
+    first = _req("a", list(range(10, 22)))  # 12 prompt tokens, 2 sampled: the last one is never fed
+    _run(s, first)
+    assert first.slot is None and kv.num_free_slots == kv.num_slots and len(kv.resident) == 1
+    (slot, held), = kv.resident.items()
+    assert held.key.tolist() == list(range(10, 22)) + [5]
+    same = _req("s", list(range(10, 22)))  # all of it matches: its last token is still computed (its logits)
+    s.add(same)
+    s.schedule()
+    assert same.num_computed_tokens == 11 and same.slot != slot and slot in kv.resident  # copied (a little short)
+    s.finish(same, RequestStatus.FINISHED_ABORTED)
+    second = _req("b", list(range(10, 22)) + [5, 5, 7])
+    s.add(second)
+    batch = s.schedule()
+    assert second.slot == slot and slot not in kv.resident  # a's next turn: taken over
+    assert second.num_cached_tokens == second.num_computed_tokens == 13 and batch.num_new_tokens == [2]
+    assert s.cached == [("s", 11), ("b", 13)] and s.num_cached_tokens == 24
+
+
+def test_the_next_turn_takes_the_slot_over_even_where_the_reply_it_resends_differs():
+    kv, s = _setup(slots=2)
+    _run(s, _req("a", [1, 2, 3, 4]))  # holds [1, 2, 3, 4, 5]
+    (slot, _), = kv.resident.items()
+    nxt = _req("b", [1, 2, 3, 4, 6, 6])  # the reply cut short (barge-in) or re-tokenized otherwise
+    s.add(nxt)
+    s.schedule()
+    assert nxt.slot == slot and not kv.resident and nxt.num_computed_tokens == 4
+
+
+def test_a_partial_match_copies_into_another_slot_and_keeps_the_resident_one():
+    kv, s = _setup(slots=2)
+    _run(s, _req("a", [1, 2, 3, 4, 5, 6]))
+    (src, _), = kv.resident.items()
+    kv.k[0, src, 0, :7] = torch.arange(7, dtype=torch.float32)[:, None]
+    other = _req("b", [1, 2, 3, 9, 9])
+    s.add(other)
+    s.schedule()
+    assert other.slot != src and other.num_computed_tokens == 3 and src in kv.resident  # copied, not taken
+    assert torch.equal(kv.k[0, other.slot, 0, :3], kv.k[0, src, 0, :3])
+    copy = other.slot
+    s.finish(other, RequestStatus.FINISHED_ABORTED)  # parked too, holding [1, 2, 3]
+    third = _req("c", [1, 2, 3, 4, 8])  # a part of a's again, and no slot is free: the least recently used
+    s.add(third)                         # resident one but a's (b's) is given up for the copy
+    s.schedule()
+    assert third.slot == copy and list(kv.resident) == [src] and third.num_computed_tokens == 4
+
+
+def test_resident_slots_give_way_to_new_requests_least_recently_used_first():
+    kv, s = _setup(slots=2)
+    _run(s, _req("a", [1, 1, 1]))
+    _run(s, _req("b", [2, 2, 2]))
+    assert len(kv.resident) == 2 and kv.num_free_slots == 2
+    slot_a = next(iter(kv.resident))
+    c = _req("c", [3, 3, 3])
+    s.add(c)
+    s.schedule()
+    assert c.slot == slot_a and c.num_cached_tokens == 0 and [h.key[0] for h in kv.resident.values()] == [2]
+
+
+def test_an_abort_during_a_step_parks_only_what_was_computed_before_it_and_a_failure_parks_nothing():
+    kv, s = _setup()
+    req = _req("a", list(range(20)))  # prefill chunks of 8
+    s.add(req)
+    s.update(s.schedule(), [StepOutput()])
+    batch = s.schedule()  # the second chunk runs; the abort lands before its results are applied
+    s.finish(req, RequestStatus.FINISHED_ABORTED)
+    s.update(batch, [StepOutput()])
+    assert [h.key.tolist() for h in kv.resident.values()] == [list(range(8))]
+    failed = _req("b", list(range(8)) + [50])
+    s.add(failed)
+    s.schedule()
+    assert failed.num_cached_tokens == 8
+    s.finish(failed, RequestStatus.FINISHED_ERROR)
+    assert not kv.resident and kv.num_free_slots == kv.num_slots
+
+
+# ---- the engine: a conversation with and without reuse ----------------------------------------------------
+
+def _with(cfg, reuse: bool):
+    """The tiny profile with a 1024-token Thinker of 2 slots (a few long turns overflow it; three
+    conversations do not fit), prefix reuse on or off."""
+    stages = [dataclasses.replace(s, prefix_caching=reuse) for s in cfg.stages]
+    stages[0] = dataclasses.replace(stages[0], max_model_len=1024, max_num_seqs=2)
+    return dataclasses.replace(cfg, stages=tuple(stages))
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_config):
+    """(reuse on, reuse off)."""
+    with started_engine(_with(tiny_config, True)) as on, started_engine(_with(tiny_config, False)) as off:
+        yield on, off
+
+
+def _audio(seconds: float, seed: int) -> np.ndarray:
+    t = np.arange(int(16000 * seconds)) / 16000
+    return (0.3 * np.sin(2 * np.pi * (200 + 90 * seed) * t) + 0.02 * np.random.default_rng(seed).standard_normal(
+        t.size)).astype(np.float32)
+
+
+USER_TURNS = [
+    {"role": "user", "content": turn_text(0, 40)},
+    {"role": "user", "content": [{"type": "audio", "audio": _audio(1.0, 1)}, {"type": "text", "text": "And this?"}]},
+    {"role": "user", "content": turn_text(2, 40)},
+    {"role": "user", "content": [{"type": "audio", "audio": _audio(1.6, 3)}]},  # longer than the audio before it
+    {"role": "user", "content": turn_text(4, 40)},
+    {"role": "user", "content": "Short one."},
+    {"role": "user", "content": [{"type": "audio", "audio": _audio(0.7, 6)}, {"type": "text", "text": "Last."}]},
+]
+
+
+def _last_kv(engine) -> dict[str, torch.Tensor]:
+    """Per stage, the KV of the slot the last request left: resident (with reuse, the positions it holds) or
+    freed (without, its prompt and the fed reply)."""
+    out = {}
+    for stage in ("thinker", "talker"):
+        kv = engine.stage(stage).scheduler.kv
+        if kv.resident and engine.stage(stage).scheduler.reuse is not None:
+            slot, held = next(reversed(kv.resident.items()))
+            out[stage] = kv.k[:, slot, :, :held.num_tokens].clone()
+        else:
+            out[stage] = kv.k[:, kv._free[-1]].clone()  # the slot freed last (the free list is a queue)
+    return out
+
+
+async def _conversation(engine, tag: str) -> list[tuple]:
+    """The user turns, each answered in text and audio; a truncated turn's cut stays for the turns after it
+    (as a Realtime session keeps it). Per turn: (tokens, codec frames, PCM, Finished, KV per stage)."""
+    messages, out = [{"role": "system", "content": "Be brief."}], []
+    for i, user in enumerate(USER_TURNS):
+        messages.append(user)
+        tokens, frames, pcm, fin = await engine_generate(engine, f"{tag}-{i}", list(messages), truncation=0.5)
+        out.append((tokens, frames, pcm, fin, _last_kv(engine)))
+        if fin.truncated_messages:
+            messages = messages[:1] + messages[1 + fin.truncated_messages:]
+        # the reply as it re-tokenizes to its own tokens where it can (the tiny model's are mostly special
+        # ones, kept here), so that the next prompt runs into the reply's positions in the slot
+        messages.append({"role": "assistant", "content": engine.models.tokenizer.decode(tokens)})
+    return out
+
+
+def _prefill_counts(engine) -> dict[str, tuple[int, int]]:
+    return {s.name: s.prefix_stats()[:2] for s in engine.stages[:2]}
+
+
+async def test_a_conversation_answers_the_same_with_and_without_reuse(engines):
+    on, off = engines
+    before = _prefill_counts(on), _prefill_counts(off)
+    with_reuse, without = await _conversation(on, "reuse"), await _conversation(off, "full")
+    after = _prefill_counts(on), _prefill_counts(off)
+    with _talker_reuse_off(on):  # the Talker prefills in full, from the Thinker rows resident slots kept
+        thinker_only = await _conversation(on, "thinker-reuse")
+    for i, (a, b, c) in enumerate(zip(with_reuse, without, thinker_only)):
+        assert a[0] == b[0] == c[0] and a[1] == b[1] == c[1] and len(a[1]) > 4, i  # all 16 codebooks per frame
+        assert np.array_equal(a[2], b[2]) and np.array_equal(c[2], b[2]), i
+        assert (a[3].usage.prompt_tokens, a[3].truncated_messages) == (b[3].usage.prompt_tokens,
+                                                                       b[3].truncated_messages)
+        for stage, kv in a[4].items():  # what a slot holds for reuse is what a full prefill writes
+            n = kv.shape[2]
+            assert n > 0 and torch.allclose(kv, b[4][stage][:, :, :n], atol=1e-4), (i, stage)
+    assert all(b[3].usage.cached_tokens == 0 for b in without)
+    usage = [a[3].usage for a in with_reuse]
+    cut = [i for i, a in enumerate(with_reuse) if a[3].truncated_messages]
+    assert cut and cut[0] > 1, usage
+    assert usage[0].cached_tokens == 0
+    for i in range(1, len(usage)):  # the whole previous prompt is reused, but across a cut (instructions only)
+        if i in cut:
+            assert 0 < usage[i].cached_tokens < usage[i - 1].prompt_tokens, (i, usage)
+        else:
+            assert usage[i - 1].prompt_tokens <= usage[i].cached_tokens < usage[i].prompt_tokens, (i, usage)
+    for stage in ("thinker", "talker"):  # reuse computes only what full prefill does not get from the slots
+        (computed_on, cached_on), (computed_off, cached_off) = (
+            [x - y for x, y in zip(a[stage], b[stage])] for a, b in zip(after, before))
+        assert cached_off == 0 and cached_on > 0 and computed_on + cached_on == computed_off, stage
+
+
+@contextlib.contextmanager
+def _talker_reuse_off(engine):
+    sched = engine.stage("talker").scheduler
+    saved, sched.reuse = sched.reuse, None
+    try:
+        yield
+    finally:
+        sched.reuse = saved
+
+
+async def _text_turns(engine, tag: str, order: list[tuple[int, str]]) -> list[tuple[list[int], object]]:
+    """Text-only conversations, turns taken in `order` ((conversation, user text)); per turn (tokens, usage)."""
+    histories: dict[int, list[dict]] = {}
+    out = []
+    for n, (conv, text) in enumerate(order):
+        messages = histories.setdefault(conv, [{"role": "system", "content": "You are terse."}])
+        messages.append({"role": "user", "content": text})
+        req = OmniRequest(f"{tag}-{n}", list(messages), thinker_sampling={"temperature": 0.0, "max_tokens": 6})
+        reply = await collect_reply(await engine.submit(req))
+        messages.append({"role": "assistant", "content": reply.text})
+        out.append((reply.token_ids, reply.finished.usage))
+    return out
+
+
+async def test_resident_slots_are_evicted_under_pressure_and_answers_stay_the_same(engines):
+    on, off = engines  # two Thinker slots for three conversations
+    topics = ("dragons", "castles", "rivers")
+    order = [(c, f"{topics[c]}: conversation {c}, turn {t}") for t in range(2) for c in range(3)]
+    order += [(0, "one more"), (0, "and the last")]
+    with_reuse, without = await _text_turns(on, "evict", order), await _text_turns(off, "evict-full", order)
+    assert [t for t, _ in with_reuse] == [t for t, _ in without]
+    encode = on.models.encoder.encode
+    shared = common_prefix(*(np.frombuffer(encode([{"role": "system", "content": "You are terse."},
+                                                   {"role": "user", "content": order[c][1]}]).cache_key, np.int64)
+                             for c in (0, 1)))
+    cached = [u.cached_tokens for _, u in with_reuse]
+    # the round robin outgrows the slots, least recently used first: every turn until conversation 0 goes
+    # on alone finds its own conversation given up (the instructions match, from another one's slot)...
+    assert all(0 < n <= shared for n in cached[1:7]), (shared, cached)
+    # ...then its last turn finds the one before resident again, and reuses all of it
+    assert cached[7] >= with_reuse[6][1].prompt_tokens, cached
+    assert len(on.stage("thinker").scheduler.kv.resident) <= 2 and on.num_free_slots() == on.num_slots()
+
+
+async def test_an_aborted_reply_leaves_a_prefix_the_next_turn_reuses_exactly(engines):
+    on, off = engines
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me a long story."}]
+    first = on.models.encoder.encode(messages)
+    events = await on.submit(OmniRequest("abort-mid", list(messages), thinker_sampling={
+        "temperature": 0.0, "max_tokens": 60, "min_tokens": 60}))
+    text = ""
+    async for ev in events:
+        if isinstance(ev, TextDelta):
+            text += ev.text
+            break  # the prompt is in, the reply under way
+    await events.aclose()  # the engine aborts it mid-reply
+    for _ in range(200):  # until the Thinker let it go (a liveness wait, not a latency bound)
+        if not on.stage("thinker").requests:
+            break
+        await asyncio.sleep(0.02)
+    messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "Go on."}]
+    results = []
+    for engine in (on, off):
+        reply = await collect_reply(await engine.submit(OmniRequest(
+            f"after-abort-{id(engine)}", list(messages), thinker_sampling={"temperature": 0.0, "max_tokens": 8})))
+        results.append(reply)
+    assert results[0].token_ids == results[1].token_ids
+    assert results[0].finished.usage.cached_tokens >= len(first.input_ids)
+
+
+async def test_realtime_usage_counts_the_history_each_response_reused(engine):
+    d = Driver(engine)
+    await d.start("auto")
+    usage = [(await d.turn(i))["usage"] for i in range(3)]
+    await d.close()
+    # each response reuses the one before's prompt, but for its assistant header (3 tokens) when the reply was
+    # empty (the tiny model's two tokens are often special ones): the session then leaves the item out
+    for before, now in zip(usage, usage[1:]):
+        assert before["input_tokens"] - 3 <= now["input_token_details"]["cached_tokens"] < now["input_tokens"], usage
+
+
+def test_no_prefix_caching_turns_reuse_off_in_every_stage():
+    from pipeline.api import EngineOptions
+    from pipeline.config import build_config, stage_overrides
+
+    overrides = stage_overrides(EngineOptions(prefix_caching=False, stage_overrides={"1": {"max_num_seqs": 2}}))
+    cfg = build_config({}, "cpu", {}, overrides)
+    assert [s.prefix_caching for s in cfg.stages] == [False] * 3 and cfg.stage("talker").max_num_seqs == 2
+    assert all(s.prefix_caching for s in build_config({}, "cpu", {}, stage_overrides(EngineOptions())).stages)
