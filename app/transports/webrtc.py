@@ -228,6 +228,9 @@ class Call:
         await asyncio.wait({task}, timeout=CLOSE_STEP_TIMEOUT_S)
         if not task.done():
             task.cancel()
+            # a cancelled gather ends holding its children's CancelledError: take it, or asyncio logs it as an
+            # exception never retrieved, with a traceback, when the future is collected
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
             self.log.warning("webrtc %s: %s did not finish within %g s", self.id, what, CLOSE_STEP_TIMEOUT_S)
         elif not task.cancelled() and task.exception() is not None:
             self.log.warning("webrtc %s: %s failed: %r", self.id, what, task.exception())
