@@ -80,7 +80,6 @@ def plain_path(engine) -> None:
     for cache, kv in ((m.thinker.graphs, m.thinker.kv), (m.talker.decode_graphs, m.talker.kv),
                       (m.talker.predictor_graphs, None)):
         cache.enabled = False
-        cache.fn = getattr(cache.fn, "step", cache.fn)
         if kv is not None:  # the decode steps are told the length of their dense copy
             cache.lengths = kv.graph_lengths()
 

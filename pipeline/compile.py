@@ -45,9 +45,10 @@ class TimedStep:
         before, started = _graphs_compiled(), time.perf_counter()
         out = self.step(length, **tensors)
         if (new := _graphs_compiled() - before) > 0:
+            elapsed = time.perf_counter() - started
             self.num_compiles += new
-            self.seconds += time.perf_counter() - started
-            log.info("%s: compiled %d graph(s) in %.1f s (batch %d)", self.name, new, time.perf_counter() - started,
+            self.seconds += elapsed
+            log.info("%s: compiled %d graph(s) in %.1f s (batch %d)", self.name, new, elapsed,
                      next(iter(tensors.values())).shape[0])
         return out
 
