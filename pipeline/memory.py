@@ -13,10 +13,12 @@ are loaded (another process may hold some). Numbers in, numbers out: no torch he
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from pipeline.config import ProfileError
 
+log = logging.getLogger("omnirt.memory")  # at INFO in replica workers too, whose other loggers warn only
 GIB = 2**30
 MAX_SLOTS_PER_SEQ = 4  # resident prefixes beyond this rarely pay; the rest of the budget stays headroom
 
@@ -95,17 +97,17 @@ def plan_memory(stages: list[StageMemory], free_bytes: int, total_bytes: int, fr
     num_slots = {s.name: s.min_num_slots for s in stages}
     own = [s for s in stages if s.fraction is not None]
     for s in own:
-        num_slots |= _fit([s], s.fraction * total_bytes, s.key, device, total_bytes)
+        num_slots |= _fit([s], int(s.fraction * total_bytes), s.key, device, total_bytes)
     shared = [s for s in stages if s.fraction is None]
     if fraction is not None and shared:
-        budget = (fraction - sum(s.fraction for s in own)) * total_bytes
+        budget = int(fraction * total_bytes) - sum(int(s.fraction * total_bytes) for s in own)
         num_slots |= _fit(shared, budget, "gpu_memory_utilization", device, total_bytes)
     plan = MemoryPlan(device, total_bytes, free_bytes, tuple(stages), num_slots, fraction)
     _check_free(plan)
     return plan
 
 
-def _fit(group: list[StageMemory], budget: float, key: str, device: str, total: int) -> dict[str, int]:
+def _fit(group: list[StageMemory], budget: int, key: str, device: str, total: int) -> dict[str, int]:
     """Slots for the stages sharing `budget`: max_num_seqs each, and the growers' equal share of the rest."""
     room = budget - sum(s.weight_bytes + s.workspace_bytes for s in group)
     need = sum(s.kv_bytes(s.min_num_slots) for s in group)
@@ -116,13 +118,13 @@ def _fit(group: list[StageMemory], budget: float, key: str, device: str, total: 
     per_step = sum((s.max_num_seqs + 1) * s.slot_bytes for s in growers)
     if per_step:
         fixed = sum(s.kv_bytes(s.min_num_slots) for s in group if s not in growers)
-        ratio = (room - fixed - sum(s.fixed_kv_bytes for s in growers)) / per_step
+        spare = room - fixed - sum(s.fixed_kv_bytes for s in growers)  # for the growers' slots, in whole bytes
         for s in growers:
-            out[s.name] = min(int(ratio * (s.max_num_seqs + 1)) - 1, MAX_SLOTS_PER_SEQ * s.max_num_seqs)
+            out[s.name] = min(spare * (s.max_num_seqs + 1) // per_step - 1, MAX_SLOTS_PER_SEQ * s.max_num_seqs)
     return out
 
 
-def _short(group: list[StageMemory], budget: float, room: float, need: int, key: str, device: str,
+def _short(group: list[StageMemory], budget: int, room: int, need: int, key: str, device: str,
            total: int) -> str:
     names = " + ".join(s.name for s in group)
     each = "; ".join(f"{s.name} {s.max_num_seqs} x {s.max_model_len} tokens {_size(s.kv_bytes(s.min_num_slots))}"
@@ -153,11 +155,21 @@ def _check_free(plan: MemoryPlan) -> None:
                        f"free of {_size(plan.total_bytes)}; {hint}", key, "memory plan")
 
 
-def after_capture(plan: MemoryPlan, free_before: int, free_after: int) -> str:
-    """What capturing the graphs (and warming the steps up) actually took, against the plan's estimate."""
-    estimate = sum(s.workspace_bytes for s in plan.stages)
-    return (f"graphs captured on {plan.device}: {_size(free_before - free_after)} measured "
-            f"({_size(estimate)} estimated for graphs/workspace); {_size(free_after)} free now")
+def log_plan(plan: MemoryPlan) -> None:
+    for line in plan.lines():
+        log.info("%s", line)
+
+
+def log_capture(plan: MemoryPlan, free_before: int, free_after: int) -> None:
+    """What capturing the graphs (and warming their steps up) took, against the plan's estimate; a warning
+    when it took more, since the headroom is then smaller than the plan says."""
+    taken, estimate = free_before - free_after, sum(s.workspace_bytes for s in plan.stages)
+    log.info("graphs captured on %s: %s measured (%s estimated for graphs/workspace); %s free now", plan.device,
+             _size(taken), _size(estimate), _size(free_after))
+    if taken > estimate:
+        log.warning("graph capture alone took %s more than the plan's graphs/workspace estimate: less than the "
+                    "planned %s of headroom is left (lower gpu_memory_utilization to keep more)",
+                    _size(taken - estimate), _size(plan.headroom_bytes))
 
 
 def _size(n: float) -> str:

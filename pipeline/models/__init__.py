@@ -14,7 +14,7 @@ from pipeline.attention import attend_in_place
 from pipeline.config import STAGE_NAMES, EngineConfig
 from pipeline.graph import StageGraph
 from pipeline.kv_cache import SlotKVCache
-from pipeline.memory import MemoryPlan, after_capture, plan_memory
+from pipeline.memory import MemoryPlan, log_capture, log_plan, plan_memory
 from pipeline.models.loader import ModelNotFoundError, load_hf_model
 from pipeline.models.qwen3_omni.code2wav import Code2WavModel, CodecWindow, frame_buckets
 from pipeline.models.qwen3_omni.memory import stage_memory
@@ -57,7 +57,7 @@ class OmniModels:
             if model is not None:
                 model.capture_graphs()
         if self.plan is not None and self.platform.supports_graphs:
-            log.info("%s", after_capture(self.plan, free_before, self.platform.mem_get_info(device)[0]))
+            log_capture(self.plan, free_before, self.platform.mem_get_info(device)[0])
 
     def decode_text(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
@@ -112,7 +112,7 @@ def load_models(cfg: EngineConfig, platform: Platform, stages: tuple[str, ...] =
              platform.memory_allocated(device) / 2**30, device, cfg.dtype, moe, "slots" if in_place else "dense",
              cfg.compile)
     hc = hf.config
-    plan = _plan(hf, cfg, stages, platform)
+    plan = memory_plan(hf, cfg, stages, platform)
     audio = hc.thinker_config.audio_config
     encoder = PromptEncoder(tokenizer, audio.n_window, audio.num_mel_bins)
     thinker = talker = code2wav = None
@@ -150,14 +150,13 @@ def load_models(cfg: EngineConfig, platform: Platform, stages: tuple[str, ...] =
     return models
 
 
-def _plan(hf, cfg: EngineConfig, stages: tuple[str, ...], platform: Platform) -> MemoryPlan:
-    """The KV slots per stage from the device's memory after the weights (ProfileError when they cannot fit)."""
-    device = platform.device(0)
-    free, total = platform.mem_get_info(device)
+def memory_plan(hf, cfg: EngineConfig, stages: tuple[str, ...], platform: Platform) -> MemoryPlan:
+    """The KV slots per stage from the device's memory after the weights (ProfileError when they cannot fit).
+    The stages of a process run on its device 0, the current one."""
+    free, total = platform.mem_get_info()
     plan = plan_memory(stage_memory(hf, cfg, stages, platform.supports_graphs), free, total,
                        cfg.gpu_memory_utilization, platform.device_name(0))
-    for line in plan.lines():
-        log.info("%s", line)
+    log_plan(plan)
     return plan
 
 
