@@ -163,3 +163,49 @@ def test_grown_slots_keep_more_conversations_resident(tiny_config, host, fractio
     # a hit reuses the conversation's whole first prompt, not only the instructions all conversations share
     assert sum(reused >= prompt for prompt, reused in cached) == num_hits, cached
     assert engine.stage("thinker").scheduler.max_num_seqs == 2  # never more running than configured
+
+
+# ---- the shipped GPU profiles against an H200 -------------------------------------------------------------------
+
+H200_BYTES = 143771 * 2**20  # the total torch.cuda.mem_get_info reports on an H200
+RUNTIME_BYTES = 2**30  # the CUDA context and what else a process holds before its plan
+
+
+@pytest.fixture(scope="module")
+def released_on_meta():
+    """The released architecture with no memory behind it: its weights are counted from the shapes."""
+    from transformers import Qwen3OmniMoeForConditionalGeneration
+
+    from pipeline.models.loader import _tokenizer
+    from pipeline.models.qwen3_omni.released import released_config
+    from pipeline.models.tiny import ensure_tiny_model
+
+    with torch.device("meta"):
+        return Qwen3OmniMoeForConditionalGeneration._from_config(released_config(_tokenizer(ensure_tiny_model())),
+                                                                  dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("profile,processes", [
+    ("qwen3_omni_moe.yaml", [("thinker", "talker", "code2wav")]),
+    ("qwen3_omni_moe_1gpu.yaml", [("thinker", "talker", "code2wav")]),
+    ("qwen3_omni_moe_multi_replicas.yaml", [("thinker",), ("talker",), ("code2wav",)]),
+    ("qwen3_omni_moe_ray.yaml", [("thinker",), ("talker",), ("code2wav",)]),
+])
+def test_the_shipped_gpu_profiles_fit_an_h200(released_on_meta, profile, processes):
+    from pipeline.config import DEPLOY_DIR, load_profile
+    from pipeline.models.qwen3_omni.memory import stage_memory
+
+    cfg = load_profile(DEPLOY_DIR / profile, "cuda")
+    for stages in processes:  # each process plans the stages it loads, on a device of its own
+        needs = [dataclasses.replace(s, weight_bytes=2 * sum(p.numel() for p in getattr(released_on_meta, s.name)
+                                                              .parameters()))
+                 for s in stage_memory(released_on_meta, cfg, stages, graphs=True)]
+        weights = sum(s.weight_bytes for s in needs)
+        plan = plan_memory(needs, H200_BYTES - weights - RUNTIME_BYTES, H200_BYTES, cfg.gpu_memory_utilization,
+                           "cuda:0")
+        assert all(plan.num_slots[s.name] >= s.max_num_seqs for s in needs if s.slot_bytes)
+        assert plan.headroom_bytes > 0
+    if profile == "qwen3_omni_moe_1gpu.yaml":  # the header's figures, measured on an H200 with fixed sizing
+        thinker = next(s for s in needs if s.name == "thinker")
+        assert round(65 * (thinker.slot_bytes - 2 * 2048 * 2048 * 2) / GIB, 1) == 12.2
+        assert round(weights / GIB, 1) == 65.7
