@@ -68,6 +68,14 @@ def test_a_bad_stage_override_value_names_the_flag(no_torch):
         "omnirt: --stage-overrides: stages[1].max_num_seqs must be an integer, got '8'"), done.stderr
 
 
+def test_a_memory_plan_that_cannot_fit_stops_the_start_naming_the_key():
+    done = omnirt("serve", "--gpu-memory-utilization", "0.0001", "--port", "0", "--threads", "1")
+    last = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 1 and last.startswith(
+        "omnirt: memory plan: gpu_memory_utilization gives thinker + talker + code2wav "), done.stderr
+    assert "but max_num_seqs x max_model_len needs " in last and "Traceback" not in done.stderr
+
+
 def test_a_port_in_use_stops_the_server_before_the_model_loads(no_torch):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
