@@ -44,7 +44,7 @@ def number(kind: type, low: float, high: float | None = None, *, above: bool = F
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not {word}") from None
-        if value < low or (above and value == low) or (high is not None and value > high):
+        if value != value or value < low or (above and value == low) or (high is not None and value > high):  # nan
             bounds = f"{'>' if above else '>='} {low:g}" + (f" and <= {high:g}" if high is not None else "")
             raise argparse.ArgumentTypeError(f"must be {word} {bounds}, got {text}")
         return value

@@ -53,6 +53,7 @@ def test_a_bad_profile_stops_the_server_before_torch(tmp_path, no_torch, profile
     (["--realtime-max-sessions", "0"], "argument --realtime-max-sessions: must be an integer >= 1, got 0"),
     (["--dtype", "int8"], "argument --dtype: invalid choice: 'int8' (choose from "),
     (["--gpu-memory-utilization", "1.5"], "argument --gpu-memory-utilization: must be a number > 0 and <= 1, got 1.5"),
+    (["--gpu-memory-utilization", "nan"], "argument --gpu-memory-utilization: must be a number > 0 and <= 1, got nan"),
     (["--webrtc-ice-servers", '[{"urls": "turn:turn.example.org"}]'], "a TURN server needs a username"),
     (["--webrtc-advertise-address", "my.host"], "'my.host' is not an IP address"),
 ])

@@ -72,6 +72,7 @@ def test_precedence_cli_over_platform_over_profile():
     ({"gpu_memory_utilization": 0}, "gpu_memory_utilization"),
     ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
     ({"gpu_memory_utilization": "most"}, "gpu_memory_utilization"),
+    ({"gpu_memory_utilization": float("nan")}, "gpu_memory_utilization"),
     ({"stages": [{"stage_id": 1, "gpu_memory_utilization": -0.1}]}, "stages[1].gpu_memory_utilization"),
     ({"stages": [{"stage_id": 2, "max_model_len": 512}]}, "stages[2].max_model_len"),
     ({"stages": [{"stage_id": 2, "max_num_batched_tokens": 512}]}, "stages[2].max_num_batched_tokens"),
