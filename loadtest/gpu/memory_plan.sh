@@ -11,7 +11,7 @@ free_now() { nvidia-smi --query-gpu=memory.used,memory.free,memory.total --forma
 start_server plan --log-level info || exit 1
 grep -E "omnirt.memory|KV cache:" "$OUT/server-plan.log" | sed -E "s/^[^ ]+ (INFO|WARNING) //"
 free_now "after start-up"
-timeout 200 python3 -m app.cli bench --model $MODEL --name h200-memory-plan --out "$OUT" --prompt-lens 160 1600 \
+timeout 200 python3 -m app.cli bench --model $MODEL --name h200-memory-plan --out "$OUT" --prompt-lens 160 512 \
   --concurrency 64 --requests-per-point 64 --rounds 1 --warmup 2 2>&1 | grep -E "^\| [0-9]|Error" | sed "s/^/burst /"
 free_now "after 64 concurrent requests"
 python3 -c "import httpx; print('\n'.join(l for l in httpx.get('http://127.0.0.1:8091/metrics').text.splitlines()
