@@ -196,7 +196,8 @@ class TalkerModel:
             n, max(starts) + 1, {"embeds": embeds, "slots": slots, "positions": positions, "rope_pos": rope},
             {"slots": self.kv.scratch_slot})
         self.past_hidden[slots] = hidden
-        return [StepOutput(logits=row, payload=frame) for row, frame in zip(logits, codes.tolist())]
+        # the frames stay on the device: they come to the host with the sampled tokens, in one wait
+        return [StepOutput(logits=row, payload=frame) for row, frame in zip(logits, codes)]
 
     def _decode_step(self, kv_len, embeds, slots, positions, rope_pos) -> tuple[torch.Tensor, torch.Tensor]:
         """One talker token per row (kv_len: the dense copy's length): returns (last hidden, codec logits)."""
