@@ -24,6 +24,7 @@ import torch
 from pipeline.api import OmniRequest, collect_reply
 
 VOICE = "ethan"
+PENALTY = 1.05  # the Talker's repetition penalty, both sides
 
 
 def prompts() -> list[list[dict]]:
@@ -84,7 +85,7 @@ async def serve(engine, rid: str, messages: list[dict], tokens: int, frames: int
     try:
         req = OmniRequest(rid, messages, ("text", "audio"), voice=VOICE,
                           thinker_sampling={"temperature": 0.0, "max_tokens": tokens},
-                          talker_sampling={"temperature": 0.0, "max_tokens": frames + 1, "repetition_penalty": 1.05})
+                          talker_sampling={"temperature": 0.0, "max_tokens": frames + 1, "repetition_penalty": PENALTY})
         reply = await collect_reply(await engine.submit(req))
     finally:
         engine.models.code2wav.decode = original
@@ -114,7 +115,8 @@ def reference(models, messages: list[dict], tokens: int, frames: int):
     try:
         seqs, _ = hf.generate(**kw, speaker=VOICE, return_audio=True, thinker_max_new_tokens=tokens,
                               thinker_do_sample=False, thinker_eos_token_id=models.thinker.eos_ids[0],
-                              talker_max_new_tokens=frames + 1, talker_do_sample=False, talker_repetition_penalty=1.05)
+                              talker_max_new_tokens=frames + 1, talker_do_sample=False,
+                              talker_repetition_penalty=PENALTY)
     finally:
         hf.code2wav.chunked_decode = original
     eos = set(models.thinker.eos_ids)
@@ -122,22 +124,40 @@ def reference(models, messages: list[dict], tokens: int, frames: int):
     return text, codes["c"][0].T.tolist(), th.close(), tk.close()
 
 
-def parting(ours: list, theirs: list, engine_rows: list[torch.Tensor], ref_rows: list[torch.Tensor]) -> dict | None:
-    """Where the two sequences first differ: both sides' top-2 margins there, and the noise before."""
+def decided(row: torch.Tensor, history: list[int], penalty: float, suppress: list[int]) -> torch.Tensor:
+    """The logits a choice was made on: the repetition penalty over the tokens produced before, and the
+    suppressed ids out, as both sides' processors apply them (greedy: no warpers)."""
+    row = row.clone()
+    if penalty != 1.0 and history:
+        seen = torch.tensor(sorted(set(history)))
+        row[seen] = torch.where(row[seen] < 0, row[seen] * penalty, row[seen] / penalty)
+    if suppress:
+        row[torch.tensor(suppress)] = float("-inf")
+    return row
+
+
+def parting(ours: list, theirs: list, engine_rows: list[torch.Tensor], ref_rows: list[torch.Tensor],
+            penalty: float = 1.0, suppress: list[int] = ()) -> dict | None:
+    """Where the two sequences first differ: both sides' decision margins there (top-1 minus top-2 of the
+    processed logits; whether each side's choice is its own argmax), and the noise before (the largest
+    difference between the two sides' top logit over the steps they agreed on)."""
     k = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
     if k is None:
         n = min(len(ours), len(theirs))
         return None if len(ours) == len(theirs) else {"step": n, "lengths": [len(ours), len(theirs)]}
     out = {"step": k}
     if k < len(engine_rows) and k < len(ref_rows):
+        mine, ref = (decided(r[k], ours[:k], penalty, list(suppress)) for r in (engine_rows, ref_rows))
+
         def margin(row):
             v = torch.topk(row, 2).values
             return round(float(v[0] - v[1]), 4)
 
         noise = max((abs(float(e.max() - r.max())) for e, r in zip(engine_rows[:k], ref_rows[:k])), default=0.0)
-        out.update(margin_engine=margin(engine_rows[k]), margin_reference=margin(ref_rows[k]),
-                   noise_before=round(noise, 4),
-                   engine_logits_of_both=[round(float(engine_rows[k][t]), 3) for t in (ours[k], theirs[k])])
+        out.update(margin_engine=margin(mine), margin_reference=margin(ref), noise_before=round(noise, 4),
+                   engine_logits_of_both=[round(float(mine[t]), 4) for t in (ours[k], theirs[k])],
+                   reference_logits_of_both=[round(float(ref[t]), 4) for t in (ours[k], theirs[k])],
+                   choices_are_argmax=[int(mine.argmax()) == ours[k], int(ref.argmax()) == theirs[k]])
     return out
 
 
@@ -176,8 +196,8 @@ async def main_async(args) -> dict:
             "frames_compared": n, "frames_equal": frames[:n] == ref_frames[:n] and n == args.frames,
             "codes_differing": sum(a != b for f, g in zip(frames[:n], ref_frames[:n]) for a, b in zip(f, g)),
             # the Talker's frames follow the text; they are comparable only while the text agrees
-            "frame_parting": None if frames[:n] == ref_frames[:n] else parting(frame_key(frames), frame_key(ref_frames),
-                                                                               tk_rows, ref_tk),
+            "frame_parting": None if frames[:n] == ref_frames[:n] else parting(
+                frame_key(frames), frame_key(ref_frames), tk_rows, ref_tk, PENALTY, models.talker.suppress_ids),
         })
     return {"tokens": args.tokens, "frames": args.frames, "results": results,
             "text_identical": sum(r["text_equal"] for r in results),
