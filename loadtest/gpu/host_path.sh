@@ -6,7 +6,10 @@
 #   diag    step times per stage and req/s at c=1/16/64 in process (diag.py), as served; with SPY=1 a py-spy
 #           record of every thread during the c=64 round -> $OUT/pyspy-served.txt (raw, one line per stack);
 #   switch  the same with the interpreter's GIL switch interval at SWITCH_MS (default 0.5 ms, Python's 5);
-#   bench   `omnirt bench` against a server as served, prompt 160, c=1/16/64.
+#   bench   `omnirt bench` against a server as served, prompt 160, c=1/16/64;
+#   procs   the same with Code2Wav, then Talker and Code2Wav, in worker processes of their own on the same GPU
+#           (`own_process`: their host work out of the engine core's interpreter lock);
+#   c2w     c2w_variants.py: Code2Wav eager / cuDNN benchmark / compiled / compiled+graphs at b=16 and 64.
 source loadtest/gpu/common.sh
 export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor
 PARTS=${PARTS:-parity diag switch bench}
@@ -39,4 +42,14 @@ has diag && diag served "" "${SPY:-}"
 has switch && diag switch "${SWITCH_MS:-0.5}"
 if has bench; then
   PT_LIMIT=${PT_LIMIT:-200} point served "1 16 64"
+fi
+if has procs; then
+  PT_LIMIT=${PT_LIMIT:-200} point c2w-process "1 16 64" --stage-overrides '{"2": {"own_process": true}}'
+  PT_LIMIT=${PT_LIMIT:-200} point speech-processes "1 16 64" \
+    --stage-overrides '{"1": {"own_process": true}, "2": {"own_process": true}}'
+fi
+if has c2w; then
+  timeout ${C2W_LIMIT:-200} python3 loadtest/gpu/c2w_variants.py --shapes ${C2W_SHAPES:-16x50 64x50} \
+    > "$OUT/c2w-variants.jsonl" 2> "$OUT/c2w-variants.log"
+  echo "c2w_variants rc=$?"; cat "$OUT/c2w-variants.jsonl"; grep -E "Error" "$OUT/c2w-variants.log" | tail -3
 fi
