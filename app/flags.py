@@ -44,7 +44,7 @@ def number(kind: type, low: float, high: float | None = None, *, above: bool = F
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not {word}") from None
-        if value < low or (above and value == low) or (high is not None and value > high):
+        if value != value or value < low or (above and value == low) or (high is not None and value > high):  # nan
             bounds = f"{'>' if above else '>='} {low:g}" + (f" and <= {high:g}" if high is not None else "")
             raise argparse.ArgumentTypeError(f"must be {word} {bounds}, got {text}")
         return value
@@ -134,6 +134,10 @@ def add_engine_args(s: argparse.ArgumentParser) -> None:
                    help="stage threads wait for the consumer of each output (ablation)")
     g.add_argument("--no-prefix-caching", action="store_true",
                    help="free each request's KV slot when it ends: every turn prefills its whole prompt (ablation)")
+    g.add_argument("--gpu-memory-utilization", type=number(float, 0, 1, above=True), default=None,
+                   help="fraction of each device's memory the stages without their own profile fraction may use "
+                        "(weights, KV caches, graphs); the KV caches grow into it (default: the profile's; "
+                        "without one, KV for max_num_seqs requests only)")
     g.add_argument("--engine", choices=["omnirt", "reference"], default="omnirt",
                    help="reference: transformers' own generate(), one request at a time (the baseline)")
     g.add_argument("--engine-process", choices=["auto", "core", "inproc"], default="auto",

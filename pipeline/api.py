@@ -238,6 +238,7 @@ class EngineOptions:
     distributed: str | None = None
     threads: int | None = None
     max_output_buffer_bytes: int | None = None
+    gpu_memory_utilization: float | None = None  # the profile's top-level one, overridden
     process: Literal["auto", "core", "inproc"] = "auto"
     log_level: str = "info"
     log_format: str = "text"

@@ -25,6 +25,8 @@ if TYPE_CHECKING:
 DEPLOY_DIR = Path(__file__).resolve().parents[1] / "deploy"
 PLATFORMS = ("cuda", "rocm", "npu", "xpu", "cpu")
 STAGE_NAMES = ("thinker", "talker", "code2wav")
+AR_STAGES = STAGE_NAMES[:2]  # the autoregressive ones: KV caches, prompts, sampling
+AR_ONLY_KEYS = ("max_num_batched_tokens", "max_model_len", "prefix_caching", "default_sampling_params")
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION = ("auto", "slots", "dense")
 COMPILE = ("auto", "on", "off")
@@ -89,6 +91,7 @@ class StageConfig:
         _check(self.max_waiting >= 0, f"stages[{self.stage_id}].max_waiting", "must be >= 0")
         _check(self.max_model_len >= 16, f"stages[{self.stage_id}].max_model_len", "must be >= 16")
         key = f"stages[{self.stage_id}]"
+        _check_fraction(self.gpu_memory_utilization, f"{key}.gpu_memory_utilization")
         devices = [d.strip() for d in str(self.devices).split(",")]
         _check(all(d.isdigit() for d in devices) and len(set(map(int, devices))) == len(devices), f"{key}.devices",
                f"must be a comma-separated list of distinct device indices, got {self.devices!r}")
@@ -138,6 +141,7 @@ class EngineConfig:
     stages: tuple[StageConfig, ...] = ()
     max_output_buffer_bytes: int = 8 * 2**20  # events a request may hold unread before it is aborted
     retry_after_s: float = 1.0  # what a refused request is told when the engine is full
+    gpu_memory_utilization: float | None = None  # the device share of the stages without their own (pipeline/memory.py)
 
     def __post_init__(self):
         _check(self.load_format in ("auto", "dummy"), "load_format", "must be 'auto' or 'dummy'")
@@ -148,6 +152,7 @@ class EngineConfig:
         _check(self.platform in PLATFORMS, "platform", f"must be one of {', '.join(PLATFORMS)}")
         _check(self.distributed in DISTRIBUTED, "distributed", f"must be one of {', '.join(DISTRIBUTED)}")
         _check(self.max_output_buffer_bytes >= 4096, "max_output_buffer_bytes", "must be >= 4096")
+        _check_fraction(self.gpu_memory_utilization, "gpu_memory_utilization")
         for alias, voice in self.voice_aliases.items():
             _check(isinstance(alias, str) and isinstance(voice, str), f"voice_aliases.{alias}",
                    "must map a name to one of the model's voices (a string)")
@@ -156,6 +161,21 @@ class EngineConfig:
             object.__setattr__(self, "stages", tuple(StageConfig(i) for i in range(len(STAGE_NAMES))))
         _check([s.stage_id for s in self.stages] == list(range(len(STAGE_NAMES))), "stages",
                f"must list stage_id 0..{len(STAGE_NAMES) - 1} ({', '.join(STAGE_NAMES)}) once each, in order")
+        if self.distributed == "none":  # with Ray the device indices only name replicas
+            self._check_device_shares()
+
+    def _check_device_shares(self) -> None:
+        """The stages' own fractions of one device add up to at most the global one (or the whole device)."""
+        cap = self.gpu_memory_utilization or 1.0
+        used: dict[int, float] = {}
+        for s in self.stages:
+            if s.gpu_memory_utilization is None:
+                continue
+            for device in {s.replica_device(r) for r in range(s.num_replicas)}:
+                used[device] = used.get(device, 0.0) + s.gpu_memory_utilization
+                _check(used[device] <= cap + 1e-9, f"stages[{s.stage_id}].gpu_memory_utilization",
+                       f"brings the stages' shares of device {device} to {used[device]:.3g}, over "
+                       + (f"gpu_memory_utilization {cap}" if self.gpu_memory_utilization else "the whole device (1.0)"))
 
     def stage(self, name: str) -> StageConfig:
         return self.stages[STAGE_NAMES.index(name)]
@@ -179,6 +199,10 @@ def _check(ok: bool, key: str, why: str) -> None:
         raise ProfileError(f"{key} {why}", key)
 
 
+def _check_fraction(value: float | None, key: str) -> None:
+    _check(value is None or 0 < value <= 1, key, f"must be a fraction of the device's memory in (0, 1], got {value}")
+
+
 def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
@@ -198,7 +222,8 @@ def engine_config(opts: EngineOptions, platform: str) -> EngineConfig:
     overrides = {"model": opts.model, "load_format": opts.load_format, "dtype": opts.dtype,
                  "async_output": opts.async_output or None, "moe_backend": opts.moe_backend,
                  "attention": opts.attention, "compile": "off" if opts.enforce_eager else opts.compile,
-                 "distributed": opts.distributed, "max_output_buffer_bytes": opts.max_output_buffer_bytes}
+                 "distributed": opts.distributed, "max_output_buffer_bytes": opts.max_output_buffer_bytes,
+                 "gpu_memory_utilization": opts.gpu_memory_utilization}
     cfg = load_profile(profile_path(opts), platform, overrides, stage_overrides(opts))
     if not opts.async_chunk:
         cfg = dataclasses.replace(cfg, connector=dataclasses.replace(cfg.connector, async_chunk=False))
@@ -208,12 +233,13 @@ def engine_config(opts: EngineOptions, platform: str) -> EngineConfig:
 def stage_overrides(opts: EngineOptions) -> dict[str, dict]:
     """`--stage-overrides`, with the global ablations (`--enforce-eager`, `--no-prefix-caching`) set in
     every stage over them."""
-    forced = {"enforce_eager": True} if opts.enforce_eager else {}
-    if not opts.prefix_caching:
-        forced["prefix_caching"] = False
     out = {str(k): dict(v) for k, v in opts.stage_overrides.items()}
-    for sid in map(str, range(len(STAGE_NAMES))) if forced else ():
-        out[sid] = {**out.get(sid, {}), **forced}
+    for sid, name in enumerate(STAGE_NAMES):
+        forced = {"enforce_eager": True} if opts.enforce_eager else {}
+        if not opts.prefix_caching and name in AR_STAGES:
+            forced["prefix_caching"] = False
+        if forced:
+            out[str(sid)] = {**out.get(str(sid), {}), **forced}
     return out
 
 
@@ -316,9 +342,12 @@ def _build(raw: dict[str, Any], stages: dict[int, dict[str, Any]]) -> EngineConf
         connector["async_chunk"] = raw.pop("async_chunk")
     if isinstance(raw.get("compile"), bool):  # YAML reads a bare on/off as a boolean
         raw["compile"] = "on" if raw["compile"] else "off"
-    for sid in stages:
+    for sid, entry in stages.items():
         _check(0 <= sid < len(STAGE_NAMES), f"stages[{sid}].stage_id",
                f"must be 0..{len(STAGE_NAMES) - 1} ({', '.join(STAGE_NAMES)})")
+        for k in AR_ONLY_KEYS if STAGE_NAMES[sid] not in AR_STAGES else ():
+            _check(k not in entry, f"stages[{sid}].{k}", f"is read by the autoregressive stages only "
+                   f"({', '.join(AR_STAGES)}); {STAGE_NAMES[sid]} has no KV cache, prompt or sampling: remove it")
     stage_objs = tuple(_make(StageConfig, stages.get(i, {"stage_id": i}), f"stages[{i}].")
                        for i in range(len(STAGE_NAMES)))
     return _make(EngineConfig, {**raw, "stages": stage_objs,

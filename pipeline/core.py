@@ -18,6 +18,7 @@ import zmq.asyncio
 
 from pipeline import ipc
 from pipeline.api import EngineOptions, EngineOverloaded, EngineStartError, OmniRequest, RequestError
+from pipeline.config import AR_STAGES
 from pipeline.worker import watch_parent
 
 log = logging.getLogger("omnirt.core")
@@ -51,8 +52,9 @@ def build_engine(opts: EngineOptions):
 def _log_plan(platform: str, profile, cfg) -> None:
     log.info("platform %s, profile %s, model %s (%s, %s)", platform, profile, cfg.model, cfg.load_format, cfg.dtype)
     for s in cfg.stages:
-        log.info("stage %d %-8s max_num_seqs=%d max_model_len=%d eager=%s devices=%s", s.stage_id, s.name,
-                 s.max_num_seqs, s.max_model_len, s.enforce_eager, s.devices)
+        context = f" max_model_len={s.max_model_len}" if s.name in AR_STAGES else ""
+        log.info("stage %d %-8s max_num_seqs=%d%s eager=%s devices=%s", s.stage_id, s.name, s.max_num_seqs, context,
+                 s.enforce_eager, s.devices)
 
 
 def _start(kind: str, cfg, models):

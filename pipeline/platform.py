@@ -59,9 +59,10 @@ class Platform:
         return self._module().memory_allocated(device)
 
     def mem_get_info(self, device: torch.device | None = None) -> tuple[int, int]:
-        """(free, total) bytes of the device; (0, 0) on the CPU."""
+        """(free, total) bytes of the device; on the CPU, of the host: what the kernel counts as available
+        (MemAvailable: free plus reclaimable caches) and the physical memory."""
         if self.device_type == "cpu":
-            return 0, 0
+            return host_memory()
         return self._module().mem_get_info(device)
 
     def memory_stats(self, device: torch.device | None = None) -> dict[str, int]:
@@ -145,6 +146,18 @@ def detect_platform() -> Platform:
     if hasattr(torch, "xpu") and torch.xpu.is_available():
         return _KNOWN["xpu"]
     return _KNOWN["cpu"]
+
+
+def host_memory() -> tuple[int, int]:
+    """(available, total) bytes of host memory, from /proc/meminfo where there is one (Linux)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    total = os.sysconf("SC_PHYS_PAGES") * page
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["MemAvailable"].split()[0]) * 1024, total
+    except (OSError, KeyError, ValueError):
+        return os.sysconf("SC_AVPHYS_PAGES") * page, total
 
 
 def set_num_threads(n: int) -> None:

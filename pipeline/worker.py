@@ -149,6 +149,7 @@ def worker_main(spec: WorkerSpec, inbox_spec: tuple, outbox_spec: tuple, parent_
     watch_parent(parent_pid, _exit_orphaned)
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s %(levelname)s {spec.stage}[{spec.replica}] "
                                                       "%(name)s: %(message)s")
+    logging.getLogger("omnirt.memory").setLevel(logging.INFO)  # its memory plan, as the engine's own stages log it
     host = StageHost(spec, lambda report: outbox.put(report))  # reports start with `host.start()`
     outbox = Channel.attach(outbox_spec, host.device)
     inbox = Channel.attach(inbox_spec, host.device, consumer_stream=host.stage.stream)

@@ -52,6 +52,8 @@ def test_a_bad_profile_stops_the_server_before_torch(tmp_path, no_torch, profile
     (["--port", "70000"], "argument --port: must be an integer >= 0 and <= 65535, got 70000"),
     (["--realtime-max-sessions", "0"], "argument --realtime-max-sessions: must be an integer >= 1, got 0"),
     (["--dtype", "int8"], "argument --dtype: invalid choice: 'int8' (choose from "),
+    (["--gpu-memory-utilization", "1.5"], "argument --gpu-memory-utilization: must be a number > 0 and <= 1, got 1.5"),
+    (["--gpu-memory-utilization", "nan"], "argument --gpu-memory-utilization: must be a number > 0 and <= 1, got nan"),
     (["--webrtc-ice-servers", '[{"urls": "turn:turn.example.org"}]'], "a TURN server needs a username"),
     (["--webrtc-advertise-address", "my.host"], "'my.host' is not an IP address"),
 ])
@@ -65,6 +67,14 @@ def test_a_bad_stage_override_value_names_the_flag(no_torch):
     done = omnirt("serve", "--stage-overrides", '{"talker": {"max_num_seqs": "8"}}', env=no_torch)
     assert done.returncode == 1 and done.stderr.strip() == (
         "omnirt: --stage-overrides: stages[1].max_num_seqs must be an integer, got '8'"), done.stderr
+
+
+def test_a_memory_plan_that_cannot_fit_stops_the_start_naming_the_key():
+    done = omnirt("serve", "--gpu-memory-utilization", "0.0001", "--port", "0", "--threads", "1")
+    last = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 1 and last.startswith(
+        "omnirt: memory plan: gpu_memory_utilization gives thinker + talker + code2wav "), done.stderr
+    assert "but max_num_seqs x max_model_len needs " in last and "Traceback" not in done.stderr
 
 
 def test_a_port_in_use_stops_the_server_before_the_model_loads(no_torch):

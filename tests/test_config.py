@@ -32,7 +32,7 @@ def test_platform_entry_merges_over_base():
     assert rocm.stage("code2wav").enforce_eager and not cuda.stage("code2wav").enforce_eager
     assert cpu.dtype == "float32" and cuda.dtype == "bfloat16" and cpu.stage("thinker").max_num_seqs == 4
     # a platform entry that sets one key keeps the stage's other keys
-    assert rocm.stage("code2wav").max_num_seqs == cuda.stage("code2wav").max_num_seqs == 64
+    assert rocm.stage("code2wav").max_num_seqs == cuda.stage("code2wav").max_num_seqs == 32
 
 
 def test_precedence_cli_over_platform_over_profile():
@@ -69,6 +69,16 @@ def test_precedence_cli_over_platform_over_profile():
     ({"stages": {"stage_id": 0}}, "stages"),
     ({"voice_aliases": {"alloy": 1}}, "voice_aliases.alloy"),
     ({"bogus": 1}, "bogus"),
+    ({"gpu_memory_utilization": 0}, "gpu_memory_utilization"),
+    ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+    ({"gpu_memory_utilization": "most"}, "gpu_memory_utilization"),
+    ({"gpu_memory_utilization": float("nan")}, "gpu_memory_utilization"),
+    ({"stages": [{"stage_id": 1, "gpu_memory_utilization": -0.1}]}, "stages[1].gpu_memory_utilization"),
+    ({"stages": [{"stage_id": 2, "max_model_len": 512}]}, "stages[2].max_model_len"),
+    ({"stages": [{"stage_id": 2, "max_num_batched_tokens": 512}]}, "stages[2].max_num_batched_tokens"),
+    ({"stages": [{"stage_id": 2, "prefix_caching": False}]}, "stages[2].prefix_caching"),
+    ({"stages": [{"stage_id": 2, "default_sampling_params": {"temperature": 0.5}}]},
+     "stages[2].default_sampling_params"),
 ])
 def test_bad_profile_names_the_key(raw, key):
     with pytest.raises(ProfileError) as err:
@@ -91,6 +101,34 @@ def test_a_bad_profile_file_names_the_key_file_line_and_accepted_values(tmp_path
     with pytest.raises(ProfileError) as err:
         load_profile(path, "cuda")
     assert str(err.value).startswith(f"deploy profile {path}, line {line}: {key} ") and accepted in str(err.value)
+
+
+@pytest.mark.parametrize("raw,over", [
+    ({"stages": [{"stage_id": 0, "gpu_memory_utilization": 0.7}, {"stage_id": 1, "gpu_memory_utilization": 0.4}]},
+     "over the whole device (1.0)"),
+    ({"gpu_memory_utilization": 0.8, "stages": [{"stage_id": 0, "gpu_memory_utilization": 0.6},
+                                                {"stage_id": 2, "gpu_memory_utilization": 0.3}]},
+     "over gpu_memory_utilization 0.8"),
+])
+def test_stage_shares_of_one_device_add_up_to_at_most_the_whole(raw, over):
+    with pytest.raises(ProfileError) as err:
+        build_config(raw, "cuda", {}, {})
+    assert err.value.key == f"stages[{raw['stages'][1]['stage_id']}].gpu_memory_utilization" and over in str(err.value)
+    # on devices of their own, or under Ray (whose indices only name replicas), they do not add up
+    apart = {**raw, "stages": [raw["stages"][0], {**raw["stages"][1], "devices": "1"}]}
+    assert build_config(apart, "cuda", {}, {}).stage("thinker").gpu_memory_utilization == raw["stages"][0][
+        "gpu_memory_utilization"]
+    assert build_config({**raw, "distributed": "ray"}, "cuda", {}, {}).distributed == "ray"
+
+
+def test_the_global_fraction_comes_from_the_flag_over_the_profile():
+    from pipeline.api import EngineOptions
+    from pipeline.config import engine_config
+
+    opts = EngineOptions(deploy_config=str(DEPLOY / "qwen3_omni_moe_1gpu.yaml"), model="qwen3-omni-30b-a3b")
+    assert engine_config(opts, "cuda").gpu_memory_utilization == 0.9
+    assert engine_config(dataclasses.replace(opts, gpu_memory_utilization=0.5), "cuda").gpu_memory_utilization == 0.5
+    assert engine_config(EngineOptions(), "cpu").gpu_memory_utilization is None  # tiny: fixed sizing
 
 
 def test_broken_yaml_names_the_file_line_and_column(tmp_path):

@@ -5,11 +5,14 @@ and the per-platform values, not the devices themselves."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
 
 from pipeline.platform import PLATFORMS, detect_platform, get_platform
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class FakeDeviceModule:
@@ -142,3 +145,36 @@ def test_detection_picks_the_platform_torch_reports(found, fake_device, monkeypa
     for device_type in ("npu", "xpu"):
         fake_device(device_type).available = found == device_type
     assert detect_platform().name == found
+
+
+class RoomyDevice(FakeDeviceModule):
+    def mem_get_info(self, device=None):
+        return 48 * 2**30, 64 * 2**30
+
+
+@pytest.mark.parametrize("name", PLATFORMS)
+def test_the_memory_plan_reads_each_platforms_memory(name, monkeypatch, reference_model):
+    """The KV plan is sized from torch.<device_type>.mem_get_info, on the CPU from the host's memory; graph
+    platforms reserve a graph pool for each stage that captures."""
+    from pipeline.config import STAGE_NAMES, load_profile
+    from pipeline.memory import GIB
+    from pipeline.models import memory_plan
+    from pipeline.models.qwen3_omni.memory import GRAPH_POOL_BYTES
+
+    p = get_platform(name)
+    if p.device_type == "cpu":
+        monkeypatch.setattr("pipeline.platform.host_memory", lambda: (48 * GIB, 64 * GIB))
+    else:
+        monkeypatch.setattr(torch, p.device_type, RoomyDevice(), raising=False)
+    cfg = load_profile(ROOT / "deploy" / "tiny.yaml", name, {"gpu_memory_utilization": 0.5})
+    plan = memory_plan(reference_model, cfg, STAGE_NAMES, p)
+    assert plan.device == p.device_name(0) and (plan.free_bytes, plan.total_bytes) == (48 * GIB, 64 * GIB)
+    for stage in plan.stages:
+        graphs = p.supports_graphs and not cfg.stage(stage.name).enforce_eager
+        assert (stage.workspace_bytes > GRAPH_POOL_BYTES) == graphs, stage
+    assert plan.num_slots["thinker"] == plan.num_slots["talker"] == 4 * cfg.stage("thinker").max_num_seqs
+
+
+def test_cpu_memory_is_the_hosts():
+    free, total = get_platform("cpu").mem_get_info()
+    assert 0 < free <= total == os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -14,8 +14,10 @@ from pipeline.attention import attend_in_place
 from pipeline.config import STAGE_NAMES, EngineConfig
 from pipeline.graph import StageGraph
 from pipeline.kv_cache import SlotKVCache
+from pipeline.memory import MemoryPlan, log_capture, log_plan, plan_memory
 from pipeline.models.loader import ModelNotFoundError, load_hf_model
 from pipeline.models.qwen3_omni.code2wav import Code2WavModel, CodecWindow, frame_buckets
+from pipeline.models.qwen3_omni.memory import stage_memory
 from pipeline.models.qwen3_omni.prompt import INPUT_SAMPLE_RATE, EncodedPrompt, PromptEncoder
 from pipeline.models.qwen3_omni.talker import TalkerModel, TalkerState
 from pipeline.models.qwen3_omni.thinker import ThinkerModel, ThinkerRows, ThinkerState
@@ -41,29 +43,35 @@ class OmniModels:
     kv_bytes: dict[str, int]
     hf: object  # the transformers model itself (the reference engine drives its generate())
     platform: Platform
+    plan: MemoryPlan | None = None  # how the KV caches were sized (pipeline/memory.py)
     graph: StageGraph | None = None  # the stages and what crosses between them (set by load_models)
     input_sample_rate: int = INPUT_SAMPLE_RATE
     output_sample_rate: int = OUTPUT_SAMPLE_RATE
 
     def capture_graphs(self) -> None:
-        """Capture the steps of every stage loaded here whose profile allows graphs (no-op otherwise)."""
+        """Capture the steps of every stage loaded here whose profile allows graphs (no-op otherwise), and
+        log what that took against the memory plan's estimate."""
+        device = self.platform.device(0)
+        free_before, _ = self.platform.mem_get_info(device)
         for model in (self.thinker, self.talker, self.code2wav):
             if model is not None:
                 model.capture_graphs()
+        if self.plan is not None and self.platform.supports_graphs:
+            log_capture(self.plan, free_before, self.platform.mem_get_info(device)[0])
 
     def decode_text(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
 
-def _kv_for(stack_config, stage_cfg, platform: Platform, dtype: torch.dtype, in_place: bool,
-            max_len: int | None = None) -> SlotKVCache:
+def _kv_for(stack_config, num_slots: int, max_len: int, platform: Platform, dtype: torch.dtype,
+            in_place: bool) -> SlotKVCache:
     """The slot cache of one decoder stack; `in_place` also points the stack's attention at it."""
     c = stack_config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     if in_place:
         attend_in_place(c)
-    return SlotKVCache(c.num_hidden_layers, stage_cfg.max_num_seqs, c.num_key_value_heads,
-                       max_len or stage_cfg.max_model_len, head_dim, dtype, platform.device(0), in_place)
+    return SlotKVCache(c.num_hidden_layers, num_slots, c.num_key_value_heads, max_len, head_dim, dtype,
+                       platform.device(0), in_place)
 
 
 def _in_place(attention: str, platform: Platform) -> bool:
@@ -104,23 +112,28 @@ def load_models(cfg: EngineConfig, platform: Platform, stages: tuple[str, ...] =
              platform.memory_allocated(device) / 2**30, device, cfg.dtype, moe, "slots" if in_place else "dense",
              cfg.compile)
     hc = hf.config
+    plan = memory_plan(hf, cfg, stages, platform)
     audio = hc.thinker_config.audio_config
     encoder = PromptEncoder(tokenizer, audio.n_window, audio.num_mel_bins)
     thinker = talker = code2wav = None
     kv_bytes = {}
     if "thinker" in stages:
         th_cfg = cfg.stage("thinker")
-        th_kv = _kv_for(hc.thinker_config.text_config, th_cfg, platform, dtype, in_place)
-        thinker = ThinkerModel(hf.thinker, hc, th_kv, platform, th_cfg.enforce_eager, graph_moe,
+        th_kv = _kv_for(hc.thinker_config.text_config, plan.num_slots["thinker"], th_cfg.max_model_len, platform,
+                        dtype, in_place)
+        thinker = ThinkerModel(hf.thinker, hc, th_kv, platform, th_cfg.max_num_seqs, th_cfg.enforce_eager, graph_moe,
                                cfg.compiles("thinker", platform.supports_graphs))
         kv_bytes["thinker"] = thinker.kv.num_bytes
     has_talker = getattr(hf, "has_talker", False)
     if has_talker and "talker" in stages:
         tk_cfg = cfg.stage("talker")
         tkc = hc.talker_config
-        predictor_kv = _kv_for(tkc.code_predictor_config, tk_cfg, platform, dtype, in_place, tkc.num_code_groups)
-        talker = TalkerModel(hf.talker, hc, _kv_for(tkc.text_config, tk_cfg, platform, dtype, in_place), predictor_kv,
-                             _special_rows(hf, device), platform, tk_cfg.enforce_eager, graph_moe,
+        # the code predictor's cache holds one batch: its rows are the batch's, not the requests' slots
+        predictor_kv = _kv_for(tkc.code_predictor_config, tk_cfg.max_num_seqs, tkc.num_code_groups, platform, dtype,
+                               in_place)
+        talker_kv = _kv_for(tkc.text_config, plan.num_slots["talker"], tk_cfg.max_model_len, platform, dtype, in_place)
+        talker = TalkerModel(hf.talker, hc, talker_kv, predictor_kv, _special_rows(hf, device), platform,
+                             tk_cfg.max_num_seqs, tk_cfg.enforce_eager, graph_moe,
                              cfg.compiles("talker", platform.supports_graphs))
         kv_bytes["talker"] = talker.kv.num_bytes + predictor_kv.num_bytes
     if has_talker and "code2wav" in stages:
@@ -130,11 +143,21 @@ def load_models(cfg: EngineConfig, platform: Platform, stages: tuple[str, ...] =
                                                cc.codec_left_context_frames))
     voices = {k.lower(): v for k, v in hc.talker_config.speaker_id.items()} if has_talker else {}
     for stage, n in kv_bytes.items():
-        log.info("%s KV cache: %.1f MiB", stage, n / 2**20)
+        log.info("%s KV cache: %.1f MiB allocated, %d slots", stage, n / 2**20, plan.num_slots[stage])
     log.info("device memory after load: %.2f GiB allocated", platform.memory_allocated(device) / 2**30)
-    models = OmniModels(encoder, thinker, talker, code2wav, voices, tokenizer, kv_bytes, hf, platform)
+    models = OmniModels(encoder, thinker, talker, code2wav, voices, tokenizer, kv_bytes, hf, platform, plan)
     models.graph = build_graph(hc, has_talker)
     return models
+
+
+def memory_plan(hf, cfg: EngineConfig, stages: tuple[str, ...], platform: Platform) -> MemoryPlan:
+    """The KV slots per stage from the device's memory after the weights (ProfileError when they cannot fit).
+    The stages of a process run on its device 0, the current one."""
+    free, total = platform.mem_get_info()
+    plan = plan_memory(stage_memory(hf, cfg, stages, platform.supports_graphs), free, total,
+                       cfg.gpu_memory_utilization, platform.device_name(0))
+    log_plan(plan)
+    return plan
 
 
 def _special_rows(hf, device: torch.device) -> torch.Tensor:

@@ -56,7 +56,7 @@ class TalkerState:
 
 class TalkerModel:
     def __init__(self, talker, config, kv: SlotKVCache, predictor_kv: SlotKVCache, special_rows: torch.Tensor,
-                 platform: Platform, enforce_eager: bool = True, graph_moe: str | None = None,
+                 platform: Platform, max_num_seqs: int, enforce_eager: bool = True, graph_moe: str | None = None,
                  compile_step: bool = False):
         self.talker = talker
         self.stack = talker.model
@@ -82,9 +82,9 @@ class TalkerModel:
         self.decode_layers = compile_layers(self.stack.layers) if compile_step else None
         self.predictor_layers = compile_layers(self.predictor.model.layers) if compile_step else None
         self.decode_graphs = GraphCache("talker decode", self._decode_step, platform, not eager,
-                                        batch_buckets(kv.num_slots), kv.graph_lengths(), compile_step)
+                                        batch_buckets(max_num_seqs), kv.graph_lengths(), compile_step)
         self.predictor_graphs = GraphCache("code predictor", self._predict_step, platform, not eager,
-                                           batch_buckets(kv.num_slots), None, compile_step)
+                                           batch_buckets(max_num_seqs), None, compile_step)
 
     def capture_graphs(self) -> None:
         h = self.past_hidden.shape[1]

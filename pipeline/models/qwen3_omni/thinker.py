@@ -53,8 +53,8 @@ class ThinkerRows:
 
 
 class ThinkerModel:
-    def __init__(self, thinker, config, kv: SlotKVCache, platform: Platform, enforce_eager: bool = True,
-                 graph_moe: str | None = None, compile_step: bool = False):
+    def __init__(self, thinker, config, kv: SlotKVCache, platform: Platform, max_num_seqs: int,
+                 enforce_eager: bool = True, graph_moe: str | None = None, compile_step: bool = False):
         self.thinker = thinker
         self.graph_moe = graph_moe  # experts implementation inside captured graphs
         self.stack = thinker.model.language_model
@@ -69,7 +69,7 @@ class ThinkerModel:
         self.staging = HostStaging(self.device)
         self.decode_layers = compile_layers(self.stack.layers) if compile_step else None  # None: as written
         self.graphs = GraphCache("thinker decode", self._decode_step, platform, not enforce_eager,
-                                 batch_buckets(kv.num_slots), kv.graph_lengths(), compile_step)
+                                 batch_buckets(max_num_seqs), kv.graph_lengths(), compile_step)
 
     def capture_graphs(self) -> None:
         def inputs(key):
