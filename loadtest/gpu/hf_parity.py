@@ -112,6 +112,7 @@ def reference(models, messages: list[dict], tokens: int, frames: int):
 
     hf.code2wav.chunked_decode = capture
     th, tk = Logits(hf.thinker.lm_head), Logits(hf.talker.codec_head)
+    heads = [Logits(h) for h in hf.talker.code_predictor.lm_head]  # codebook g + 1's head, once per frame
     try:
         seqs, _ = hf.generate(**kw, speaker=VOICE, return_audio=True, thinker_max_new_tokens=tokens,
                               thinker_do_sample=False, thinker_eos_token_id=models.thinker.eos_ids[0],
@@ -121,7 +122,7 @@ def reference(models, messages: list[dict], tokens: int, frames: int):
         hf.code2wav.chunked_decode = original
     eos = set(models.thinker.eos_ids)
     text = [t for t in seqs[0, ids.shape[1]:].tolist() if t not in eos]
-    return text, codes["c"][0].T.tolist(), th.close(), tk.close()
+    return text, codes["c"][0].T.tolist(), th.close(), tk.close(), [h.close() for h in heads]
 
 
 def decided(row: torch.Tensor, history: list[int], penalty: float, suppress: list[int]) -> torch.Tensor:
@@ -161,6 +162,23 @@ def parting(ours: list, theirs: list, engine_rows: list[torch.Tensor], ref_rows:
     return out
 
 
+def first_code_parting(ours: list[list[int]], theirs: list[list[int]], heads: list[list[torch.Tensor]]) -> dict | None:
+    """The first (frame, codebook) where the frames differ. For codebooks 1-15 (the code predictor's, whose
+    logits the engine's captured graph keeps to itself) the reference's own margin between its choice and
+    the engine's there, and whether its choice is its argmax: a near-zero margin is a tie on its side."""
+    at = next(((f, g) for f, (a, b) in enumerate(zip(ours, theirs)) for g, (x, y) in enumerate(zip(a, b)) if x != y),
+              None)
+    if at is None:
+        return None
+    f, g = at
+    out = {"frame": f, "codebook": g}
+    if g and f < len(heads[g - 1]):
+        row = heads[g - 1][f]
+        out.update(reference_margin=round(float(row[theirs[f][g]] - row[ours[f][g]]), 4),
+                   reference_choice_is_argmax=int(row.argmax()) == theirs[f][g])
+    return out
+
+
 def steps(rows: dict, rid: str) -> list[torch.Tensor]:
     """One request's logits, step by step from its first sampled token."""
     out = []
@@ -185,7 +203,7 @@ async def main_async(args) -> dict:
     models.hf.set_experts_implementation("grouped_mm")
     results = []
     for i, (messages, (tokens, frames)) in enumerate(zip(prompts(), served)):
-        ref_tokens, ref_frames, ref_th, ref_tk = reference(models, messages, args.tokens, args.frames)
+        ref_tokens, ref_frames, ref_th, ref_tk, ref_heads = reference(models, messages, args.tokens, args.frames)
         th_rows, tk_rows = steps(book["thinker"], f"p{i}"), steps(book["talker"], f"p{i}")
         same_text = tokens[: args.tokens] == ref_tokens[: args.tokens]
         n = min(args.frames, len(frames), len(ref_frames))
@@ -195,6 +213,7 @@ async def main_async(args) -> dict:
             "text_parting": None if same_text else parting(tokens, ref_tokens, th_rows, ref_th),
             "frames_compared": n, "frames_equal": frames[:n] == ref_frames[:n] and n == args.frames,
             "codes_differing": sum(a != b for f, g in zip(frames[:n], ref_frames[:n]) for a, b in zip(f, g)),
+            "first_code_parting": first_code_parting(frames[:n], ref_frames[:n], ref_heads),
             # the Talker's frames follow the text; they are comparable only while the text agrees
             "frame_parting": None if frames[:n] == ref_frames[:n] else parting(
                 frame_key(frames), frame_key(ref_frames), tk_rows, ref_tk, PENALTY, models.talker.suppress_ids),
