@@ -188,3 +188,19 @@ def test_incremental_detokenizer_matches_a_full_decode_and_never_splits_a_charac
     assert not any("\ufffd" in d for d in deltas)
     assert max(calls) < 16  # a short window per step, never the whole reply (len(ids) is far more)
     assert len(ids) > 60
+
+
+def test_dummy_weights_are_the_same_on_every_start():
+    """`--load-format dummy` builds seeded random weights: two starts compare on the same model, and the
+    caller's random stream is left as it was."""
+    from pipeline.config import STAGE_NAMES
+    from pipeline.models.loader import load_hf_model
+
+    torch.manual_seed(5)
+    expected = torch.rand(3)
+    torch.manual_seed(5)
+    a, *_ = load_hf_model("tiny", "dummy", torch.float32, torch.device("cpu"), "eager", frozenset(STAGE_NAMES))
+    after = torch.rand(3)
+    b, *_ = load_hf_model("tiny", "dummy", torch.float32, torch.device("cpu"), "eager", frozenset(STAGE_NAMES))
+    assert torch.equal(after, expected)
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True))

@@ -104,14 +104,34 @@ def _dummy(model: str, dtype: torch.dtype, device: torch.device, parts: frozense
     try:
         with torch.device("meta"):
             hf = Qwen3OmniMoeForConditionalGeneration._from_config(config, dtype=dtype)
-        with torch.device(device):
+        # seeded, so that every start builds the same random weights (runs compare on the same near-ties)
+        cuda = [device] if torch.device(device).type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda), torch.device(device):
+            torch.manual_seed(0)
             for part in PARTS:
                 if part in parts and hasattr(hf, part):
                     setattr(hf, part, type(getattr(hf, part))._from_config(getattr(config, f"{part}_config"),
                                                                            dtype=dtype))
+            _init_talker_experts(hf)
     finally:
         torch.set_default_dtype(default)
     return hf, tokenizer, path
+
+
+def _init_talker_experts(hf) -> None:
+    """transformers' `_init_weights` initialises the Thinker's experts but not the Talker's, which stay
+    whatever the allocator held: give them the same normal(0, initializer_range) the Thinker's get."""
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeTalkerTextExperts
+
+    talker = getattr(hf, "talker", None)
+    if talker is None or next(talker.parameters()).is_meta:
+        return
+    std = getattr(talker.config.text_config, "initializer_range", 0.02)
+    with torch.no_grad():
+        for module in talker.modules():
+            if isinstance(module, Qwen3OmniMoeTalkerTextExperts):
+                module.gate_up_proj.normal_(0.0, std)
+                module.down_proj.normal_(0.0, std)
 
 
 def fix_config(config):
