@@ -94,7 +94,8 @@ def server_settings(args: argparse.Namespace, system_prompt: str | None) -> Serv
         api_keys_file=args.api_keys_file, demo_key_id=args.demo_key_id,
         cors_origins=tuple(o.strip() for o in args.cors_origins.split(",") if o.strip()),
         slow_client_timeout_s=args.slow_client_timeout, shutdown_timeout_s=args.shutdown_timeout,
-        realtime=limits, ice=ice, webrtc_connect_timeout_s=args.webrtc_connect_timeout_s)
+        realtime=limits, ice=ice, webrtc_connect_timeout_s=args.webrtc_connect_timeout_s,
+        webrtc_max_input_lag_s=args.webrtc_max_input_lag_s)
 
 
 def listen(host: str, port: int) -> socket.socket:

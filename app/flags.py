@@ -183,6 +183,10 @@ def add_realtime_args(s: argparse.ArgumentParser) -> None:
                         "$OMNIRT_WEBRTC_ICE_SERVERS, else none: host candidates only)")
     w.add_argument("--webrtc-connect-timeout-s", type=number(float, 0, above=True), default=30.0,
                    help="a WebRTC call that is not connected this long after its answer is closed")
+    w.add_argument("--webrtc-max-input-lag-s", type=number(float, 0, above=True), default=1.0,
+                   help="microphone audio a call's session has not taken yet is bounded to this many seconds; an "
+                        "overloaded server drops older audio (omnirt_webrtc_input_dropped_seconds_total) instead of "
+                        "answering ever older speech")
 
 
 def add_reliability_args(s: argparse.ArgumentParser) -> None:

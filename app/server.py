@@ -43,6 +43,7 @@ class ServerSettings:
     realtime: RealtimeLimits = field(default_factory=RealtimeLimits)
     ice: IceSettings = field(default_factory=IceSettings)  # WebRTC candidates: host addresses, NAT, STUN/TURN
     webrtc_connect_timeout_s: float = 30.0
+    webrtc_max_input_lag_s: float = 1.0  # microphone audio older than this, not yet taken by the session, is dropped
     api_keys: tuple[str, ...] = ()  # none (and no keys file): no key needed
     api_keys_file: Path | None = None  # keys with ids and limits, reloaded when it changes (app.ops.keys)
     demo_key_id: str | None = None  # the demo page's client secrets are minted under this key (app.demo)
@@ -122,7 +123,7 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     if importlib.util.find_spec("aiortc") is not None:  # the `webrtc` extra
         from app.transports import webrtc
 
-        webrtc.install(app, settings.ice, settings.webrtc_connect_timeout_s)
+        webrtc.install(app, settings.ice, settings.webrtc_connect_timeout_s, settings.webrtc_max_input_lag_s)
     app.include_router(metrics.router)
     if WEB_DIR.is_dir():
         app.mount("/", StaticFiles(directory=WEB_DIR, html=True), name="web")

@@ -42,6 +42,8 @@ class Metrics:
                              buckets=(.05, .1, .2, .3, .5, .75, 1, 1.5, 2, 5, 10))
         self.underruns = Counter("omnirt_audio_underruns", "Playback stalls >= 100 ms while audio was owed",
                                  registry=r)
+        self.mic_dropped = Counter("omnirt_webrtc_input_dropped_seconds", "WebRTC microphone audio dropped because "
+                                   "its session fell more than --webrtc-max-input-lag-s behind", registry=r)
         self.http = Counter("omnirt_http_responses", "HTTP responses by status code", ["code"], registry=r)
         self.key_requests = Counter("omnirt_key_requests", "HTTP requests and Realtime session starts let in, by API "
                                     "key id", ["key"], registry=r)
