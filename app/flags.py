@@ -151,6 +151,9 @@ def add_server_args(s: argparse.ArgumentParser) -> None:
     g = s.add_argument_group("HTTP and logs")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     g.add_argument("--port", type=number(int, 0, 65535), default=8091, help="port to listen on (0: any free one)")
+    g.add_argument("--api-workers", type=number(int, 1, 64), default=1,
+                   help="API processes sharing the port and the one engine core (SO_REUSEPORT: Linux); each has its "
+                        "own event loop, sessions and VAD; limits, client secrets and /metrics span them all")
     g.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="the server's and uvicorn's")
     g.add_argument("--log-format", choices=["text", "json"], default="text", help="json: one object per line")
 

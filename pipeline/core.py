@@ -117,7 +117,8 @@ class EngineCore:
 
     def _client_gone(self, client: _Client) -> None:
         """Its requests end in every stage; what was queued for it is dropped."""
-        log.warning("an API process is gone; aborting its %d requests", len(client.request_ids))
+        if client.request_ids:
+            log.warning("an API process is gone; aborting its %d requests", len(client.request_ids))
         for rid in list(client.request_ids):
             self.engine.abort(rid, "the API process serving it is gone")
         client.pending, client.pending_bytes = [], 0

@@ -262,7 +262,13 @@ def install(app: FastAPI, ice: IceSettings, connect_timeout_s: float = 30.0, max
     offer_host_addresses(ice.host_addresses)
     app.state.webrtc = CallRegistry(connect_timeout_s, max_input_lag_s, ice)
     app.router.on_shutdown.insert(0, app.state.webrtc.close_all)
+    if app.state.worker_link is not None:
+        app.state.worker_link.handlers["hangup"] = lambda req: _linked_hangup(app, req)
     app.include_router(router)
+
+
+async def _linked_hangup(app: FastAPI, request: dict) -> bytes:
+    return b"ended" if await _hang_up(app, request["call_id"], request["key_id"]) else b"none"
 
 
 @router.post("/v1/realtime/calls", status_code=201)
@@ -277,11 +283,22 @@ async def create_call_beta(request: Request) -> Response:
 
 @router.post("/v1/realtime/calls/{call_id}/hangup")
 async def hangup(call_id: str, request: Request) -> JSONResponse:
-    call = request.app.state.webrtc.calls.get(call_id)
-    if call is None or call.session.log_ids["key_id"] != request.state.principal.key_id:  # only its own key's
-        raise APIError(404, f"no call {call_id!r}", "call_id", "call_not_found")
-    await call.end("hangup")
+    """The call ends wherever it lives: here, or (`--api-workers`) in the sibling worker that answered its offer."""
+    key_id, link = request.state.principal.key_id, request.app.state.worker_link
+    if not await _hang_up(request.app, call_id, key_id):
+        answers = [] if link is None else await link.ask_others("hangup", call_id=call_id, key_id=key_id)
+        if b"ended" not in (answer for _, answer in answers):
+            raise APIError(404, f"no call {call_id!r}", "call_id", "call_not_found")
     return JSONResponse({})
+
+
+async def _hang_up(app: FastAPI, call_id: str, key_id: str | None) -> bool:
+    """End a call of this process, if it is there and `key_id`'s (only its own key may)."""
+    call = app.state.webrtc.calls.get(call_id)
+    if call is None or call.session.log_ids["key_id"] != key_id:
+        return False
+    await call.end("hangup")
+    return True
 
 
 async def _call(request: Request, beta: bool, status: int) -> Response:
@@ -291,14 +308,14 @@ async def _call(request: Request, beta: bool, status: int) -> Response:
         config = starting_config(server, principal.secret, request.query_params.get("model"))
     except ProtocolError as exc:
         raise http_error(exc) from exc
-    error = sessions.refusal(TRANSPORT, principal.key)  # the server's session limit, or the key's
-    if error is not None:
-        raise APIError(429, error.message, None, error.code, headers={"Retry-After": "5"})
     try:
         check_admission(server)  # 429 when the engine's wait queues are full, 503 while draining
     except APIError:
         sessions.refused(TRANSPORT)
         raise
+    error = sessions.refusal(TRANSPORT, principal.key)  # the server's session limit, or the key's (taken if None)
+    if error is not None:
+        raise APIError(429, error.message, None, error.code, headers={"Retry-After": "5"})
     call = Call(request, beta, config, principal.key_id)
     sessions.add(call.session, TRANSPORT, functools.partial(call.end, state="shutdown"))
     request.app.state.webrtc.calls[call.id] = call
