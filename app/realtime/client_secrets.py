@@ -160,11 +160,10 @@ def _config(request: Request, session: dict[str, Any], model: Any, where: str) -
 
 def mint(request: Request, key_id: str | None, config: SessionConfig, ttl_s: int) -> ClientSecret:
     """A new secret of `key_id` (its limits apply to the sessions it starts)."""
-    store = request.app.state.client_secrets
-    secret = store.mint(key_id, config, ttl_s)
+    secret = request.app.state.client_secrets.mint(key_id, config, ttl_s)
     if secret is None:
-        raise APIError(429, f"{store.max_live_per_key} client secrets of this key are live; let some expire first",
-                       None, "rate_limit_exceeded", headers={"Retry-After": "10"})
+        raise APIError(429, f"this key has as many live client secrets as it may ({MAX_LIVE_PER_KEY}); let some "
+                       "expire first", None, "rate_limit_exceeded", headers={"Retry-After": "10"})
     log.info("client secret minted (model %s, expires in %d s)", config.model, ttl_s, extra={"key_id": key_id})
     return secret
 
