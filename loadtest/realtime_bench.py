@@ -419,10 +419,10 @@ def _abusers_main(n: int, args: argparse.Namespace, stop, outbox) -> None:
 
 
 def _server_cpu_s(url: str) -> float | None:
-    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
-        if line.startswith("process_cpu_seconds_total "):
-            return float(line.split()[1])
-    return None
+    """The API process's CPU seconds; with `--api-workers`, every worker's (one sample each) added up."""
+    samples = [float(line.split()[-1]) for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines()
+               if line.startswith(("process_cpu_seconds_total ", "process_cpu_seconds_total{"))]
+    return sum(samples) if samples else None
 
 
 def _prefill_tokens(url: str) -> dict[str, dict[str, float]]:

@@ -268,6 +268,21 @@ def start_engine(opts: EngineOptions, log_setup: Callable[[str, str], None] | No
     return CoreClient.start(opts, log_setup)
 
 
+def start_core(opts: EngineOptions, num_clients: int, log_setup: Callable[[str, str], None] | None = None):
+    """The engine core in a process of its own for `num_clients` API processes (`--api-workers`): a
+    `CoreProcess`; `handle(k)` is what API process k passes to `connect_engine`. Raises EngineStartError."""
+    from pipeline.client import CoreProcess
+
+    return CoreProcess.start(opts, num_clients, log_setup)
+
+
+def connect_engine(handle) -> EngineClient:
+    """An API process's client of a core another process started (`start_core(...).handle(k)`)."""
+    from pipeline.client import CoreClient
+
+    return CoreClient.connect(handle)
+
+
 @dataclass(slots=True)
 class Reply:
     """A whole reply gathered from an event stream (non-streaming clients, tests, benchmarks)."""
