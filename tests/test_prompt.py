@@ -1,22 +1,27 @@
 """Prompts as the checkpoint makes them (`pipeline/models/qwen3_omni/prompt.py`): omnirt's token ids and audio
 features equal transformers' `Qwen3OmniMoeProcessor` built from the same checkpoint files (its chat template,
 then the processor call), for the tiny model that ships the released template; a checkpoint's own template and
-preprocessor config are the ones used, and a checkpoint without them fails at load, saying what is missing."""
+preprocessor config are the ones used, and a checkpoint without them fails at load, saying what is missing; a
+Realtime conversation and the same chat-completions request make the same prompt."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 
 import numpy as np
 import pytest
 import torch
+from starlette.testclient import TestClient
 from transformers import AutoTokenizer, Qwen3OmniMoeConfig, Qwen3OmniMoeProcessor, WhisperFeatureExtractor
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
+from app.server import ServerSettings, create_app
 from pipeline.models.qwen3_omni import released
 from pipeline.models.qwen3_omni.prompt import PromptConfigError, PromptEncoder
 from pipeline.models.tiny import ensure_tiny_model
+from tests.test_truncation import Driver, turn_text
 
 RATE = 16000
 TOOLS = [{"type": "function", "function": {
@@ -162,3 +167,38 @@ def test_a_feature_extractor_that_disagrees_with_the_audio_encoder_fails_at_load
     WhisperFeatureExtractor(**{**released.FEATURE_EXTRACTOR, "feature_size": 80}).save_pretrained(path)
     with pytest.raises(PromptConfigError, match="feature_size 80 != the audio encoder's num_mel_bins 128"):
         _encoder(path)
+
+
+class _Recorder:
+    """The engine, keeping each request it is given (it still serves them)."""
+
+    def __init__(self, engine):
+        self.engine, self.requests = engine, []
+
+    def submit(self, req):
+        self.requests.append(req)
+        return self.engine.submit(req)
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
+async def test_a_realtime_conversation_and_the_same_chat_request_make_the_same_prompt(engine):
+    recorder = _Recorder(engine)
+    session = Driver(recorder)
+    await session.start("auto")
+    await session.session.handle_event({"type": "session.update", "session": {"instructions": "Be brief."}})
+    first = await session.turn(0)
+    await session.turn(1)
+    await session.close()
+    said = "".join(c.get("text", "") for item in first["output"] for c in item["content"])
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": turn_text(0)},
+            *([{"role": "assistant", "content": said}] if said else []), {"role": "user", "content": turn_text(1)}]
+    with TestClient(create_app(recorder, ServerSettings())) as client:
+        r = await asyncio.to_thread(client.post, "/v1/chat/completions",
+                                    json={"model": "tiny", "messages": chat, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    realtime, http = recorder.requests[1], recorder.requests[2]
+    encode = engine.models.encoder.encode
+    assert encode(realtime.messages).input_ids == encode(http.messages).input_ids
+    assert r.json()["usage"]["prompt_tokens"] == len(encode(http.messages).input_ids)

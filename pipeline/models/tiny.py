@@ -23,7 +23,7 @@ from pipeline.models.qwen3_omni import released
 
 log = logging.getLogger(__name__)
 
-TINY_VERSION = "v2"  # v2: the released chat template and a preprocessor config
+TINY_VERSION = "v2-prompt"  # the released chat template and feature extractor; the Talker experts initialised
 SEED = 1234
 
 # Qwen-Omni special tokens in the order the real vocabulary has them (151643.. there).
