@@ -18,6 +18,7 @@ from transformers import AutoTokenizer, Qwen3OmniMoeConfig, Qwen3OmniMoeProcesso
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from app.server import ServerSettings, create_app
+from pipeline.api import RequestError
 from pipeline.models.qwen3_omni import released
 from pipeline.models.qwen3_omni.prompt import PromptConfigError, PromptEncoder
 from pipeline.models.tiny import ensure_tiny_model
@@ -126,6 +127,15 @@ def test_tools_and_tool_messages_reach_the_template(encoder):
     assert '"name": "get_weather"' in text and "<tools>" in text
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
     assert "<|im_start|>user\n<tool_response>\n{\"temperature\": 21}\n</tool_response><|im_end|>" in text
+
+
+def test_messages_the_template_cannot_render_are_a_request_error(encoder):
+    """The released template's `tools` branch adds '\\n\\n' to the system message: a list there fails in Jinja."""
+    messages = [{"role": "system", "content": [{"type": "text", "text": "Be brief."}]}, _user("hi")]
+    with pytest.raises(RequestError, match="chat template cannot render") as err:
+        encoder.encode(messages, tools=TOOLS)
+    assert err.value.param == "messages"
+    assert encoder.encode(messages).input_ids  # without tools the same messages render
 
 
 def _copy(checkpoint, tmp_path, drop: tuple[str, ...] = ()):

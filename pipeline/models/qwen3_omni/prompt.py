@@ -10,12 +10,13 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+import jinja2
 import numpy as np
 import torch
 from transformers import WhisperFeatureExtractor
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import _get_feat_extract_output_lengths
 
-from pipeline.api import Message
+from pipeline.api import Message, RequestError
 from pipeline.prefix_cache import common_prefix
 
 log = logging.getLogger(__name__)
@@ -118,15 +119,19 @@ class PromptEncoder:
         plain = [m if isinstance(m["content"], str) else
                  {**m, "content": [{"type": "audio"} if p["type"] == "audio" else p for p in m["content"]]}
                  for m in messages]
-        return self.tokenizer.apply_chat_template(plain, tools=tools, chat_template=self.chat_template,
-                                                  tokenize=False, add_generation_prompt=True)
+        try:
+            return self.tokenizer.apply_chat_template(plain, tools=tools, chat_template=self.chat_template,
+                                                      tokenize=False, add_generation_prompt=True)
+        except (jinja2.TemplateError, TypeError) as exc:  # e.g. the released template's `tools` branch takes
+            # only a string system message
+            raise RequestError(f"the model's chat template cannot render these messages: {exc}", "messages") from exc
 
     def _expand(self, text: str, audio_tokens: list[int]) -> str:
         """Each audio placeholder the template wrote, repeated once per encoder output frame of its audio."""
         pieces = text.split(self.audio_token)
         if len(pieces) - 1 != len(audio_tokens):
-            raise ValueError(f"the chat template wrote {len(pieces) - 1} audio placeholders for "
-                             f"{len(audio_tokens)} audio parts")
+            raise RequestError(f"the model's chat template wrote {len(pieces) - 1} audio placeholders for the "
+                               f"{len(audio_tokens)} audio parts of these messages", "messages")
         return pieces[0] + "".join(self.audio_token * n + rest for n, rest in zip(audio_tokens, pieces[1:]))
 
     def _features(self, audios: list) -> tuple[torch.Tensor, torch.Tensor]:
