@@ -136,6 +136,8 @@ def test_messages_the_template_cannot_render_are_a_request_error(encoder):
         encoder.encode(messages, tools=TOOLS)
     assert err.value.param == "messages"
     assert encoder.encode(messages).input_ids  # without tools the same messages render
+    with pytest.raises(RequestError, match="nothing to answer"):
+        encoder.encode([])
 
 
 def _copy(checkpoint, tmp_path, drop: tuple[str, ...] = ()):

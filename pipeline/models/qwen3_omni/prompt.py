@@ -99,6 +99,8 @@ class PromptEncoder:
         return self.features.sampling_rate
 
     def encode(self, messages: list[Message], tools: list[dict] | None = None) -> EncodedPrompt:
+        if not messages:  # the released template (and transformers) render no prompt for no messages
+            raise RequestError("there is nothing to answer: no messages (nor instructions)", "messages")
         audios = [p["audio"] for m in messages if not isinstance(m["content"], str)
                   for p in m["content"] if p["type"] == "audio"]
         feats = mask = None
@@ -122,8 +124,8 @@ class PromptEncoder:
         try:
             return self.tokenizer.apply_chat_template(plain, tools=tools, chat_template=self.chat_template,
                                                       tokenize=False, add_generation_prompt=True)
-        except (jinja2.TemplateError, TypeError) as exc:  # e.g. the released template's `tools` branch takes
-            # only a string system message
+        except (jinja2.TemplateError, TypeError, ValueError) as exc:
+            # e.g. the released template's `tools` branch takes only a string system message
             raise RequestError(f"the model's chat template cannot render these messages: {exc}", "messages") from exc
 
     def _expand(self, text: str, audio_tokens: list[int]) -> str:
