@@ -3,7 +3,8 @@
 Each session streams a spoken utterance in real time in 20 ms PCM16 chunks with server VAD, keeps
 sending silence between turns as a microphone does, and does T measured turns after a warm-up turn;
 sessions start staggered. The sessions are spread over several client processes so that the client is
-not the bottleneck (its own CPU is reported). Per session count N it reports p50/p90/p99 of
+not the bottleneck (its own CPU is reported). Per session count N it reports p50/p90/p99 (nearest rank; where
+the point has too few turns for a p90 or p99, the maximum, labelled so: `loadtest/stats.py`) of
 
 - VAD lag: end of speech (the last speech chunk sent) -> `speech_stopped`, less the VAD's silence;
 - response latency: `speech_stopped` -> first audio delta;
@@ -38,6 +39,7 @@ import numpy as np
 from app.audio.pcm import float_to_pcm16
 from app.audio.wire import PCM16
 from loadtest.bench import _underruns, say_plan, server_args, server_platform, write_report
+from loadtest.stats import NOTE, cell, summary
 
 RATE = PCM16.sample_rate
 CHUNK_S = 0.02
@@ -494,19 +496,13 @@ def _gather(procs: list, inbox) -> list[dict]:
     return results
 
 
-def _pcts(values: list[float]) -> dict:
-    xs = sorted(v for v in values if v is not None)
-    pick = (lambda q: xs[min(len(xs) - 1, int(q * len(xs)))]) if xs else (lambda q: None)
-    return {"p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99), "n": len(xs)}
-
-
 def summarize(n: int, turns: list[dict], errors: list[str], args: argparse.Namespace, server_cpu: float | None,
               client_cpu: float) -> dict:
     wants_audio = args.mode != "no-responses"
     return {"sessions": n, "mode": args.mode, "turns": len(turns), "expected_turns": n * args.turns,
-            "vad_lag_ms": _pcts([t["vad_lag_ms"] for t in turns]),
-            "response_ms": _pcts([t["response_ms"] for t in turns]),
-            "voice_to_voice_ms": _pcts([t["voice_to_voice_ms"] for t in turns]),
+            "vad_lag_ms": summary([t["vad_lag_ms"] for t in turns]),
+            "response_ms": summary([t["response_ms"] for t in turns]),
+            "voice_to_voice_ms": summary([t["voice_to_voice_ms"] for t in turns]),
             "turns_without_audio": sum(t["first_audio"] is None for t in turns) if wants_audio else 0,
             "turns_without_speech_stopped": sum(t["speech_stopped"] is None for t in turns),
             "underruns": sum(t["underruns"] for t in turns) if args.mode == "full" else None,
@@ -527,16 +523,11 @@ def _by_turn(turns: list[dict]) -> list[dict]:
     for index in sorted({t["index"] for t in turns}):
         at = [t for t in turns if t["index"] == index]
         prompt, cached = _mean([t["input_tokens"] for t in at]), _mean([t["cached_tokens"] for t in at])
-        rows.append({"turn": index + 1, "response_ms": _pcts([t["response_ms"] for t in at]),
-                     "voice_to_voice_ms": _pcts([t["voice_to_voice_ms"] for t in at]), "input_tokens": prompt,
+        rows.append({"turn": index + 1, "response_ms": summary([t["response_ms"] for t in at]),
+                     "voice_to_voice_ms": summary([t["voice_to_voice_ms"] for t in at]), "input_tokens": prompt,
                      "cached_tokens": cached,
                      "prefilled_tokens": None if prompt is None or cached is None else prompt - cached})
     return rows
-
-
-def _cell(row: dict, key: str) -> str:
-    p = row[key]
-    return "-" if p["p50"] is None else f"{p['p50']:.0f} / {p['p90']:.0f} / {p['p99']:.0f}"
 
 
 def markdown(rows: list[dict], title: str) -> str:
@@ -545,7 +536,8 @@ def markdown(rows: list[dict], title: str) -> str:
             + "---|" * 12 + "\n")
     abuse = "".join(f"\n- {r['sessions']} sessions, {r['abusive']} abusive: {kind}: {a['connections']} connections, "
                     f"closed {a['closes']}, errors {a['errors']}" for r in rows for kind, a in r["abuse"].items())
-    return f"### {title}\n\n{head}" + "".join(_row(r) for r in rows) + abuse + "\n" + _turns_markdown(rows)
+    return (f"### {title}\n\n{head}" + "".join(_row(r) for r in rows) + abuse + "\n" + _turns_markdown(rows)
+            + f"\n{NOTE}\n")
 
 
 def _turns_markdown(rows: list[dict]) -> str:
@@ -557,8 +549,8 @@ def _turns_markdown(rows: list[dict]) -> str:
     out = ["\n| turn | sessions | response ms p50 / p90 | voice-to-voice ms p50 | prompt tokens | reused | "
            "prefilled |\n|---|---|---|---|---|---|---|\n"]
     for r in rows:
-        out += [f"| turn {t['turn']} | {r['sessions']} | {num(t['response_ms']['p50'])} / "
-                f"{num(t['response_ms']['p90'])} | {num(t['voice_to_voice_ms']['p50'])} | {num(t['input_tokens'])} | "
+        out += [f"| turn {t['turn']} | {r['sessions']} | {cell(t['response_ms'], ('p50', 'p90'))} | "
+                f"{cell(t['voice_to_voice_ms'], ('p50',))} | {num(t['input_tokens'])} | "
                 f"{num(t['cached_tokens'])} | {num(t['prefilled_tokens'])} |\n" for t in r["by_turn"]]
     out += [f"\n- {r['sessions']} sessions, server prompt tokens over the point: "
             + "; ".join(f"{stage} {c.get('computed', 0):.0f} computed, {c.get('cached', 0):.0f} reused"
@@ -570,7 +562,7 @@ def _row(r: dict) -> str:
     server_cpu = "-" if r["server_cpu_per_session"] is None else f"{r['server_cpu_per_session']:.3f}"
     underruns = "-" if r["underruns"] is None else r["underruns"]
     return (f"| {r['sessions']} | {r['abusive']} | {r['mode']} | {r['turns']}/{r['expected_turns']} | "
-            f"{_cell(r, 'vad_lag_ms')} | {_cell(r, 'response_ms')} | {_cell(r, 'voice_to_voice_ms')} | "
+            f"{cell(r['vad_lag_ms'])} | {cell(r['response_ms'])} | {cell(r['voice_to_voice_ms'])} | "
             f"{r['turns_without_audio']} | {underruns} | {r['errors']} | {server_cpu} | {r['client_cpu']:.2f} |\n")
 
 
@@ -588,7 +580,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     for ax, (key, label) in zip(axes[0], panels):
         for abusive in sorted({r["abusive"] for r in rows}):
             part = [r for r in rows if r["abusive"] == abusive]
-            for q in ("p50", "p90", "p99"):
+            for q in ("p50", "p90", "p99", "max"):  # a percentile the point has too few turns for is left out
                 ax.plot([r["sessions"] for r in part], [r[key][q] for r in part], marker="o",
                         linestyle="--" if abusive else "-", label=f"{q}, {abusive} abusive" if abusive else q)
         ax.set_xlabel("sessions")

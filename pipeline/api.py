@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, TypedDict
+from typing import Any, Literal, NotRequired, Protocol, TypedDict
 
 import msgspec
 import numpy as np
@@ -26,8 +26,10 @@ class Part(TypedDict, total=False):
 
 
 class Message(TypedDict):
-    role: str  # "system" | "user" | "assistant"
+    role: str  # "system" | "user" | "assistant" | "tool"
     content: str | list[Part]
+    tool_calls: NotRequired[list[dict]]  # an assistant's calls, OpenAI's shape; the chat template renders them
+    tool_call_id: NotRequired[str]  # a tool message's call
 
 
 class OmniRequest(msgspec.Struct, tag=True):

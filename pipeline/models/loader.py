@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from pipeline.models.qwen3_omni import released
-from pipeline.models.tiny import ensure_tiny_model
+from pipeline.models.tiny import ensure_tiny_model, init_talker_experts
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,9 @@ PARTS = ("thinker", "talker", "code2wav")  # the submodules of Qwen3OmniMoeForCo
 
 def load_hf_model(model: str, load_format: str, dtype: torch.dtype, device: torch.device,
                   moe_backend: str = "eager", parts: frozenset[str] = frozenset(PARTS)):
-    """Returns (Qwen3OmniMoeForConditionalGeneration in eval mode, tokenizer, path or None). Only the
+    """Returns (Qwen3OmniMoeForConditionalGeneration in eval mode, tokenizer, the folder the tokenizer and the
+    prompt configuration come from: the checkpoint's, or the tiny model's for dummy weights of the released
+    architecture without a checkpoint). Only the
     submodules in `parts` hold weights on `device`; the others are left on the meta device (no memory).
     A checkpoint is read whole into host memory (memory-mapped safetensors), then pared down."""
     from transformers import Qwen3OmniMoeForConditionalGeneration
@@ -95,8 +97,8 @@ def _dummy(model: str, dtype: torch.dtype, device: torch.device, parts: frozense
     except ModelNotFoundError:
         if model not in released.ALIASES:
             raise
-        path = None
-        tokenizer = _tokenizer(ensure_tiny_model())
+        path = ensure_tiny_model()
+        tokenizer = _tokenizer(path)
         config = released.released_config(tokenizer)
     log.info("dummy weights: building %s (%s) with random weights on %s", model, "+".join(sorted(parts)), device)
     default = torch.get_default_dtype()
@@ -112,26 +114,11 @@ def _dummy(model: str, dtype: torch.dtype, device: torch.device, parts: frozense
                 if part in parts and hasattr(hf, part):
                     setattr(hf, part, type(getattr(hf, part))._from_config(getattr(config, f"{part}_config"),
                                                                            dtype=dtype))
-            _init_talker_experts(hf)
+            if "talker" in parts and hasattr(hf, "talker"):
+                init_talker_experts(hf.talker)
     finally:
         torch.set_default_dtype(default)
     return hf, tokenizer, path
-
-
-def _init_talker_experts(hf) -> None:
-    """transformers' `_init_weights` initialises the Thinker's experts but not the Talker's, which stay
-    whatever the allocator held: give them the same normal(0, initializer_range) the Thinker's get."""
-    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeTalkerTextExperts
-
-    talker = getattr(hf, "talker", None)
-    if talker is None or next(talker.parameters()).is_meta:
-        return
-    std = getattr(talker.config.text_config, "initializer_range", 0.02)
-    with torch.no_grad():
-        for module in talker.modules():
-            if isinstance(module, Qwen3OmniMoeTalkerTextExperts):
-                module.gate_up_proj.normal_(0.0, std)
-                module.down_proj.normal_(0.0, std)
 
 
 def fix_config(config):
