@@ -48,6 +48,7 @@ from app.realtime.events import ProtocolError, error_event, new_id, parse_client
 from app.realtime.input_buffer import BufferFull, InputBuffer, TurnEnded, TurnStarted
 from app.realtime.outbox import Outbox
 from app.realtime.response import AudioSink, Response
+from app.realtime.transcription import Transcriber
 from pipeline.api import EngineClient
 
 log = logging.getLogger(__name__)
@@ -86,6 +87,7 @@ class RealtimeSession:
         self.outbox = Outbox(limits.max_queued_events, beta, limits.max_queued_audio_bytes)
         self.input: InputBuffer | None = None
         self.response: Response | None = None
+        self.transcriber = Transcriber(engine, self.outbox, lambda: self.response, metrics, self.log_ids)
         self.audio_rate = TokenBucket(limits.max_audio_rate, limits.audio_burst_s)
         self.violation: str | None = None  # why the transport must close the session (policy), once set
         self._has_spoken = False  # the voice is fixed once audio was produced
@@ -143,6 +145,7 @@ class RealtimeSession:
     async def close(self) -> None:
         if self.response is not None and not self.response.is_done:
             self.response.abort()
+        self.transcriber.close()
         await self.outbox.close()
 
     # ---- session and input audio ----------------------------------------------------------------------
@@ -212,6 +215,8 @@ class RealtimeSession:
         previous = self.conversation.add(item)
         await self._emit("input_audio_buffer.committed", previous_item_id=previous, item_id=item_id)
         await self._item_added(item, previous)
+        if self.config.transcription is not None:  # starts once a reply created now has sent its first audio
+            await self.transcriber.add(item, self.config.transcription)
 
     # ---- conversation ---------------------------------------------------------------------------------
 
@@ -235,6 +240,7 @@ class RealtimeSession:
         if self.is_busy and self.response.item.id == ev["item_id"]:
             raise ProtocolError("the item is being generated; cancel the response first", "invalid_value", "item_id")
         self.conversation.delete(ev["item_id"])
+        self.transcriber.forget(ev["item_id"])
         await self._emit("conversation.item.deleted", item_id=ev["item_id"])
 
     async def _item_retrieve(self, ev: dict) -> None:
