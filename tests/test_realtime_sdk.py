@@ -105,8 +105,10 @@ async def test_audio_turn_with_server_vad(client, utterance):
 async def test_user_transcript_with_server_vad(client, utterance):
     """GA `audio.input.transcription`: the SDK parses the transcription events into its own types; the
     deltas come after the user item and add up to `.completed`'s transcript, which the item then holds."""
-    from openai.types.realtime import (ConversationItemInputAudioTranscriptionCompletedEvent,
-                                       ConversationItemInputAudioTranscriptionDeltaEvent)
+    from openai.types.realtime import (
+        ConversationItemInputAudioTranscriptionCompletedEvent,
+        ConversationItemInputAudioTranscriptionDeltaEvent,
+    )
 
     samples, _ = utterance
     conn, _ = await open_session(client)
