@@ -650,7 +650,7 @@ def plot_turns(latency_ax, tokens_ax, rows: list[dict], label: str) -> None:
         if r.get("abusive") or not r.get("by_turn"):
             continue
         turns = [t["turn"] for t in r["by_turn"]]
-        name = f"{label}{r['sessions']} sessions"
+        name = f"{label}{r['sessions']} sessions{', transcripts' if r.get('transcription') else ''}"
         latency_ax.plot(turns, [t["response_ms"]["p50"] for t in r["by_turn"]], marker="o", label=name)
         tokens_ax.plot(turns, [t["prefilled_tokens"] for t in r["by_turn"]], marker="o", label=name)
     for ax, what in ((latency_ax, "response latency p50 (ms)"), (tokens_ax, "prompt tokens prefilled (mean)")):

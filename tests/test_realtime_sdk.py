@@ -102,7 +102,7 @@ async def test_audio_turn_with_server_vad(client, utterance):
     assert done.usage.input_tokens > 40  # ~4 s of speech became audio tokens in the Thinker's prompt
 
 
-async def test_user_transcript_with_server_vad(client, utterance):
+async def test_user_transcript_with_server_vad(client, server, utterance):
     """GA `audio.input.transcription`: the SDK parses the transcription events into its own types; the
     deltas come after the user item and add up to `.completed`'s transcript, which the item then holds."""
     from openai.types.realtime import (
@@ -143,6 +143,7 @@ async def test_user_transcript_with_server_vad(client, utterance):
     assert done.usage.type == "tokens" and done.usage.output_tokens >= 1
     assert retrieved.content[0].type == "input_audio" and retrieved.content[0].transcript == done.transcript
     assert not [e for e in events if e.type == "error"]
+    assert server.metric("omnirt_requests_total", endpoint="realtime_transcription") >= 1
 
 
 async def test_manual_commit(client, utterance):

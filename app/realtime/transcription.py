@@ -167,6 +167,8 @@ class Transcriber:
         except RequestError as exc:
             return await self._failed(job, ProtocolError(str(exc), exc.code, exc.param))
         except EngineOverloaded as exc:
+            if self.metrics is not None:
+                self.metrics.requests.labels("realtime_transcription", "rejected").inc()
             return await self._failed(job, ProtocolError(f"the server is at capacity: {exc}", "rate_limit_exceeded",
                                                          error_type="server_error"))
         except EngineDeadError as exc:
