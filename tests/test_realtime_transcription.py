@@ -15,7 +15,7 @@ from app.audio.vad import VadBatcher
 from app.realtime.config import SessionConfig, apply_session_update, initial_config, session_object
 from app.realtime.events import ProtocolError
 from app.realtime.session import RealtimeLimits, RealtimeSession
-from app.realtime.transcription import INSTRUCTION, TranscriptionConfig, transcription_messages
+from app.realtime.transcription import INSTRUCTION, MAX_PENDING, TranscriptionConfig, transcription_messages
 from tests.realtime_helpers import espeak_utterance
 
 VOICES = ("chelsie", "ethan")
@@ -244,3 +244,22 @@ async def _settle(engine) -> None:
             time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     assert engine.num_active_requests == 0 and engine.num_free_slots() == engine.num_slots()
+
+
+async def test_a_burst_of_commits_beyond_the_queue_fails_at_once(engine):
+    """Twenty short commits in a row: at most `MAX_PENDING` wait, the later ones fail at once
+    (`transcription_queue_full`); every turn gets exactly one end, and those that ran complete in order."""
+    tone = (0.3 * np.sin(np.arange(4800) / 5)).astype(np.float32)  # 0.2 s
+    async with Recorder(engine, MANUAL) as rec:
+        for _ in range(20):  # without waiting for the events in between
+            await rec.speak(tone)
+            await rec.send({"type": "input_audio_buffer.commit"})
+        await rec.until(lambda ev: len(rec.of("input_audio_buffer.committed")) == 20)
+        items = [e["item_id"] for e in rec.of("input_audio_buffer.committed")]
+        await rec.until(lambda ev: all(_ended(i)(ev) for i in items))
+    ends = [e for e in rec.events if e["type"] in (f"{EVENT}.completed", f"{EVENT}.failed")]
+    assert sorted(e["item_id"] for e in ends) == sorted(items)
+    full = [e["item_id"] for e in ends if e["type"].endswith("failed")]
+    assert full and all(e["error"]["code"] == "transcription_queue_full" for e in rec.of(f"{EVENT}.failed"))
+    done = [e["item_id"] for e in ends if e["type"].endswith("completed")]
+    assert len(done) >= MAX_PENDING and done == [i for i in items if i not in full]  # in commit order

@@ -131,7 +131,7 @@ class Transcriber:
     def close(self) -> None:
         """The session is gone: free the engine's slot, drop what waits, emit nothing more."""
         self._pending.clear()
-        if self._current is not None:
+        if self._current is not None and not self._current.is_forgotten:  # (a forgotten one is aborted already)
             self.engine.abort(self._current.request_id)
         if self._task is not None:
             self._task.cancel()
