@@ -11,7 +11,7 @@ The transport interface (WebSocket and WebRTC):
     await session.handle_event(event_dict)    # the same, already parsed
     await session.append_audio(samples, rate) # float32 mono input at any rate (e.g. 48 kHz from an RTP track)
     event = await session.outbox.get()        # the next server event (dict), None once closed: send it
-    await session.close()                     # aborts the running response in every engine stage
+    await session.close()                     # aborts the running response (and transcription) in the engine
 
 Output audio goes out as `response.output_audio.delta` events (base64 in the session's output
 format), or, when the transport passes an `audio_sink` (see `app.realtime.response.AudioSink`), as
@@ -20,7 +20,8 @@ PCM16 at the engine's output rate to that sink: WebRTC plays it on its media tra
 the played position itself (and emits `output_audio_buffer.cleared`), as OpenAI does for WebRTC. Every queue is bounded:
 the outbox (producers wait), the input buffer (`input_audio_buffer_full` error), the sink (its own).
 With `metrics`, each response is counted like a chat request (endpoint "realtime") and logs a
-"request finished" line with its response id, the session id and the API key's id.
+"request finished" line with its response id, the session id and the API key's id. With transcription
+set, committed user audio is transcribed beside the responses (`app.realtime.transcription`).
 """
 
 from __future__ import annotations
