@@ -41,43 +41,69 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
 
 
 def serve(args: argparse.Namespace) -> None:
-    import uvicorn
-
-    from app.ops.lifecycle import DrainingServer
-    from app.ops.logs import setup
-    from app.server import create_app
-
     opts = engine_options(args)
     try:
         check_options(opts)  # a bad profile or flag stops here, before torch is imported
     except EngineStartError as exc:
         sys.exit(f"omnirt: {exc}")
     _check_keys(args)
+    if args.api_workers > 1:
+        from app.ops.workers import supervise
+
+        if args.engine_process == "inproc":
+            sys.exit("omnirt: --api-workers needs the engine core in a process of its own (--engine-process auto "
+                     "or core), not inproc")
+
+        # the port is held from here (bound, not listening): a port in use stops here, before the model loads
+        sock = listen(args.host, args.port, reuse_port=True, backlog=None)
+        sys.exit(supervise(args, opts, sock, lambda info: ready_line(args, sock.getsockname()[1], info)))
     sock = listen(args.host, args.port)  # a port in use stops here, before the model loads
+    from app.ops.logs import setup
+
     try:
         engine = start_engine(opts, log_setup=setup)
     except EngineStartError as exc:
         sys.exit(f"omnirt: {exc}")
+    _serve_one(args, engine, sock)
+
+
+def _serve_one(args: argparse.Namespace, engine, sock: socket.socket) -> None:
+    """One API process (it owns the engine core) on `sock` until told to stop."""
+    from app.ops.lifecycle import DrainingServer
+    from app.server import create_app
+
     info = engine.info()
     app = create_app(engine, server_settings(args, info.system_prompt))
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: every thread's stack to stderr
     signal.signal(signal.SIGHUP, lambda *_: app.state.keys.reload())  # `kill -HUP PID`: re-read the keys file
-    limits = app.state.server.settings.realtime
-    # frames a bit over the realtime event limit still arrive, so that they get an `error` event
-    config = uvicorn.Config(app, host=args.host, port=sock.getsockname()[1], log_level=args.log_level,
-                            ws_max_size=limits.max_event_bytes + 2**20,
-                            timeout_graceful_shutdown=args.shutdown_timeout + 5)
-    host = f"[{args.host}]" if ":" in args.host else args.host
-    print(f"omnirt ready: http://{host}:{sock.getsockname()[1]}/  (model {app.state.server.model_names[0]!r} on "
-          f"{info.platform}, voices {', '.join(info.voices)}{'' if app.state.keys.is_open else ', API key required'})",
-          flush=True)
+    port = sock.getsockname()[1]
+    print(ready_line(args, port, info), flush=True)
     try:
-        DrainingServer(config, app.state.server.lifecycle, on_stopped=engine.stop).run(sockets=[sock])
+        DrainingServer(uvicorn_config(app, args, port), app.state.server.lifecycle,
+                       on_stopped=engine.stop).run(sockets=[sock])
     finally:
         engine.stop()
     health = engine.health()
     if not health.is_alive:
         sys.exit(f"omnirt: {health.reason}")
+
+
+def uvicorn_config(app, args: argparse.Namespace, port: int):
+    import uvicorn
+
+    limits = app.state.server.settings.realtime
+    # frames a bit over the realtime event limit still arrive, so that they get an `error` event
+    return uvicorn.Config(app, host=args.host, port=port, log_level=args.log_level,
+                          ws_max_size=limits.max_event_bytes + 2**20,
+                          timeout_graceful_shutdown=args.shutdown_timeout + 5)
+
+
+def ready_line(args: argparse.Namespace, port: int, info) -> str:
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    keyed = bool(args.api_key) or args.api_keys_file is not None
+    workers = f", {args.api_workers} API workers" if args.api_workers > 1 else ""
+    return (f"omnirt ready: http://{host}:{port}/  (model {args.served_model_name or args.model!r} on "
+            f"{info.platform}, voices {', '.join(info.voices)}{workers}{', API key required' if keyed else ''})")
 
 
 def server_settings(args: argparse.Namespace, system_prompt: str | None) -> ServerSettings:
@@ -95,11 +121,13 @@ def server_settings(args: argparse.Namespace, system_prompt: str | None) -> Serv
         api_keys_file=args.api_keys_file, demo_key_id=args.demo_key_id,
         cors_origins=tuple(o.strip() for o in args.cors_origins.split(",") if o.strip()),
         slow_client_timeout_s=args.slow_client_timeout, shutdown_timeout_s=args.shutdown_timeout,
-        realtime=limits, ice=ice, webrtc_connect_timeout_s=args.webrtc_connect_timeout_s)
+        realtime=limits, ice=ice, webrtc_connect_timeout_s=args.webrtc_connect_timeout_s,
+        webrtc_max_input_lag_s=args.webrtc_max_input_lag_s)
 
 
-def listen(host: str, port: int) -> socket.socket:
-    """The server's listening socket, bound now (uvicorn serves on it), or exit saying why not."""
+def listen(host: str, port: int, reuse_port: bool = False, backlog: int | None = 2048) -> socket.socket:
+    """The server's socket, bound now (uvicorn serves on it), or exit saying why not. `reuse_port`: shared
+    with the other `--api-workers` (SO_REUSEPORT); `backlog` None: bound only, holding the port."""
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                              flags=socket.AI_PASSIVE)[0]
@@ -107,13 +135,16 @@ def listen(host: str, port: int) -> socket.socket:
         sys.exit(f"omnirt: --host {host!r} is not an address of this machine ({exc.strerror})")
     sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind(address)
     except OSError as exc:
         sock.close()
         why = "is in use (another server?)" if exc.errno == errno.EADDRINUSE else f"cannot be bound ({exc.strerror})"
         sys.exit(f"omnirt: port {port} on {host} {why}; pick another with --port (make serve: PORT=)")
-    sock.listen(2048)
+    if backlog is not None:
+        sock.listen(backlog)
     return sock
 
 

@@ -155,6 +155,9 @@ def add_server_args(s: argparse.ArgumentParser) -> None:
     g = s.add_argument_group("HTTP and logs")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     g.add_argument("--port", type=number(int, 0, 65535), default=8091, help="port to listen on (0: any free one)")
+    g.add_argument("--api-workers", type=number(int, 1, 64), default=1,
+                   help="API processes sharing the port and the one engine core (SO_REUSEPORT: Linux); each has its "
+                        "own event loop, sessions and VAD; limits, client secrets and /metrics span them all")
     g.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="the server's and uvicorn's")
     g.add_argument("--log-format", choices=["text", "json"], default="text", help="json: one object per line")
 
@@ -187,6 +190,10 @@ def add_realtime_args(s: argparse.ArgumentParser) -> None:
                         "$OMNIRT_WEBRTC_ICE_SERVERS, else none: host candidates only)")
     w.add_argument("--webrtc-connect-timeout-s", type=number(float, 0, above=True), default=30.0,
                    help="a WebRTC call that is not connected this long after its answer is closed")
+    w.add_argument("--webrtc-max-input-lag-s", type=number(float, 0, above=True), default=1.0,
+                   help="microphone audio a call's session has not taken yet is bounded to this many seconds; an "
+                        "overloaded server drops older audio (omnirt_webrtc_input_dropped_seconds_total) instead of "
+                        "answering ever older speech")
 
 
 def add_reliability_args(s: argparse.ArgumentParser) -> None:

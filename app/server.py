@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import importlib.util
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,12 +18,14 @@ from fastapi.staticfiles import StaticFiles
 from app import __version__, demo
 from app.chat import routes as chat
 from app.errors import install_error_handlers
-from app.ops import metrics, security
+from app.ops import metrics, security, shared
 from app.ops.keys import KeyRing
 from app.ops.lifecycle import Lifecycle
 from app.ops.limits import BodySizeLimit, SlowClientGuard
 from app.ops.metrics import Metrics, StatusCounter
 from app.ops.quotas import KeyQuotas
+from app.ops.shared import SharedLimits
+from app.ops.worker_link import WorkerContext, WorkerLink
 from app.realtime import client_secrets
 from app.realtime.client_secrets import SecretStore
 from app.realtime.session import RealtimeLimits
@@ -43,6 +46,7 @@ class ServerSettings:
     realtime: RealtimeLimits = field(default_factory=RealtimeLimits)
     ice: IceSettings = field(default_factory=IceSettings)  # WebRTC candidates: host addresses, NAT, STUN/TURN
     webrtc_connect_timeout_s: float = 30.0
+    webrtc_max_input_lag_s: float = 1.0  # microphone audio older than this, not yet taken by the session, is dropped
     api_keys: tuple[str, ...] = ()  # none (and no keys file): no key needed
     api_keys_file: Path | None = None  # keys with ids and limits, reloaded when it changes (app.ops.keys)
     demo_key_id: str | None = None  # the demo page's client secrets are minted under this key (app.demo)
@@ -74,20 +78,26 @@ class OmniServer:
         return self.settings.max_audio_s
 
 
-def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
+def create_app(engine: EngineClient, settings: ServerSettings, worker: WorkerContext | None = None) -> FastAPI:
+    """`worker`: this app is one of `--api-workers` processes (limits, secrets and /metrics span them all)."""
     lifecycle = Lifecycle(engine, settings.shutdown_timeout_s)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         watch = asyncio.create_task(lifecycle.exit_when_engine_dies())
+        if app.state.worker_link is not None:
+            await app.state.worker_link.start()
+            app.state.shared.worker_ready(worker.index, os.getpid())
         yield
         watch.cancel()
+        if app.state.worker_link is not None:
+            await app.state.worker_link.stop()
 
     app = FastAPI(title="omnirt", version=__version__, lifespan=lifespan)
     server = app.state.server = OmniServer(engine, settings, Metrics(engine), lifecycle)
     install_error_handlers(app)
     app.state.keys = KeyRing(settings.api_keys, settings.api_keys_file)
-    app.state.client_secrets, app.state.quotas = SecretStore(), KeyQuotas(server.metrics)
+    _share(app, server.metrics, worker)
 
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(SlowClientGuard, timeout_s=settings.slow_client_timeout_s)
@@ -103,6 +113,10 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
                 "slots": {s.name: s.slots for s in stats.stages if s.slots}, "replicas": stats.replicas}
         if not alive.is_alive:
             body["error"] = alive.reason
+        if worker is not None:  # the engine's requests (from every worker), which worker answered, and every
+            # worker's pid (None: starting) and open sessions
+            body.update(active_requests=stats.active_requests, api_worker=worker.index,
+                        api_workers=app.state.shared.worker_table(worker.count))
         return JSONResponse(body, status_code=200 if alive.is_alive else 503)
 
     @app.get("/v1/models")
@@ -122,8 +136,20 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     if importlib.util.find_spec("aiortc") is not None:  # the `webrtc` extra
         from app.transports import webrtc
 
-        webrtc.install(app, settings.ice, settings.webrtc_connect_timeout_s)
+        webrtc.install(app, settings.ice, settings.webrtc_connect_timeout_s, settings.webrtc_max_input_lag_s)
     app.include_router(metrics.router)
     if WEB_DIR.is_dir():
         app.mount("/", StaticFiles(directory=WEB_DIR, html=True), name="web")
     return app
+
+
+def _share(app: FastAPI, metrics: Metrics, worker: WorkerContext | None) -> None:
+    """The limits' counts and the client secrets: this process's own, or with `--api-workers` the
+    supervisor's (app.ops.shared), with a link to the sibling workers (app.ops.worker_link)."""
+    if worker is None:
+        app.state.shared, app.state.client_secrets = SharedLimits(), SecretStore()
+        app.state.worker_index, app.state.worker_link = 0, None
+    else:
+        app.state.shared, app.state.client_secrets = shared.connect(worker.shared_address, worker.authkey)
+        app.state.worker_index, app.state.worker_link = worker.index, WorkerLink(worker, metrics)
+    app.state.quotas = KeyQuotas(metrics, app.state.shared, app.state.worker_index)

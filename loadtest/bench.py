@@ -23,6 +23,7 @@ import httpx
 
 from app.audio.playback import PlaybackClock, pcm16_seconds
 from app.audio.wire import PCM16
+from loadtest.stats import NOTE, summary
 
 
 @dataclass(slots=True)
@@ -126,18 +127,16 @@ async def run_point(client, args, words: int, concurrency: int, num_requests: in
 
 def summarize(samples: list[Sample], wall_s: float, prompt_len: int, concurrency: int) -> dict:
     ok = [s for s in samples if s.ok and s.ttfp_s is not None]
-    ttfp = sorted(s.ttfp_s * 1000 for s in ok)
-    gaps = sorted(g * 1000 for s in ok for g in s.gaps_s)
-
-    def pct(xs, q):
-        return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
-
+    ttfp = summary(s.ttfp_s * 1000 for s in ok)
+    gaps = summary(g * 1000 for s in ok for g in s.gaps_s)
     return {"prompt_len": prompt_len, "concurrency": concurrency, "requests": len(samples), "ok": len(ok),
             "failed": len(samples) - len(ok), "req_per_s": len(ok) / wall_s if wall_s else 0.0,
-            "ttfp_mean_ms": statistics.fmean(ttfp) if ttfp else None, "ttfp_p50_ms": pct(ttfp, 0.5),
-            "ttfp_p99_ms": pct(ttfp, 0.99), "rtf_mean": statistics.fmean(s.rtf for s in ok) if ok else None,
+            "ttfp_mean_ms": statistics.fmean(s.ttfp_s * 1000 for s in ok) if ok else None,
+            "ttfp_p50_ms": ttfp["p50"], "ttfp_p99_ms": ttfp["p99"], "ttfp_max_ms": ttfp["max"],
+            "rtf_mean": statistics.fmean(s.rtf for s in ok) if ok else None,
             "ttft_mean_ms": statistics.fmean(s.ttft_s * 1000 for s in ok if s.ttft_s) if ok else None,
-            "gap_p99_ms": pct(gaps, 0.99), "underruns": sum(s.underruns for s in ok),
+            "gap_p99_ms": gaps["p99"], "gap_max_ms": gaps["max"], "num_gaps": gaps["n"],
+            "underruns": sum(s.underruns for s in ok),
             "audio_s_mean": statistics.fmean(s.audio_s for s in ok) if ok else None,
             "prompt_tokens": ok[0].prompt_tokens if ok else None,
             "errors": sorted({s.error for s in samples if s.error})[:3]}
@@ -167,22 +166,32 @@ def _progress(done: int, total: int, elapsed_s: float) -> None:
               "left at this pace (later points run more clients)", flush=True)
 
 
+# (key, title, format[, the key shown as "max X" where the sample is too small for the percentile])
 COLUMNS = [("prompt_len", "prompt", "{}"), ("concurrency", "c", "{}"), ("ok", "ok", "{}"),
            ("req_per_s", "req/s", "{:.2f}"), ("ttfp_mean_ms", "TTFP mean ms", "{:.0f}"),
-           ("ttfp_p50_ms", "TTFP p50", "{:.0f}"), ("ttfp_p99_ms", "TTFP p99", "{:.0f}"), ("rtf_mean", "RTF", "{:.3f}"),
-           ("ttft_mean_ms", "TTFT ms", "{:.0f}"), ("gap_p99_ms", "gap p99 ms", "{:.0f}"),
+           ("ttfp_p50_ms", "TTFP p50", "{:.0f}"), ("ttfp_p99_ms", "TTFP p99", "{:.0f}", "ttfp_max_ms"),
+           ("rtf_mean", "RTF", "{:.3f}"), ("ttft_mean_ms", "TTFT ms", "{:.0f}"),
+           ("gap_p99_ms", "gap p99 ms", "{:.0f}", "gap_max_ms"), ("num_gaps", "gaps", "{}"),
            ("underruns", "underruns", "{}"), ("audio_s_mean", "audio s", "{:.1f}")]
 
 
+def _value(row: dict, key: str, fmt: str, fallback: str | None = None) -> str:
+    """A cell: the value; a percentile with too few samples as the maximum, labelled so; '-' for none."""
+    if row.get(key) is not None:
+        return fmt.format(row[key])
+    if fallback and row.get(fallback) is not None:
+        return "max " + fmt.format(row[fallback])
+    return "-"
+
+
 def format_row(row: dict) -> str:
-    return " | ".join(f"{title} " + (fmt.format(row[k]) if row[k] is not None else "-") for k, title, fmt in COLUMNS)
+    return " | ".join(f"{col[1]} " + _value(row, col[0], *col[2:]) for col in COLUMNS)
 
 
 def markdown(rows: list[dict], title: str) -> str:
-    head = "| " + " | ".join(t for _, t, _ in COLUMNS) + " |\n|" + "---|" * len(COLUMNS) + "\n"
-    body = "".join("| " + " | ".join(fmt.format(r[k]) if r[k] is not None else "-" for k, _, fmt in COLUMNS) + " |\n"
-                   for r in rows)
-    return f"### {title}\n\n{head}{body}"
+    head = "| " + " | ".join(col[1] for col in COLUMNS) + " |\n|" + "---|" * len(COLUMNS) + "\n"
+    body = "".join("| " + " | ".join(_value(r, col[0], *col[2:]) for col in COLUMNS) + " |\n" for r in rows)
+    return f"### {title}\n\n{head}{body}\n{NOTE}\n"
 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:

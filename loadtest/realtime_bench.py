@@ -3,7 +3,8 @@
 Each session streams a spoken utterance in real time in 20 ms PCM16 chunks with server VAD, keeps
 sending silence between turns as a microphone does, and does T measured turns after a warm-up turn;
 sessions start staggered. The sessions are spread over several client processes so that the client is
-not the bottleneck (its own CPU is reported). Per session count N it reports p50/p90/p99 of
+not the bottleneck (its own CPU is reported). Per session count N it reports p50/p90/p99 (nearest rank; where
+the point has too few turns for a p90 or p99, the maximum, labelled so: `loadtest/stats.py`) of
 
 - VAD lag: end of speech (the last speech chunk sent) -> `speech_stopped`, less the VAD's silence;
 - response latency: `speech_stopped` -> first audio delta;
@@ -15,7 +16,10 @@ each turn, so the history grows) it reports response latency and the prompt toke
 response, those whose KV was reused (`cached_tokens` in `response.done`'s usage) and those prefilled; per
 point the server's prefill token counters (`omnirt_stage_prefill_tokens`, computed vs cached, per
 stage). Modes: `cancel` (each reply is cancelled at its first audio: turn latency alone), `full` (whole
-replies), `no-responses` (VAD only: the front end alone). JSON, markdown and a plot per run.
+replies), `no-responses` (VAD only: the front end alone). With `--transcription on` the sessions ask for
+transcripts of the user (`input_audio_transcription`), a turn lasts until its transcript came too, and
+the point also reports the transcript latency (`speech_stopped` -> `.completed`); `both` runs each point
+without, then with them, so that the reply's latency compares in one run. JSON, markdown and a plot per run.
 """
 
 from __future__ import annotations
@@ -38,11 +42,13 @@ import numpy as np
 from app.audio.pcm import float_to_pcm16
 from app.audio.wire import PCM16
 from loadtest.bench import _underruns, say_plan, server_args, server_platform, write_report
+from loadtest.stats import NOTE, cell, summary
 
 RATE = PCM16.sample_rate
 CHUNK_S = 0.02
 SILENCE_MS = 500  # the VAD's silence_duration_ms
 GAP_S = 1.0  # silence between a turn's end and the next utterance
+TRANSCRIPTION = "conversation.item.input_audio_transcription"
 
 
 @dataclass(slots=True)
@@ -57,6 +63,8 @@ class Turn:
     status: str | None = None  # response.done status
     input_tokens: int | None = None  # response.done usage: the prompt
     cached_tokens: int | None = None  # of it, reused from a resident KV prefix
+    transcript_at: float | None = None  # perf_counter of the user transcript's `.completed`
+    transcript_failed: bool = False
 
     @property
     def vad_lag_ms(self) -> float | None:
@@ -70,6 +78,11 @@ class Turn:
     @property
     def voice_to_voice_ms(self) -> float | None:
         return None if self.first_audio is None else (self.first_audio - self.speech_end) * 1000
+
+    @property
+    def transcript_ms(self) -> float | None:
+        ok = self.transcript_at is not None and self.speech_stopped is not None
+        return (self.transcript_at - self.speech_stopped) * 1000 if ok else None
 
 
 @dataclass(slots=True)
@@ -145,7 +158,8 @@ class Mic:
         if kind == "input_audio_buffer.speech_stopped" and turn.speech_stopped is None:
             turn.speech_stopped = now
             if self.args.mode == "no-responses":
-                self.turn_over.set()
+                turn.status = "none"
+                self._may_end_turn()
         elif kind in ("response.output_audio.delta", "response.audio.delta", "output_audio_buffer.started"):
             if turn.first_audio is None:  # a delta (WebSocket), or the first frame sent on the track (WebRTC)
                 turn.first_audio = now
@@ -160,6 +174,20 @@ class Mic:
             usage = ev["response"].get("usage") or {}
             turn.input_tokens = usage.get("input_tokens")
             turn.cached_tokens = (usage.get("input_token_details") or {}).get("cached_tokens")
+            self._may_end_turn()
+        elif kind == f"{TRANSCRIPTION}.completed":
+            turn.transcript_at = now
+            self._may_end_turn()
+        elif kind == f"{TRANSCRIPTION}.failed":
+            turn.transcript_failed = True
+            self.result.errors.append(f"session {self.index}: transcription failed: {ev['error'].get('message')}")
+            self._may_end_turn()
+
+    def _may_end_turn(self) -> None:
+        """A turn is over once its reply is (or its speech stopped, without replies) and, when the session
+        asks for transcripts, its transcript came."""
+        turn = self.turn
+        if turn.status is not None and (not self.args.transcribe or turn.transcript_at or turn.transcript_failed):
             self.turn_over.set()
 
     def _finish_turn(self) -> None:
@@ -171,7 +199,7 @@ class Mic:
             turn.underruns = _underruns([(t - self._arrivals[0][0], d) for t, d in self._arrivals])
         self._arrivals, self._playback = [], None
         self.result.turns.append({**asdict(turn), "vad_lag_ms": turn.vad_lag_ms, "response_ms": turn.response_ms,
-                                  "voice_to_voice_ms": turn.voice_to_voice_ms})
+                                  "voice_to_voice_ms": turn.voice_to_voice_ms, "transcript_ms": turn.transcript_ms})
 
 
 class WebSocketMic(Mic):
@@ -277,7 +305,8 @@ def _session_update(args: argparse.Namespace, index: int) -> dict:
         "turn_detection": {"type": "server_vad", "silence_duration_ms": SILENCE_MS,
                            "create_response": args.mode != "no-responses"},
         "input_audio_format": "pcm16", "output_audio_format": "pcm16", "voice": args.voice,
-        "modalities": ["text", "audio"]}}
+        "modalities": ["text", "audio"],
+        "input_audio_transcription": {"model": args.model} if args.transcribe else None}}
 
 
 async def _client(index: int, sessions: list[int], args: argparse.Namespace, start_at: float) -> ClientResult:
@@ -419,10 +448,10 @@ def _abusers_main(n: int, args: argparse.Namespace, stop, outbox) -> None:
 
 
 def _server_cpu_s(url: str) -> float | None:
-    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
-        if line.startswith("process_cpu_seconds_total "):
-            return float(line.split()[1])
-    return None
+    """The API process's CPU seconds; with `--api-workers`, every worker's (one sample each) added up."""
+    samples = [float(line.split()[-1]) for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines()
+               if line.startswith(("process_cpu_seconds_total ", "process_cpu_seconds_total{"))]
+    return sum(samples) if samples else None
 
 
 def _prefill_tokens(url: str) -> dict[str, dict[str, float]]:
@@ -441,9 +470,10 @@ def _delta(after: dict, before: dict) -> dict[str, dict[str, float]]:
             for stage, counts in after.items()}
 
 
-def run_point(args: argparse.Namespace, n: int, abusive: int = 0) -> dict:
+def run_point(args: argparse.Namespace, n: int, abusive: int = 0, transcribe: bool = False) -> dict:
     """N sessions spread over the client processes (and `abusive` abusers in a process of their own, from
-    before the first session starts until the last one ends); the row of figures."""
+    before the first session starts until the last one ends), asking for transcripts or not; the row."""
+    args = argparse.Namespace(**{**vars(args), "transcribe": transcribe})
     clients = max(1, min(args.clients, n))
     ctx = multiprocessing.get_context("spawn")
     inbox, abuse_box, stop = ctx.Queue(), ctx.Queue(), ctx.Event()
@@ -494,19 +524,16 @@ def _gather(procs: list, inbox) -> list[dict]:
     return results
 
 
-def _pcts(values: list[float]) -> dict:
-    xs = sorted(v for v in values if v is not None)
-    pick = (lambda q: xs[min(len(xs) - 1, int(q * len(xs)))]) if xs else (lambda q: None)
-    return {"p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99), "n": len(xs)}
-
-
 def summarize(n: int, turns: list[dict], errors: list[str], args: argparse.Namespace, server_cpu: float | None,
               client_cpu: float) -> dict:
     wants_audio = args.mode != "no-responses"
-    return {"sessions": n, "mode": args.mode, "turns": len(turns), "expected_turns": n * args.turns,
-            "vad_lag_ms": _pcts([t["vad_lag_ms"] for t in turns]),
-            "response_ms": _pcts([t["response_ms"] for t in turns]),
-            "voice_to_voice_ms": _pcts([t["voice_to_voice_ms"] for t in turns]),
+    return {"sessions": n, "mode": args.mode, "transcription": args.transcribe, "turns": len(turns),
+            "expected_turns": n * args.turns,
+            "vad_lag_ms": summary([t["vad_lag_ms"] for t in turns]),
+            "response_ms": summary([t["response_ms"] for t in turns]),
+            "voice_to_voice_ms": summary([t["voice_to_voice_ms"] for t in turns]),
+            "transcript_ms": summary([t["transcript_ms"] for t in turns]),
+            "transcripts_failed": sum(t["transcript_failed"] for t in turns),
             "turns_without_audio": sum(t["first_audio"] is None for t in turns) if wants_audio else 0,
             "turns_without_speech_stopped": sum(t["speech_stopped"] is None for t in turns),
             "underruns": sum(t["underruns"] for t in turns) if args.mode == "full" else None,
@@ -527,25 +554,21 @@ def _by_turn(turns: list[dict]) -> list[dict]:
     for index in sorted({t["index"] for t in turns}):
         at = [t for t in turns if t["index"] == index]
         prompt, cached = _mean([t["input_tokens"] for t in at]), _mean([t["cached_tokens"] for t in at])
-        rows.append({"turn": index + 1, "response_ms": _pcts([t["response_ms"] for t in at]),
-                     "voice_to_voice_ms": _pcts([t["voice_to_voice_ms"] for t in at]), "input_tokens": prompt,
+        rows.append({"turn": index + 1, "response_ms": summary([t["response_ms"] for t in at]),
+                     "voice_to_voice_ms": summary([t["voice_to_voice_ms"] for t in at]), "input_tokens": prompt,
                      "cached_tokens": cached,
                      "prefilled_tokens": None if prompt is None or cached is None else prompt - cached})
     return rows
 
 
-def _cell(row: dict, key: str) -> str:
-    p = row[key]
-    return "-" if p["p50"] is None else f"{p['p50']:.0f} / {p['p90']:.0f} / {p['p99']:.0f}"
-
-
 def markdown(rows: list[dict], title: str) -> str:
-    head = ("| sessions | abusive | mode | turns | VAD lag ms p50/p90/p99 | response ms p50/p90/p99 | voice-to-voice "
-            "ms p50/p90/p99 | no audio | underruns | errors | server CPU per session | client CPU |\n|"
-            + "---|" * 12 + "\n")
+    head = ("| sessions | abusive | mode | transcripts | turns | VAD lag ms p50/p90/p99 | response ms p50/p90/p99 | "
+            "voice-to-voice ms p50/p90/p99 | transcript ms p50/p90/p99 | no audio | underruns | errors | server CPU "
+            "per session | client CPU |\n|" + "---|" * 14 + "\n")
     abuse = "".join(f"\n- {r['sessions']} sessions, {r['abusive']} abusive: {kind}: {a['connections']} connections, "
                     f"closed {a['closes']}, errors {a['errors']}" for r in rows for kind, a in r["abuse"].items())
-    return f"### {title}\n\n{head}" + "".join(_row(r) for r in rows) + abuse + "\n" + _turns_markdown(rows)
+    return (f"### {title}\n\n{head}" + "".join(_row(r) for r in rows) + abuse + "\n" + _turns_markdown(rows)
+            + f"\n{NOTE}\n")
 
 
 def _turns_markdown(rows: list[dict]) -> str:
@@ -557,8 +580,8 @@ def _turns_markdown(rows: list[dict]) -> str:
     out = ["\n| turn | sessions | response ms p50 / p90 | voice-to-voice ms p50 | prompt tokens | reused | "
            "prefilled |\n|---|---|---|---|---|---|---|\n"]
     for r in rows:
-        out += [f"| turn {t['turn']} | {r['sessions']} | {num(t['response_ms']['p50'])} / "
-                f"{num(t['response_ms']['p90'])} | {num(t['voice_to_voice_ms']['p50'])} | {num(t['input_tokens'])} | "
+        out += [f"| turn {t['turn']} | {r['sessions']} | {cell(t['response_ms'], ('p50', 'p90'))} | "
+                f"{cell(t['voice_to_voice_ms'], ('p50',))} | {num(t['input_tokens'])} | "
                 f"{num(t['cached_tokens'])} | {num(t['prefilled_tokens'])} |\n" for t in r["by_turn"]]
     out += [f"\n- {r['sessions']} sessions, server prompt tokens over the point: "
             + "; ".join(f"{stage} {c.get('computed', 0):.0f} computed, {c.get('cached', 0):.0f} reused"
@@ -569,8 +592,10 @@ def _turns_markdown(rows: list[dict]) -> str:
 def _row(r: dict) -> str:
     server_cpu = "-" if r["server_cpu_per_session"] is None else f"{r['server_cpu_per_session']:.3f}"
     underruns = "-" if r["underruns"] is None else r["underruns"]
-    return (f"| {r['sessions']} | {r['abusive']} | {r['mode']} | {r['turns']}/{r['expected_turns']} | "
-            f"{_cell(r, 'vad_lag_ms')} | {_cell(r, 'response_ms')} | {_cell(r, 'voice_to_voice_ms')} | "
+    transcripts = f"on ({r['transcripts_failed']} failed)" if r.get("transcription") else "off"
+    return (f"| {r['sessions']} | {r['abusive']} | {r['mode']} | {transcripts} | {r['turns']}/{r['expected_turns']} | "
+            f"{cell(r['vad_lag_ms'])} | {cell(r['response_ms'])} | {cell(r['voice_to_voice_ms'])} | "
+            f"{cell(r['transcript_ms']) if 'transcript_ms' in r else '-'} | "
             f"{r['turns_without_audio']} | {underruns} | {r['errors']} | {server_cpu} | {r['client_cpu']:.2f} |\n")
 
 
@@ -586,11 +611,12 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     by_turn = has_turns(rows)
     fig, axes = plt.subplots(1 + by_turn, len(panels), figsize=(5 * len(panels), 4 * (1 + by_turn)), squeeze=False)
     for ax, (key, label) in zip(axes[0], panels):
-        for abusive in sorted({r["abusive"] for r in rows}):
-            part = [r for r in rows if r["abusive"] == abusive]
-            for q in ("p50", "p90", "p99"):
+        for abusive, transcribe in sorted({(r["abusive"], bool(r.get("transcription"))) for r in rows}):
+            part = [r for r in rows if r["abusive"] == abusive and bool(r.get("transcription")) == transcribe]
+            tags = [*([f"{abusive} abusive"] if abusive else []), *(["transcripts"] if transcribe else [])]
+            for q in ("p50", "p90", "p99", "max"):  # a percentile the point has too few turns for is left out
                 ax.plot([r["sessions"] for r in part], [r[key][q] for r in part], marker="o",
-                        linestyle="--" if abusive else "-", label=f"{q}, {abusive} abusive" if abusive else q)
+                        linestyle="--" if abusive else ":" if transcribe else "-", label=", ".join([q, *tags]))
         ax.set_xlabel("sessions")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
@@ -616,7 +642,7 @@ def plot_turns(latency_ax, tokens_ax, rows: list[dict], label: str) -> None:
         if r.get("abusive") or not r.get("by_turn"):
             continue
         turns = [t["turn"] for t in r["by_turn"]]
-        name = f"{label}{r['sessions']} sessions"
+        name = f"{label}{r['sessions']} sessions{', transcripts' if r.get('transcription') else ''}"
         latency_ax.plot(turns, [t["response_ms"]["p50"] for t in r["by_turn"]], marker="o", label=name)
         tokens_ax.plot(turns, [t["prefilled_tokens"] for t in r["by_turn"]], marker="o", label=name)
     for ax, what in ((latency_ax, "response latency p50 (ms)"), (tokens_ax, "prompt tokens prefilled (mean)")):
@@ -655,6 +681,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "without them")
     p.add_argument("--deaf-s", type=float, default=60.0, help="how long an abusive session reads nothing (long "
                    "enough for the kernel's socket buffers to fill)")
+    p.add_argument("--transcription", choices=("off", "on", "both"), default="off",
+                   help="on: the sessions ask for transcripts of the user (input_audio_transcription); both: each "
+                        "point without, then with them")
     p.add_argument("--name", default="realtime", help="the report's name")
     return p
 
@@ -664,13 +693,16 @@ def main(argv: list[str] | None = None) -> None:
     platform = server_platform(args.url)
     args.sessions = args.sessions or SESSIONS["cpu" if platform == "cpu" else "gpu"]
     say_plan(args, f"{platform} server at {args.url}: {args.sessions} {args.transport} sessions x "
-             f"({args.warmup_turns} + {args.turns}) turns, mode {args.mode}"
+             f"({args.warmup_turns} + {args.turns}) turns, mode {args.mode}, transcripts {args.transcription}"
              f"{f', each point again beside {args.abusive} abusive' if args.abusive else ''} (--sessions to change)")
     rows = []
+    transcribing = {"off": (False,), "on": (True,), "both": (False, True)}[args.transcription]
     for n in args.sessions:
         for abusive in sorted({0, args.abusive}):
-            rows.append(run_point(args, n, abusive))
-            print(markdown(rows[-1:], f"{args.name}: {n} sessions, {abusive} abusive"), flush=True)
+            for transcribe in transcribing:
+                rows.append(run_point(args, n, abusive, transcribe))
+                print(markdown(rows[-1:], f"{args.name}: {n} sessions, {abusive} abusive, transcripts "
+                                          f"{'on' if transcribe else 'off'}"), flush=True)
     write_report(args, rows, markdown, plot)
 
 

@@ -1,6 +1,7 @@
 """Raw samples: Locust rounds the response times it stores to two significant digits, so every request
-event (the custom audio metrics included) is also appended, unrounded, to a CSV, and exact percentiles
-per metric are written to a JSON summary when the run stops."""
+event (the custom audio metrics included) is also appended, unrounded, to a CSV, and exact (nearest-rank)
+percentiles per metric are written to a JSON summary when the run stops; a tail percentile with too few
+samples for it is null there, beside the maximum (`loadtest/stats.py`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from loadtest.stats import summary
 
 
 class RawSamples:
@@ -40,7 +43,8 @@ class RawSamples:
             v = np.array(self.values.get(key, []))
             row = {"count": int(v.size), "failures": self.failures.get(key, 0)}
             if v.size:
-                row.update({f"p{q}": round(float(np.percentile(v, q)), 3) for q in (50, 90, 95, 99)})
-                row.update(mean=round(float(v.mean()), 3), max=round(float(v.max()), 3))
+                stats = summary(v.tolist(), (50, 90, 95, 99))
+                row.update({k: None if x is None else round(float(x), 3) for k, x in stats.items() if k != "n"})
+                row.update(mean=round(float(v.mean()), 3))
             out[" ".join(key)] = row
         self.json_path.write_text(json.dumps(out, indent=1))

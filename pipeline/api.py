@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, TypedDict
+from typing import Any, Literal, NotRequired, Protocol, TypedDict
 
 import msgspec
 import numpy as np
@@ -26,8 +26,10 @@ class Part(TypedDict, total=False):
 
 
 class Message(TypedDict):
-    role: str  # "system" | "user" | "assistant"
+    role: str  # "system" | "user" | "assistant" | "tool"
     content: str | list[Part]
+    tool_calls: NotRequired[list[dict]]  # an assistant's calls, OpenAI's shape; the chat template renders them
+    tool_call_id: NotRequired[str]  # a tool message's call
 
 
 class OmniRequest(msgspec.Struct, tag=True):
@@ -266,6 +268,21 @@ def start_engine(opts: EngineOptions, log_setup: Callable[[str, str], None] | No
     if opts.process == "inproc":
         return InprocClient.start(opts)
     return CoreClient.start(opts, log_setup)
+
+
+def start_core(opts: EngineOptions, num_clients: int, log_setup: Callable[[str, str], None] | None = None):
+    """The engine core in a process of its own for `num_clients` API processes (`--api-workers`): a
+    `CoreProcess`; `handle(k)` is what API process k passes to `connect_engine`. Raises EngineStartError."""
+    from pipeline.client import CoreProcess
+
+    return CoreProcess.start(opts, num_clients, log_setup)
+
+
+def connect_engine(handle) -> EngineClient:
+    """An API process's client of a core another process started (`start_core(...).handle(k)`)."""
+    from pipeline.client import CoreClient
+
+    return CoreClient.connect(handle)
 
 
 @dataclass(slots=True)

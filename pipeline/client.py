@@ -1,7 +1,8 @@
 """The two engine clients behind `pipeline.api.EngineClient`.
 
-`InprocClient` drives the engine in this process (tests, small CPU setups). `CoreClient` spawns the
-engine core process (`pipeline/core.py`) and talks to it over ZeroMQ: a reader thread decodes what
+`InprocClient` drives the engine in this process (tests, small CPU setups). `CoreProcess` spawns the
+engine core process (`pipeline/core.py`) for one or several API processes; `CoreClient` is one API
+process's connection to it, over ZeroMQ: a reader thread decodes what
 the core sends and hands it to the event loop in one call per message; each request's events wait in
 a queue bounded in bytes (a client that stops reading gets its request aborted). A dead core is
 noticed within `POLL_MS`: every stream ends with an error, and `wait_dead()` returns.
@@ -18,6 +19,7 @@ import shutil
 import tempfile
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 
 import zmq
 
@@ -100,43 +102,51 @@ class _Stream:
         self.is_finished = self.is_aborted = False
 
 
-class CoreClient:
-    """The engine core in a spawned process of its own."""
+@dataclass(slots=True, frozen=True)
+class CoreHandle:
+    """What an API process needs to use a running engine core: its pid and info, and its client's pair of
+    addresses (picklable: it crosses to `--api-workers` processes)."""
 
-    def __init__(self, opts: EngineOptions, log_setup: Callable[[str, str], None] | None = None):
+    pid: int
+    info: EngineInfo
+    to_core: str
+    from_core: str
+
+
+class CoreProcess:
+    """The engine core in a spawned process of its own, serving `num_clients` API processes (client k at
+    `handle(k)`); this process starts and stops it, and tells it when an API process is gone."""
+
+    def __init__(self, opts: EngineOptions, num_clients: int = 1,
+                 log_setup: Callable[[str, str], None] | None = None):
         self._dir = tempfile.mkdtemp(prefix="omnirt-core-")
         self._ctx = zmq.Context()
         self._to_core, self._from_core = self._ctx.socket(zmq.PUSH), self._ctx.socket(zmq.PULL)
-        self._to_core.setsockopt(zmq.SNDHWM, 0)  # requests are small and the core reads them at once: never block
-        addrs = f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
-        self._to_core.bind(addrs[0])
-        self._from_core.bind(addrs[1])
-        self._proc = mp.get_context("spawn").Process(target=_core_entry, args=(opts, *addrs, os.getpid(), log_setup),
-                                                     name="omnirt-core")
-        self._send_lock = threading.Lock()
-        self._streams: dict[str, _Stream] = {}
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._info: EngineInfo | None = None
-        self._stats = EngineStats()
-        self._dead: str | None = None
-        self._dead_event: asyncio.Event | None = None
+        self._to_core.setsockopt(zmq.SNDHWM, 0)
+        control = f"ipc://{self._dir}/control-in", f"ipc://{self._dir}/control-out"
+        self._to_core.bind(control[0])
+        self._from_core.bind(control[1])
+        self.clients = [(f"ipc://{self._dir}/in-{k}", f"ipc://{self._dir}/out-{k}") for k in range(num_clients)]
+        self._proc = mp.get_context("spawn").Process(
+            target=_core_entry, args=(opts, control, self.clients, os.getpid(), log_setup), name="omnirt-core")
+        self.info: EngineInfo | None = None
         self._stopping = False
-        self._reader = threading.Thread(target=self._read, name="omnirt-core-rx", daemon=True)
 
     @classmethod
-    def start(cls, opts: EngineOptions, log_setup: Callable[[str, str], None] | None = None) -> CoreClient:
-        client = cls(opts, log_setup)
+    def start(cls, opts: EngineOptions, num_clients: int = 1,
+              log_setup: Callable[[str, str], None] | None = None) -> CoreProcess:
+        core = cls(opts, num_clients, log_setup)
         try:
-            client._start()
+            core._start()
         except BaseException:
-            client.stop()
+            core.stop()
             raise
-        return client
+        return core
 
     def _start(self) -> None:
         self._proc.start()
         atexit.register(self.stop)
-        while self._info is None:
+        while self.info is None:
             if not self._from_core.poll(POLL_MS):
                 if not self._proc.is_alive():
                     raise EngineStartError(f"the engine core exited with code {self._proc.exitcode} while starting")
@@ -145,15 +155,93 @@ class CoreClient:
             if isinstance(msg, ipc.StartFailed):
                 raise EngineStartError(msg.message)
             if isinstance(msg, ipc.Ready):
-                self._info = msg.info
+                self.info = msg.info
         log.info("engine core running in process %d", self._proc.pid)
-        self._reader.start()
-
-    # ---- the API -------------------------------------------------------------------------------------
 
     @property
     def pid(self) -> int | None:
         return self._proc.pid
+
+    @property
+    def sentinel(self) -> int:
+        return self._proc.sentinel
+
+    def handle(self, client: int) -> CoreHandle:
+        return CoreHandle(self._proc.pid, self.info, *self.clients[client])
+
+    def is_alive(self) -> bool:
+        return self._proc.is_alive()
+
+    def exit_reason(self) -> str:
+        return f"the engine core process exited with code {self._proc.exitcode}"
+
+    def client_gone(self, client: int) -> None:
+        """API process `client` exited: the core aborts its requests."""
+        self._send(ipc.ClientGone(client))
+
+    def stop(self) -> None:
+        """Stop the core (it stops its stages and replica workers), then close and remove the sockets."""
+        if self._stopping:
+            return
+        self._stopping = True
+        if self._proc.is_alive():
+            self._send(ipc.Shutdown())
+            self._proc.join(STOP_TIMEOUT_S)
+            if self._proc.is_alive():
+                log.warning("engine core did not stop in %.0f s; killing it", STOP_TIMEOUT_S)
+                self._proc.kill()
+                self._proc.join(5)
+        self._to_core.close(linger=0)
+        self._from_core.close(linger=0)
+        self._ctx.term()
+        shutil.rmtree(self._dir, ignore_errors=True)
+        atexit.unregister(self.stop)
+
+    def _send(self, msg) -> None:
+        if self._proc.pid is None:
+            return  # never started
+        try:
+            self._to_core.send(ipc.encoder.encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("engine core not connected; a control message was dropped")
+
+
+class CoreClient:
+    """An API process's connection to the engine core: started with it (`start`: this process owns the
+    core) or to a core another process started (`connect`: an `--api-workers` process)."""
+
+    def __init__(self, handle: CoreHandle, owner: CoreProcess | None = None):
+        self._handle, self._owner = handle, owner
+        self._ctx = zmq.Context()
+        self._to_core, self._from_core = self._ctx.socket(zmq.PUSH), self._ctx.socket(zmq.PULL)
+        self._to_core.setsockopt(zmq.SNDHWM, 0)  # requests are small and the core reads them at once: never block
+        self._to_core.connect(handle.to_core)
+        self._from_core.connect(handle.from_core)
+        self._send_lock = threading.Lock()
+        self._streams: dict[str, _Stream] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._info = handle.info
+        self._stats = EngineStats()
+        self._dead: str | None = None
+        self._dead_event: asyncio.Event | None = None
+        self._stopping = False
+        self._reader = threading.Thread(target=self._read, name="omnirt-core-rx", daemon=True)
+        self._reader.start()
+
+    @classmethod
+    def start(cls, opts: EngineOptions, log_setup: Callable[[str, str], None] | None = None) -> CoreClient:
+        core = CoreProcess.start(opts, 1, log_setup)
+        return cls(core.handle(0), owner=core)
+
+    @classmethod
+    def connect(cls, handle: CoreHandle) -> CoreClient:
+        return cls(handle)
+
+    # ---- the API -------------------------------------------------------------------------------------
+
+    @property
+    def pid(self) -> int:
+        return self._handle.pid
 
     def info(self) -> EngineInfo:
         return self._info
@@ -218,24 +306,17 @@ class CoreClient:
         return self._dead
 
     def stop(self) -> None:
-        """Stop the core (it stops its stages and replica workers), then close and remove the sockets."""
+        """Close the connection; stop the core too where this process started it."""
         if self._stopping:
             return
         self._stopping = True
-        if self._proc.is_alive():
-            self._send(ipc.Shutdown())
-            self._proc.join(STOP_TIMEOUT_S)
-            if self._proc.is_alive():
-                log.warning("engine core did not stop in %.0f s; killing it", STOP_TIMEOUT_S)
-                self._proc.kill()
-                self._proc.join(5)
+        if self._owner is not None:
+            self._owner.stop()
         if self._reader.is_alive() and self._reader is not threading.current_thread():
             self._reader.join(5)
         self._to_core.close(linger=0)
         self._from_core.close(linger=0)
         self._ctx.term()
-        shutil.rmtree(self._dir, ignore_errors=True)
-        atexit.unregister(self.stop)
 
     # ---- the process boundary --------------------------------------------------------------------------
 
@@ -259,9 +340,20 @@ class CoreClient:
                     self._stats = msg
                 elif isinstance(msg, ipc.Outputs) and self._loop is not None:
                     self._loop.call_soon_threadsafe(self._deliver, msg.items)
-            elif not self._proc.is_alive():
-                self._on_death(f"the engine core process exited with code {self._proc.exitcode}")
+            elif (reason := self._core_gone()) is not None:
+                self._on_death(reason)
                 return
+
+    def _core_gone(self) -> str | None:
+        """Why the core is no longer there, or None while it is (a core of another process: its pid is gone,
+        which that process, its parent, makes so at once by reaping it)."""
+        if self._owner is not None:
+            return None if self._owner.is_alive() else self._owner.exit_reason()
+        try:
+            os.kill(self._handle.pid, 0)
+        except ProcessLookupError:
+            return f"the engine core process ({self._handle.pid}) is gone"
+        return None
 
     def _deliver(self, items: list) -> None:
         for item in items:

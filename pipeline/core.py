@@ -1,14 +1,17 @@
 """The engine core: build the engine from `EngineOptions`, and serve it in a process of its own.
 
 The core process owns the stages, their step loops and every tensor; the API process only moves
-bytes. They talk over two ZeroMQ sockets (`pipeline/ipc.py`): requests and aborts in, and out one
-batched `Outputs` message per burst of events plus an `EngineStats` snapshot every `STATS_S`, which
-is also the heartbeat. The core stops when told to, on SIGTERM, or when the API process is gone.
+bytes. Each API process (one, or one per `--api-workers`) has two ZeroMQ sockets to the core
+(`pipeline/ipc.py`): requests and aborts in, and out one batched `Outputs` message per burst of its
+events plus an `EngineStats` snapshot every `STATS_S`. A control pair with the process that started
+the core says when to stop and when an API process is gone (its requests are aborted). The core stops
+when told to, on SIGTERM, or when the process that started it is gone.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 from collections.abc import Callable
@@ -70,21 +73,35 @@ def _start(kind: str, cfg, models):
     return engine
 
 
-class EngineCore:
-    """The core's event loop: requests in, events out, batched per burst."""
+class _Client:
+    """One API process as the core sees it: its two sockets, the events queued for it, its requests."""
 
-    def __init__(self, engine, inbox: zmq.asyncio.Socket, outbox: zmq.asyncio.Socket):
-        self.engine, self.inbox, self.outbox = engine, inbox, outbox
-        self._pending: list = []
-        self._pending_bytes = 0
-        self._wake = asyncio.Event()
-        self._drained = asyncio.Event()
+    __slots__ = ("inbox", "outbox", "pending", "pending_bytes", "wake", "drained", "request_ids")
+
+    def __init__(self, inbox: zmq.asyncio.Socket, outbox: zmq.asyncio.Socket):
+        self.inbox, self.outbox = inbox, outbox
+        self.pending: list = []
+        self.pending_bytes = 0
+        self.wake, self.drained = asyncio.Event(), asyncio.Event()
+        self.request_ids: set[str] = set()
+
+
+class EngineCore:
+    """The core's event loop: requests in from each API process, their events back to it, batched per burst;
+    the control socket says when to stop and when an API process is gone (its requests are aborted)."""
+
+    def __init__(self, engine, control: zmq.asyncio.Socket,
+                 clients: list[tuple[zmq.asyncio.Socket, zmq.asyncio.Socket]]):
+        self.engine, self.control = engine, control
+        self.clients = [_Client(inbox, outbox) for inbox, outbox in clients]
         self._tasks: set[asyncio.Task] = set()
         self.stopping = asyncio.Event()
 
     async def run(self) -> None:
-        """Until told to stop; a loop that fails ends the core (the API process sees it die, never a hang)."""
-        loops = [asyncio.create_task(self._send_loop()), asyncio.create_task(self._recv_loop())]
+        """Until told to stop; a loop that fails ends the core (the API processes see it die, never a hang)."""
+        loops = [asyncio.create_task(self._control_loop())]
+        for client in self.clients:
+            loops += [asyncio.create_task(self._send_loop(client)), asyncio.create_task(self._recv_loop(client))]
         stop = asyncio.create_task(self.stopping.wait())
         done, _ = await asyncio.wait([*loops, stop], return_when=asyncio.FIRST_COMPLETED)
         for task in (*loops, stop):
@@ -92,11 +109,30 @@ class EngineCore:
         for task in done & set(loops):
             task.result()  # raises what ended it
 
-    async def _recv_loop(self) -> None:
+    async def _control_loop(self) -> None:
         while True:
-            msg = ipc.to_core.decode(await self.inbox.recv())
+            msg = ipc.to_core.decode(await self.control.recv())
+            if isinstance(msg, ipc.ClientGone):
+                self._client_gone(self.clients[msg.client])
+            elif isinstance(msg, ipc.Shutdown):
+                self.stopping.set()
+
+    def _client_gone(self, client: _Client) -> None:
+        """Its requests end in every stage; what was queued for it is dropped."""
+        if client.request_ids:
+            log.warning("an API process is gone; aborting its %d requests", len(client.request_ids))
+        for rid in list(client.request_ids):
+            self.engine.abort(rid, "the API process serving it is gone")
+        client.pending, client.pending_bytes = [], 0
+        client.drained.set()
+        client.drained.clear()
+
+    async def _recv_loop(self, client: _Client) -> None:
+        while True:
+            msg = ipc.to_core.decode(await client.inbox.recv())
             if isinstance(msg, OmniRequest):
-                task = asyncio.create_task(self._serve(msg.request_id, self._submit(msg)))
+                client.request_ids.add(msg.request_id)
+                task = asyncio.create_task(self._serve(client, msg.request_id, self._submit(msg)))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
             elif isinstance(msg, ipc.Abort):
@@ -112,72 +148,88 @@ class EngineCore:
         except Exception as exc:
             return _raise(exc)
 
-    async def _serve(self, rid: str, submitted) -> None:
+    async def _serve(self, client: _Client, rid: str, submitted) -> None:
+        try:
+            await self._stream(client, rid, submitted)
+        finally:
+            client.request_ids.discard(rid)
+
+    async def _stream(self, client: _Client, rid: str, submitted) -> None:
         try:
             events = await submitted
         except RequestError as exc:
-            return self._emit(ipc.Rejected(rid, "invalid", str(exc), exc.param, exc.code))
+            return self._emit(client, ipc.Rejected(rid, "invalid", str(exc), exc.param, exc.code))
         except EngineOverloaded as exc:
-            return self._emit(ipc.Rejected(rid, "overloaded", str(exc), stage=exc.stage, capacity=exc.capacity,
-                                           retry_after_s=exc.retry_after_s))
+            return self._emit(client, ipc.Rejected(rid, "overloaded", str(exc), stage=exc.stage,
+                                                   capacity=exc.capacity, retry_after_s=exc.retry_after_s))
         except Exception as exc:
             log.exception("request %s: submit failed", rid)
-            return self._emit(ipc.Rejected(rid, "internal", f"the request could not start ({type(exc).__name__})",
-                                           code="internal_error"))
-        self._emit(ipc.Accepted(rid))
+            return self._emit(client, ipc.Rejected(rid, "internal", f"the request could not start "
+                                                   f"({type(exc).__name__})", code="internal_error"))
+        self._emit(client, ipc.Accepted(rid))
         async for ev in events:
-            self._emit(ev)
-            if self._pending_bytes > MAX_PENDING_BYTES:  # the API process is not reading: hold this request
-                await self._drained.wait()
+            self._emit(client, ev)
+            if client.pending_bytes > MAX_PENDING_BYTES:  # the API process is not reading: hold this request
+                await client.drained.wait()
 
-    def _emit(self, item) -> None:
-        self._pending.append(item)
-        self._pending_bytes += ipc.num_bytes(item)
-        self._wake.set()
+    @staticmethod
+    def _emit(client: _Client, item) -> None:
+        client.pending.append(item)
+        client.pending_bytes += ipc.num_bytes(item)
+        client.wake.set()
 
-    async def _send_loop(self) -> None:
+    async def _send_loop(self, client: _Client) -> None:
         loop = asyncio.get_running_loop()
         next_stats = loop.time()
         while True:
             try:
-                await asyncio.wait_for(self._wake.wait(), max(0.0, next_stats - loop.time()))
+                await asyncio.wait_for(client.wake.wait(), max(0.0, next_stats - loop.time()))
             except TimeoutError:
                 pass
-            self._wake.clear()
-            if self._pending:
-                items, self._pending, self._pending_bytes = self._pending, [], 0
-                self._drained.set()
-                self._drained.clear()
-                await self.outbox.send(ipc.encoder.encode(ipc.Outputs(items)), copy=False)
+            client.wake.clear()
+            if client.pending:
+                items, client.pending, client.pending_bytes = client.pending, [], 0
+                client.drained.set()
+                client.drained.clear()
+                await client.outbox.send(ipc.encoder.encode(ipc.Outputs(items)), copy=False)
             if loop.time() >= next_stats:
                 next_stats = loop.time() + STATS_S
-                await self.outbox.send(ipc.encoder.encode(self.engine.stats()))
+                with contextlib.suppress(zmq.Again):  # nobody connected (an API process being replaced)
+                    await client.outbox.send(ipc.encoder.encode(self.engine.stats()), zmq.NOBLOCK)
 
 
 async def _raise(exc: Exception):
     raise exc
 
 
-def core_main(opts: EngineOptions, to_core: str, from_core: str, parent_pid: int,
+def core_main(opts: EngineOptions, control: tuple[str, str], clients: list[tuple[str, str]], parent_pid: int,
               log_setup: Callable[[str, str], None] | None = None) -> None:
     """Entry point of the spawned engine core process."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the API process leads the stop
     if log_setup is not None:
         log_setup(opts.log_level, opts.log_format)
-    asyncio.run(_serve_core(opts, to_core, from_core, parent_pid))
+    asyncio.run(_serve_core(opts, control, clients, parent_pid))
 
 
-async def _serve_core(opts: EngineOptions, to_core: str, from_core: str, parent_pid: int) -> None:
+async def _serve_core(opts: EngineOptions, control: tuple[str, str], clients: list[tuple[str, str]],
+                      parent_pid: int) -> None:
+    """`control`: the starting process's pair (it binds them: Ready or StartFailed out, Shutdown and ClientGone
+    in); `clients`: one pair per API process, bound here, so that an API process that is replaced reconnects."""
     ctx = zmq.asyncio.Context()
     inbox, outbox = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-    inbox.connect(to_core)
-    outbox.connect(from_core)
+    inbox.connect(control[0])
+    outbox.connect(control[1])
+    sockets = []
     try:
         engine, error = _build_or_report(opts)
         if engine is None:
             await outbox.send(ipc.encoder.encode(ipc.StartFailed(error)))
             return
-        core = EngineCore(engine, inbox, outbox)
+        for to_core, from_core in clients:
+            sockets.append((ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)))
+            sockets[-1][0].bind(to_core)
+            sockets[-1][1].bind(from_core)
+        core = EngineCore(engine, inbox, sockets)
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, core.stopping.set)
         watch_parent(parent_pid, lambda: loop.call_soon_threadsafe(core.stopping.set))
@@ -187,8 +239,9 @@ async def _serve_core(opts: EngineOptions, to_core: str, from_core: str, parent_
         finally:
             engine.stop()
     finally:
-        inbox.close(linger=0)
-        outbox.close(linger=1000)  # StartFailed must still reach the API process
+        for sock in (inbox, *(s for pair in sockets for s in pair)):
+            sock.close(linger=0)
+        outbox.close(linger=1000)  # StartFailed must still reach the starting process
         ctx.term()
 
 

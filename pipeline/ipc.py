@@ -24,7 +24,13 @@ class Shutdown(msgspec.Struct, tag=True):
     pass
 
 
-ToCore = OmniRequest | Abort | Shutdown
+class ClientGone(msgspec.Struct, tag=True):
+    """An API process exited (on the control socket): abort its requests."""
+
+    client: int
+
+
+ToCore = OmniRequest | Abort | Shutdown | ClientGone
 
 
 class Ready(msgspec.Struct, tag=True):

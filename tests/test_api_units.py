@@ -77,11 +77,12 @@ def test_decoding_stops_at_the_length_limit_and_names_bad_files():
 def test_the_fields_page_lists_every_ignored_and_unserved_field():
     """docs/api-fields.md names each field the rules ignore or accept only at a value that asks nothing."""
     from app.chat import protocol
-    from app.realtime import config, conversation
+    from app.realtime import config, conversation, transcription
 
     page = (Path(__file__).resolve().parents[1] / "docs" / "api-fields.md").read_text()
     rules = [m.fields for m in (protocol.ChatRequest, protocol.ChatMessage, protocol.StreamOptions)]
     rules += [config.SESSION_FIELDS, config.RESPONSE_FIELDS, config.AUDIO_INPUT_FIELDS, config.AUDIO_OUTPUT_FIELDS,
-              config.VAD_FIELDS, conversation.ITEM_FIELDS, conversation.CONTENT_FIELDS]
+              config.VAD_FIELDS, conversation.ITEM_FIELDS, conversation.CONTENT_FIELDS,
+              transcription.TRANSCRIPTION_FIELDS]
     names = {name for r in rules for name in (*r.ignored, *r.inert, *r.served)}
     assert names and not [n for n in sorted(names) if f"`{n}`" not in page]

@@ -51,6 +51,8 @@ def test_a_bad_profile_stops_the_server_before_torch(tmp_path, no_torch, profile
     (["--stage-overrides", '{"vocoder": {}}'], "'vocoder' is not a stage: 0..2 or thinker, talker, code2wav"),
     (["--port", "70000"], "argument --port: must be an integer >= 0 and <= 65535, got 70000"),
     (["--realtime-max-sessions", "0"], "argument --realtime-max-sessions: must be an integer >= 1, got 0"),
+    (["--api-workers", "0"], "argument --api-workers: must be an integer >= 1 and <= 64, got 0"),
+    (["--webrtc-max-input-lag-s", "0"], "argument --webrtc-max-input-lag-s: must be a number > 0, got 0"),
     (["--dtype", "int8"], "argument --dtype: invalid choice: 'int8' (choose from "),
     (["--gpu-memory-utilization", "1.5"], "argument --gpu-memory-utilization: must be a number > 0 and <= 1, got 1.5"),
     (["--gpu-memory-utilization", "nan"], "argument --gpu-memory-utilization: must be a number > 0 and <= 1, got nan"),
@@ -77,14 +79,22 @@ def test_a_memory_plan_that_cannot_fit_stops_the_start_naming_the_key():
     assert "but max_num_seqs x max_model_len needs " in last and "Traceback" not in done.stderr
 
 
-def test_a_port_in_use_stops_the_server_before_the_model_loads(no_torch):
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_a_port_in_use_stops_the_server_before_the_model_loads(no_torch, workers):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        done = omnirt("serve", "--port", str(port), env=no_torch)
+        done = omnirt("serve", "--port", str(port), "--api-workers", workers, env=no_torch)
     assert done.returncode == 1 and done.stderr.strip() == (
         f"omnirt: port {port} on 127.0.0.1 is in use (another server?); pick another with --port (make serve: PORT=)")
+
+
+def test_api_workers_need_the_engine_core_process(no_torch):
+    done = omnirt("serve", "--api-workers", "2", "--engine-process", "inproc", env=no_torch)
+    assert done.returncode == 1 and done.stderr.strip() == (
+        "omnirt: --api-workers needs the engine core in a process of its own (--engine-process auto or core), "
+        "not inproc"), done.stderr
 
 
 def test_version(no_torch):

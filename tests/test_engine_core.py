@@ -199,7 +199,7 @@ async def test_overload_and_a_core_killed_mid_stream(small_core):
     assert client.num_active_requests == 0
     with pytest.raises(EngineDeadError):
         await client.submit(request("after-death"))
-    ipc_dir = Path(client._dir)
+    ipc_dir = Path(client._owner._dir)
     client.stop()
     assert not ipc_dir.exists()
 

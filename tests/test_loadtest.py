@@ -92,6 +92,24 @@ def test_bench_realtime_short_run(server, tmp_path, mode, transport):
     assert (tmp_path / "rt.md").read_text().count("\n| 2 |") == 1 and (tmp_path / "rt.png").stat().st_size > 0
 
 
+def test_bench_realtime_with_and_without_transcripts(server, tmp_path):
+    """`--transcription both`: each point runs without, then with transcripts of the user; with them every
+    measured turn gets its transcript (none fails) and still its reply's audio."""
+    run = subprocess.run([sys.executable, "-m", "app.cli", "bench", "realtime", "--url", server.url, "--sessions", "1",
+                          "--turns", "1", "--clients", "1", "--transcription", "both", "--name", "tr",
+                          "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+    off, on = json.loads((tmp_path / "tr.json").read_text())["results"]
+    assert (off["transcription"], on["transcription"]) == (False, True)
+    for row in (off, on):
+        assert row["turns"] == 1 and row["errors"] == 0 and row["turns_without_audio"] == 0, row
+        assert row["response_ms"]["n"] == 1
+    assert off["transcript_ms"]["n"] == 0 and on["transcript_ms"]["n"] == 1 and on["transcripts_failed"] == 0
+    assert on["transcript_ms"]["p50"] > on["response_ms"]["p50"]  # the transcript starts after the first audio
+    table = (tmp_path / "tr.md").read_text()
+    assert "| off | 1/1 |" in table and "| on (0 failed) | 1/1 |" in table
+
+
 def test_bench_realtime_abusive_session_leaves_others_whole(tmp_path):
     """16 spoken sessions, then the same 16 beside an abusive session that floods audio, sends malformed
     events and wrong-format audio, and stops reading, in turn: every normal turn is answered with audio

@@ -5,7 +5,8 @@ not an object, unknown or non-string types, wrong field types, wrong nesting, ba
 After each case a sentinel event (retrieving an item that does not exist) marks where the case's
 answers end. Every event that cannot be valid gets an `error` event (echoing its `event_id` where it
 could be read); every error is well-formed and none is an `internal_error`; no session is closed; the
-server stays up, and afterwards a normal session gets a whole spoken answer with every slot free.
+server stays up, and afterwards a normal session gets a whole spoken answer and a transcript of a commit,
+with every slot free.
 Each bug found this way is an explicit `@example` (checked to fail before its fix).
 
 Client secrets minted with fuzzed settings (GA and beta): one the server mints starts a session whose
@@ -25,6 +26,7 @@ import websocket
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from app.realtime.transcription import OPENAI_MODELS
 from tests.conftest import ServerProcess
 from tests.fuzz_helpers import CHEAP, junk, modalities, opt, session, small_ints, sometimes_junk, text, voices
 from tests.realtime_helpers import lost_audio, ws_url
@@ -80,6 +82,11 @@ invalid = st.one_of(
         "type": st.just("message"), "role": st.just("user"),
         "content": st.dictionaries(st.text(max_size=4), junk, max_size=2) | st.lists(st.text(max_size=4), min_size=1,
                                                                                     max_size=2)})),
+    event("session.update", session=st.fixed_dictionaries({"input_audio_transcription": st.fixed_dictionaries({
+        "model": st.text(max_size=8).filter(lambda m: m not in ("tiny", *OPENAI_MODELS))})})),  # unknown model
+    event("session.update", session=st.fixed_dictionaries({"audio": st.fixed_dictionaries({
+        "input": st.fixed_dictionaries({"transcription": junk.filter(lambda v: v is not None and not isinstance(
+            v, dict))})})})),  # not an object
     st.text(max_size=12).map(lambda t: f"session.{t}").flatmap(lambda t: event(t)),  # unknown type
     opt({"type": junk.filter(lambda v: not isinstance(v, str))}),
 ).map(lambda ev: ("json", ev, "echo"))
@@ -131,6 +138,10 @@ def check(events: list[dict], n: int, must: str | None) -> None:
         assert err["type"] in ("invalid_request_error", "server_error") and isinstance(err["code"], str), err
         assert isinstance(err["message"], str) and err["message"] and err["code"] != "internal_error", err
         TALLY[f"error {err['code']}"] += 1
+    for failed in (e["error"] for e in events if e["type"] == "conversation.item.input_audio_transcription.failed"):
+        assert set(failed) == {"type", "code", "message", "param"} and failed["code"] != "internal_error", failed
+        TALLY[f"transcription failed {failed['code']}"] += 1
+    TALLY["transcripts"] += sum(e["type"] == "conversation.item.input_audio_transcription.completed" for e in events)
     mine = [e for e in errors if e["event_id"] == f"fz_{n}" or must == "error" and e["event_id"] is None]
     assert must is None or mine, f"no error event for case {n}: {[e['type'] for e in events]}"
     for done in (e["response"] for e in events if e["type"] == "response.done"):
@@ -234,6 +245,12 @@ def _assert_a_normal_session_works(srv: ServerProcess) -> None:
         ws.send(json.dumps({"type": "response.create", "response": {"max_output_tokens": 3}}))
         while events[-1]["type"] != "response.done":
             events.append(json.loads(ws.recv()))
+        ws.send(json.dumps({"type": "session.update", "session": {"audio": {"input": {
+            "turn_detection": None, "transcription": {"model": "whisper-1"}}}}}))
+        ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": base64.b64encode(bytes(24000)).decode()}))
+        ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
+        while (transcribed := json.loads(ws.recv()))["type"] != "conversation.item.input_audio_transcription.completed":
+            assert transcribed["type"] != "conversation.item.input_audio_transcription.failed", transcribed
     finally:
         ws.close()
     done = events[-1]["response"]

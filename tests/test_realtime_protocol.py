@@ -6,6 +6,7 @@ import asyncio
 import base64
 import json
 
+import numpy as np
 import openai
 import pytest
 import websockets
@@ -47,6 +48,38 @@ async def test_beta_client_gets_beta_events(server):
     assert done.modalities == ["text", "audio"] and done.output[0].content[0].type == "audio"
     ulaw = b"".join(base64.b64decode(e.delta) for e in events if e.type == "response.audio.delta")
     assert len(ulaw) > 800  # 8 kHz G.711: one byte per sample
+
+
+async def test_beta_input_audio_transcription_over_a_raw_websocket(server):
+    """Beta `input_audio_transcription` on a raw WebSocket: bad settings get `error` events in shape and
+    change nothing; a manual commit is transcribed (beta uses the GA event names for it)."""
+    speech = base64.b64encode((8000 * np.sin(np.arange(24000) / 7)).astype("<i2").tobytes()).decode()  # 1 s
+    async with websockets.connect(ws_url(server), additional_headers={"OpenAI-Beta": "realtime=v1"}) as ws:
+        await recv_type(ws, "session.created")
+        for bad, param in (({"model": "whisper-9"}, "session.input_audio_transcription.model"),
+                           ({"language": 5}, "session.input_audio_transcription.language"),
+                           ("whisper-1", "session.input_audio_transcription")):
+            await ws.send(json.dumps({"type": "session.update", "event_id": "bad",
+                                      "session": {"input_audio_transcription": bad}}))
+            err = await recv_type(ws, "error")
+            assert err["error"]["param"] == param and err["error"]["event_id"] == "bad"
+            assert err["error"]["type"] == "invalid_request_error"
+        await ws.send(json.dumps({"type": "session.update", "session": {
+            "turn_detection": None, "input_audio_transcription": {"model": "whisper-1", "prompt": "a tone"}}}))
+        updated = await recv_type(ws, "session.updated")
+        assert updated["session"]["input_audio_transcription"] == {"model": "whisper-1", "language": None,
+                                                                   "prompt": "a tone"}
+        await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": speech}))
+        await ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
+        item_id = (await recv_type(ws, "input_audio_buffer.committed"))["item_id"]
+        events = [await recv(ws)]
+        while events[-1]["type"] != "conversation.item.input_audio_transcription.completed":
+            events.append(await recv(ws))
+    assert [e["type"] for e in events[:1]] == ["conversation.item.created"]
+    deltas = [e for e in events if e["type"] == "conversation.item.input_audio_transcription.delta"]
+    assert {e["item_id"] for e in deltas} == {item_id} and "".join(e["delta"] for e in deltas) == \
+        events[-1]["transcript"]
+    assert set(events[-1]) == {"type", "event_id", "item_id", "content_index", "transcript", "usage"}
 
 
 MALFORMED = [

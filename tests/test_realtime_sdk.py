@@ -102,6 +102,50 @@ async def test_audio_turn_with_server_vad(client, utterance):
     assert done.usage.input_tokens > 40  # ~4 s of speech became audio tokens in the Thinker's prompt
 
 
+async def test_user_transcript_with_server_vad(client, server, utterance):
+    """GA `audio.input.transcription`: the SDK parses the transcription events into its own types; the
+    deltas come after the user item and add up to `.completed`'s transcript, which the item then holds."""
+    from openai.types.realtime import (
+        ConversationItemInputAudioTranscriptionCompletedEvent,
+        ConversationItemInputAudioTranscriptionDeltaEvent,
+    )
+
+    samples, _ = utterance
+    conn, _ = await open_session(client)
+    try:
+        await conn.session.update(session={"type": "realtime", "max_output_tokens": 12, "audio": {
+            "input": {"transcription": {"model": "gpt-4o-transcribe", "language": "en"}}}})
+        updated = await conn.recv()
+        assert updated.session.audio.input.transcription.model == "gpt-4o-transcribe"
+        assert updated.session.audio.input.transcription.language == "en"
+        for chunk in b64_chunks(samples):
+            await conn.input_audio_buffer.append(audio=chunk)
+        seen = {"response.done": False, "completed": False}
+
+        def both(ev) -> bool:
+            seen["response.done"] |= ev.type == "response.done"
+            seen["completed"] |= ev.type == "conversation.item.input_audio_transcription.completed"
+            return all(seen.values())
+
+        events = await collect_until(conn, both)
+        item_id = next(e.item_id for e in events if e.type == "input_audio_buffer.committed")
+        await conn.conversation.item.retrieve(item_id=item_id)
+        retrieved = (await collect_until(conn, lambda e: e.type == "conversation.item.retrieved"))[-1].item
+    finally:
+        await conn.close()
+    types = [e.type for e in events]
+    deltas = [e for e in events if isinstance(e, ConversationItemInputAudioTranscriptionDeltaEvent)]
+    (done,) = [e for e in events if isinstance(e, ConversationItemInputAudioTranscriptionCompletedEvent)]
+    assert deltas and all(d.item_id == item_id for d in deltas) and done.item_id == item_id
+    assert "".join(d.delta for d in deltas) == done.transcript and done.transcript
+    assert types.index("conversation.item.done") < types.index(deltas[0].type)
+    assert types.index("response.output_audio.delta") < types.index(deltas[0].type)  # after the reply's first audio
+    assert done.usage.type == "tokens" and done.usage.output_tokens >= 1
+    assert retrieved.content[0].type == "input_audio" and retrieved.content[0].transcript == done.transcript
+    assert not [e for e in events if e.type == "error"]
+    assert server.metric("omnirt_requests_total", endpoint="realtime_transcription") >= 1
+
+
 async def test_manual_commit(client, utterance):
     samples, _ = utterance
     conn, _ = await open_session(client, {"type": "realtime", "audio": {"input": {"turn_detection": None}}})

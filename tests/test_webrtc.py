@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from aiortc import RTCConfiguration, RTCPeerConnection
 
+from app.audio.vad import VAD_RATE
 from app.server import ServerSettings, create_app
 from app.transports.ice import IceSettings
 from app.transports.webrtc import CLOSE_STEP_TIMEOUT_S, MEDIA_TIMEOUT_S, Call
@@ -264,6 +265,64 @@ async def test_no_task_or_track_outlives_a_call(engine):
     leftover = [t for t in asyncio.all_tasks() - baseline if not t.done()]
     assert not leftover, leftover
     assert engine.num_active_requests == 0
+
+
+async def speak(call: RealtimeCall, samples: np.ndarray, played: asyncio.Event) -> None:
+    """Say `samples` on the microphone and return once they have all been sent."""
+    played.clear()
+    await call.say(samples)
+    call.mic.response_done("mic")
+    await asyncio.wait_for(played.wait(), 60)
+
+
+@pytest.mark.timeout(180)
+async def test_a_stalled_session_drops_old_microphone_audio_and_still_takes_turns(engine, utterance, caplog):
+    """In process: the session stops taking microphone audio while the caller speaks a turn and 1.5 s of silence
+    follow; it then gets only the newest --webrtc-max-input-lag-s of it (silence: no turn from stale speech), the
+    rest is counted in /metrics and logged, and the next spoken turn is heard as one turn."""
+    samples, _ = utterance
+    app = create_app(engine, ServerSettings(ice=IceSettings(("127.0.0.1",)), webrtc_max_input_lag_s=0.5))
+    played = asyncio.Event()
+    call = await connect("http://omnirt", transport=httpx.ASGITransport(app=app),
+                         on_mic_event=lambda ev: ev["type"] == "output_audio_buffer.stopped" and played.set())
+    try:
+        await call.wait_for(of_type("session.created"), 30)
+        call.send({"type": "session.update", "session": {"type": "realtime", "audio": {"input": {"turn_detection": {
+            "type": "server_vad", "create_response": False}}}}})
+        await call.wait_for(of_type("session.updated"), 30)
+        server_call = next(iter(app.state.webrtc.calls.values()))
+        gate, taken = asyncio.Event(), []
+        append = server_call.session.append_audio
+
+        async def stalled(chunk: np.ndarray, rate: int) -> None:
+            taken.append(chunk.size)
+            await gate.wait()
+            await append(chunk, rate)
+
+        server_call.session.append_audio = stalled
+        await speak(call, samples, played)
+        await asyncio.sleep(1.5)  # more silence: the backlog's newest 0.5 s hold no speech
+        mic = server_call.mic
+        assert mic.num_samples <= mic.max_samples == VAD_RATE // 2
+        num_stalled = len(taken)
+        gate.set()
+        while len(taken) <= num_stalled + 5:  # the backlog taken, and live audio flowing again
+            await asyncio.sleep(0.05)
+        assert max(taken[num_stalled:]) <= mic.max_samples  # never more than the bound at once
+        stall_samples = len(samples) * VAD_RATE // 24000 + int(1.5 * VAD_RATE)
+        assert mic.num_dropped_samples >= stall_samples - mic.max_samples - VAD_RATE // 10
+        metrics = (await httpx.AsyncClient(transport=httpx.ASGITransport(app=app)).get("http://omnirt/metrics")).text
+        dropped_s = float(re.search(r"^omnirt_webrtc_input_dropped_seconds_total (\S+)$", metrics, re.M).group(1))
+        assert dropped_s == pytest.approx(mic.num_dropped_samples / VAD_RATE)
+        assert "fell more than 500 ms behind the microphone" in caplog.text
+        assert "input_audio_buffer.speech_started" not in call.types()  # the stale turn was dropped, not answered
+        await speak(call, samples, played)
+        await call.wait_for(of_type("input_audio_buffer.speech_stopped"), 60)
+        assert call.types().count("input_audio_buffer.speech_started") == 1
+        assert call.types().count("input_audio_buffer.speech_stopped") == 1
+    finally:
+        await call.close()
+        await app.state.webrtc.close_all()
 
 
 async def test_too_many_calls_then_shutdown_closes_the_call(one_session_server):

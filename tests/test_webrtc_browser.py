@@ -1,5 +1,6 @@
 """Headless Chromium (the Debian package) opens the voice demo, talks through a fake microphone that plays
-a spoken WAV, and hears the agent: the page's own WebRTC stack against the server, on loopback."""
+a spoken WAV, hears the agent and sees the transcript of what it said: the page's own WebRTC stack against
+the server, on loopback."""
 
 from __future__ import annotations
 
@@ -82,6 +83,10 @@ async def test_browser_talks_to_the_agent(server, tmp_path):
         await page.wait_for_function("demo.audio && !demo.audio.paused && demo.audio.currentTime > 0.5 && "
                                      "demo.turns[0].heardAt !== null && demo.maxAgentLevel > 0.01", timeout=60_000)
         await page.wait_for_function("demo.turns[0].audioMs !== null", timeout=60_000)  # played to the end
+        # the page asked for transcripts of the user: the first user turn shows the server's
+        await page.wait_for_function("[...demo.userTurns.values()][0]?.transcript != null", timeout=60_000)
+        user_transcript = await page.evaluate("[...demo.userTurns.values()][0].transcript")
+        user_text = await page.inner_text("#transcript li.user .text")
         agent_text = await page.inner_text("#transcript li.agent .text")
         turn = await page.evaluate("({...demo.turns[0], el: null, row: null})")
         await page.screenshot(path=str(ARTIFACTS / "webrtc-demo.png"), full_page=True)
@@ -92,6 +97,7 @@ async def test_browser_talks_to_the_agent(server, tmp_path):
     assert [r.status for r in responses if r.url.endswith("/favicon.svg")] == [200]
     assert not [(r.url, r.status) for r in responses if r.status >= 400]  # no favicon 404, nothing else
     assert agent_text.strip() and agent_text.strip() == turn["transcript"].strip()  # innerText trims
+    assert user_text.strip() == (user_transcript.strip() or "(nothing heard)")
     assert turn["heardAt"] - turn["since"] > 0
     cells = metrics.split("\t")
     assert cells[0] == "1" and cells[1].endswith(" ms") and cells[2] != "…" and cells[5] in ("completed", "incomplete")

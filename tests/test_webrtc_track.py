@@ -1,4 +1,5 @@
-"""The outgoing WebRTC track on its own: pacing, pts, bounded buffer, playback events, barge-in clear."""
+"""The WebRTC tracks on their own: the outgoing one's pacing, pts, bounded buffer, playback events, barge-in
+clear; the microphone's bounded backlog."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import time
 import numpy as np
 
 from app.audio.pcm import float_to_pcm16
-from app.transports.webrtc_track import FRAME_SAMPLES, PacedAudioTrack
+from app.audio.vad import VAD_RATE
+from app.transports.webrtc_track import FRAME_SAMPLES, MicBacklog, PacedAudioTrack
 
 
 def tone(seconds: float, rate: int = 24000) -> bytes:
@@ -72,3 +74,24 @@ async def test_clear_drops_queued_and_late_audio_and_underruns_are_counted():
     assert abs(events[-1]["omnirt_playback"]["audio_ms"] - 200) <= 5
     track.stop()
     assert track.readyState == "ended"
+
+
+async def test_mic_backlog_keeps_the_newest_audio_within_its_bound_and_counts_the_rest():
+    """A consumer that stalls while 50 chunks of 20 ms arrive gets only the newest 0.5 s; the rest is counted."""
+    backlog = MicBacklog(0.5)
+    chunks = [np.full(VAD_RATE // 50, i, np.float32) for i in range(50)]  # 1 s, each chunk tagged by its index
+    for chunk in chunks:
+        backlog.push(chunk)
+        assert backlog.num_samples <= backlog.max_samples == VAD_RATE // 2
+    samples, num_dropped = await backlog.take(1)
+    assert samples.size == VAD_RATE // 2 and num_dropped == VAD_RATE // 2 == backlog.num_dropped_samples
+    assert np.array_equal(samples, np.concatenate(chunks[25:]))  # in order, the oldest half gone
+    backlog.push(np.zeros(100, np.float32))
+    waiting = asyncio.create_task(backlog.take(320))
+    await asyncio.sleep(0.05)
+    assert not waiting.done()  # less than asked for: it waits
+    backlog.push(np.zeros(300, np.float32))
+    samples, num_dropped = await asyncio.wait_for(waiting, 1)
+    assert samples.size == 400 and num_dropped == 0 and backlog.num_dropped_samples == VAD_RATE // 2
+    backlog.close()
+    assert await backlog.take(1) is None

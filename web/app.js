@@ -10,9 +10,10 @@ const LEVEL_HEARD = 0.01; // RMS above which agent audio counts as heard
 
 // `window.demo` is the page's state; the browser test reads it too. `phase` is the call's:
 // idle -> mic (asking for the microphone) -> calling (the offer is out) -> call (answered) -> idle.
+// `userTurns`: the user's turns by item id, each with its transcript once the server sent it.
 const demo = window.demo = { auth: "none", iceServers: [], phase: "idle", ended: null, pc: null, channel: null,
   mic: null, callUrl: null, audio: null, turns: [], byResponse: new Map(), userTurn: null, lastSpeechStop: null,
-  maxAgentLevel: 0, agentLevel: 0 };
+  userTurns: new Map(), model: null, maxAgentLevel: 0, agentLevel: 0 };
 
 // ---- the model, voices and access ------------------------------------------------------------------------
 
@@ -21,6 +22,7 @@ async function loadConfig() {
   const { model, voices, default: preferred, auth, ice_servers: iceServers } = await r.json();
   demo.auth = auth; // "none", "client_secret" (fetched per call) or "api_key" (the demo is not enabled)
   demo.iceServers = iceServers; // none unless the operator configured STUN/TURN (--webrtc-ice-servers)
+  demo.model = model;
   $("model").textContent = model;
   $("voice").replaceChildren(...voices.map((v) => new Option(v, v, v === preferred, v === preferred)));
   showStatus();
@@ -40,6 +42,12 @@ $("voice").addEventListener("change", () => {
 
 function sendVoice() {
   send({ type: "session.update", session: { type: "realtime", audio: { output: { voice: $("voice").value } } } });
+}
+
+// At the start of a call: the voice, and transcripts of what the user says (written by the model itself).
+function sendSettings() {
+  send({ type: "session.update", session: { type: "realtime", audio: {
+    input: { transcription: { model: demo.model } }, output: { voice: $("voice").value } } } });
 }
 
 // ---- the call -----------------------------------------------------------------------------------------
@@ -64,7 +72,7 @@ async function call() {
     else showStatus();
   };
   const channel = demo.channel = pc.createDataChannel("oai-events");
-  channel.onopen = () => { showStatus(); sendVoice(); };
+  channel.onopen = () => { showStatus(); sendSettings(); };
   channel.onmessage = (m) => onEvent(JSON.parse(m.data));
   channel.onclose = () => { if (demo.pc === pc) hangUp("The server ended the call."); };
   meter(demo.mic, $("mic-level"));
@@ -155,14 +163,33 @@ function onEvent(ev) {
     case "input_audio_buffer.speech_started":
       demo.userTurn = line("user", "You", "(speaking…)");
       demo.userTurn.startMs = ev.audio_start_ms;
+      demo.userTurn.transcript = null; // until the server's transcript comes
+      demo.userTurns.set(ev.item_id, demo.userTurn);
       break;
-    case "input_audio_buffer.speech_stopped": // omnirt does not transcribe the user: say how long they spoke
+    case "input_audio_buffer.speech_stopped": { // until its transcript comes: how long the user spoke
       demo.lastSpeechStop = performance.now();
-      if (demo.userTurn) {
-        const seconds = (ev.audio_end_ms - demo.userTurn.startMs) / 1000;
-        demo.userTurn.text.textContent = `(spoke for ${seconds.toFixed(1)} s)`;
+      const user = demo.userTurns.get(ev.item_id) || demo.userTurn;
+      if (user && user.transcript === null) {
+        const seconds = (ev.audio_end_ms - user.startMs) / 1000;
+        user.text.textContent = `(spoke for ${seconds.toFixed(1)} s)`;
       }
       break;
+    }
+    case "conversation.item.input_audio_transcription.delta": {
+      const user = demo.userTurns.get(ev.item_id);
+      if (user) { user.partial = (user.partial || "") + ev.delta; user.text.textContent = user.partial; }
+      break;
+    }
+    case "conversation.item.input_audio_transcription.completed": {
+      const user = demo.userTurns.get(ev.item_id);
+      if (user) { user.transcript = ev.transcript; user.text.textContent = ev.transcript || "(nothing heard)"; }
+      break;
+    }
+    case "conversation.item.input_audio_transcription.failed": {
+      const user = demo.userTurns.get(ev.item_id);
+      if (user) user.text.textContent += ` (no transcript: ${ev.error.message})`;
+      break;
+    }
     case "response.created":
       startTurn(ev.response.id);
       break;

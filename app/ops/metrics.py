@@ -1,6 +1,8 @@
 """GET /metrics in Prometheus' text format: requests and sessions by state, per-stage queue depths and
 batch sizes (read from the engine at scrape time), audio TTFP and RTF histograms, underruns, errors by
-type, and one structured log line per finished request. One registry per app: no global state."""
+type, and one structured log line per finished request. One registry per app: no global state. With
+`--api-workers` every worker's figures are summed (`app.ops.worker_link`), the process_* ones labelled by
+`worker` instead; the engine's come once."""
 
 from __future__ import annotations
 
@@ -42,6 +44,8 @@ class Metrics:
                              buckets=(.05, .1, .2, .3, .5, .75, 1, 1.5, 2, 5, 10))
         self.underruns = Counter("omnirt_audio_underruns", "Playback stalls >= 100 ms while audio was owed",
                                  registry=r)
+        self.mic_dropped = Counter("omnirt_webrtc_input_dropped_seconds", "WebRTC microphone audio dropped because "
+                                   "its session fell more than --webrtc-max-input-lag-s behind", registry=r)
         self.http = Counter("omnirt_http_responses", "HTTP responses by status code", ["code"], registry=r)
         self.key_requests = Counter("omnirt_key_requests", "HTTP requests and Realtime session starts let in, by API "
                                     "key id", ["key"], registry=r)
@@ -49,14 +53,19 @@ class Metrics:
                                    "(requests_per_minute, max_requests, max_sessions)", ["key", "limit"], registry=r)
         self.key_active = Gauge("omnirt_key_active", "In flight by API key id: HTTP requests, open Realtime sessions",
                                 ["key", "kind"], registry=r)
-        r.register(EngineCollector(engine))
         ProcessCollector(registry=r)  # this (API) process's CPU and memory: `omnirt bench realtime` reads it
+        self.engine_registry = CollectorRegistry()  # the engine's figures: the same in every API worker
+        self.engine_registry.register(EngineCollector(engine))
 
     def watch_vad(self, vad) -> None:
         """Export the process's `VadBatcher` counts: windows evaluated and the model calls they took."""
         self.registry.register(VadCollector(vad))
 
     def render(self) -> bytes:
+        return self.render_local() + generate_latest(self.engine_registry)
+
+    def render_local(self) -> bytes:
+        """This process's own figures, without the engine's (what an API worker adds to the merged /metrics)."""
         return generate_latest(self.registry)
 
     async def observe(self, events: AsyncIterator[Event], endpoint: str, started: float,
@@ -180,7 +189,9 @@ class StatusCounter:
 
 @router.get("/metrics", include_in_schema=False)
 async def metrics(request: Request):
-    return Response(request.app.state.server.metrics.render(), media_type="text/plain; version=0.0.4")
+    link, own = request.app.state.worker_link, request.app.state.server.metrics
+    body = own.render() if link is None else await link.merged_metrics()
+    return Response(body, media_type="text/plain; version=0.0.4")
 
 
 class VadCollector:

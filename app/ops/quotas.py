@@ -7,16 +7,13 @@ limit: 429 in OpenAI's shape (`rate_limit_exceeded`, `Retry-After`) or a Realtim
 
 from __future__ import annotations
 
-import collections
 import logging
 import math
-import time
-from collections.abc import Callable
 
 from app.errors import APIError, error_response
 from app.ops.keys import ApiKey
-from app.ops.limits import TokenBucket
 from app.ops.metrics import Metrics
+from app.ops.shared import SharedLimits
 from app.realtime.events import ProtocolError
 
 log = logging.getLogger(__name__)
@@ -36,42 +33,37 @@ class LimitExceeded(Exception):
 
 
 class KeyQuotas:
-    def __init__(self, metrics: Metrics, clock: Callable[[], float] = time.monotonic):
-        self.metrics, self._clock = metrics, clock
-        self._buckets: dict[str, tuple[int, TokenBucket]] = {}  # key id -> (its rpm, its bucket)
-        self._active: collections.Counter[str] = collections.Counter()
+    """This process's view of the keys' limits; the counts are `shared`'s (every API worker's requests)."""
+
+    def __init__(self, metrics: Metrics, shared: SharedLimits | None = None, worker: int = 0):
+        self.metrics, self.shared, self.worker = metrics, shared or SharedLimits(), worker
 
     def take_request(self, key: ApiKey) -> None:
         """One request (or session start) against the key's requests per minute; LimitExceeded if none is left."""
         rpm = key.limits.requests_per_minute
-        if rpm is not None:
-            held = self._buckets.get(key.id)
-            if held is None or held[0] != rpm:  # new, or its limit changed in the keys file
-                held = self._buckets[key.id] = rpm, TokenBucket(rpm / 60, rpm, self._clock)
-            if not held[1].take(1):
-                wait_s = held[1].wait_s(1)
-                raise refused(self.metrics, LimitExceeded(
-                    key.id, "requests_per_minute", f"Rate limit reached for API key {key.id!r} on requests per min "
-                    f"(RPM): limit {rpm}. Please try again in {math.ceil(wait_s)} s.", wait_s))
+        if rpm is not None and (wait_s := self.shared.take_request(key.id, rpm)):
+            raise refused(self.metrics, LimitExceeded(
+                key.id, "requests_per_minute", f"Rate limit reached for API key {key.id!r} on requests per min "
+                f"(RPM): limit {rpm}. Please try again in {math.ceil(wait_s)} s.", wait_s))
         self.metrics.key_requests.labels(key.id).inc()
 
     def begin(self, key: ApiKey) -> None:
         """An HTTP request starts: within the key's requests in flight and per minute, or LimitExceeded."""
         limit = key.limits.max_requests
-        if limit is not None and self._active[key.id] >= limit:
+        if not self.shared.begin_request(self.worker, key.id, limit):
             raise refused(self.metrics, LimitExceeded(
                 key.id, "max_requests", f"API key {key.id!r} has {limit} requests in flight, its limit "
                 "(max_requests); retry when one has finished.", 1.0))
-        self.take_request(key)
-        self._active[key.id] += 1
+        try:
+            self.take_request(key)
+        except LimitExceeded:
+            self.shared.end_request(self.worker, key.id)
+            raise
         self.metrics.key_active.labels(key.id, "requests").inc()
 
     def end(self, key: ApiKey) -> None:
-        self._active[key.id] -= 1
-        if not self._active[key.id]:
-            del self._active[key.id]
+        self.shared.end_request(self.worker, key.id)
         self.metrics.key_active.labels(key.id, "requests").dec()
-
 
 
 def refused(metrics: Metrics, exc: LimitExceeded) -> LimitExceeded:

@@ -10,8 +10,8 @@ without ever seeing the key.
 A secret carries its session's settings (checked when minted, as a `session.update` would be), starts
 sessions until `expires_at` (default 60 s, 10 s to 2 h; a started session outlives it), counts against
 the limits of the key that minted it, and stops working when that key leaves the keys file. It starts
-sessions and nothing else (`app.ops.security`). Secrets live in this process's memory: a restart
-voids them.
+sessions and nothing else (`app.ops.security`). Secrets live in memory (with `--api-workers`, in the
+supervising process, so that any worker finds a secret another minted): a restart voids them.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import logging
 import secrets
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -48,34 +49,38 @@ class ClientSecret:
 
 
 class SecretStore:
-    """The live secrets, by digest; expired ones are dropped when found or when a key reaches its cap."""
+    """The live secrets, by digest; expired ones are dropped when found or when a key reaches its cap. Shared
+    by every API worker (`app.ops.shared`): its methods return values and hold a lock."""
 
     def __init__(self, clock: Callable[[], float] = time.time, max_live_per_key: int = MAX_LIVE_PER_KEY):
         self._clock, self.max_live_per_key = clock, max_live_per_key
+        self._lock = threading.Lock()
         self._secrets: dict[bytes, ClientSecret] = {}
         self._num_by_key: collections.Counter[str | None] = collections.Counter()
 
-    def mint(self, key_id: str | None, config: SessionConfig, ttl_s: int) -> ClientSecret:
-        if self._num_by_key[key_id] >= self.max_live_per_key:
-            self._drop_expired()
-        if self._num_by_key[key_id] >= self.max_live_per_key:
-            raise APIError(429, f"{self.max_live_per_key} client secrets of this key are live; let some expire "
-                           "first", None, "rate_limit_exceeded", headers={"Retry-After": "10"})
-        value = SECRET_PREFIX + secrets.token_urlsafe(32)
-        secret = ClientSecret(value, key_id, config, int(self._clock()) + ttl_s)
-        self._secrets[digest(value)] = secret
-        self._num_by_key[key_id] += 1
-        return secret
+    def mint(self, key_id: str | None, config: SessionConfig, ttl_s: int) -> ClientSecret | None:
+        """A new secret, or None when the key has `max_live_per_key` live ones."""
+        with self._lock:
+            if self._num_by_key[key_id] >= self.max_live_per_key:
+                self._drop_expired()
+            if self._num_by_key[key_id] >= self.max_live_per_key:
+                return None
+            value = SECRET_PREFIX + secrets.token_urlsafe(32)
+            secret = ClientSecret(value, key_id, config, int(self._clock()) + ttl_s)
+            self._secrets[digest(value)] = secret
+            self._num_by_key[key_id] += 1
+            return secret
 
     def find(self, value: str) -> ClientSecret | None:
         """The secret, while it has not expired."""
         d = digest(value)
-        secret = self._secrets.get(d)
-        if secret is not None and self._clock() >= secret.expires_at:
-            del self._secrets[d]
-            self._num_by_key[secret.key_id] -= 1
-            return None
-        return secret
+        with self._lock:
+            secret = self._secrets.get(d)
+            if secret is not None and self._clock() >= secret.expires_at:
+                del self._secrets[d]
+                self._num_by_key[secret.key_id] -= 1
+                return None
+            return secret
 
     def _drop_expired(self) -> None:
         now = self._clock()
@@ -156,6 +161,9 @@ def _config(request: Request, session: dict[str, Any], model: Any, where: str) -
 def mint(request: Request, key_id: str | None, config: SessionConfig, ttl_s: int) -> ClientSecret:
     """A new secret of `key_id` (its limits apply to the sessions it starts)."""
     secret = request.app.state.client_secrets.mint(key_id, config, ttl_s)
+    if secret is None:
+        raise APIError(429, f"this key has as many live client secrets as it may ({MAX_LIVE_PER_KEY}); let some "
+                       "expire first", None, "rate_limit_exceeded", headers={"Retry-After": "10"})
     log.info("client secret minted (model %s, expires in %d s)", config.model, ttl_s, extra={"key_id": key_id})
     return secret
 

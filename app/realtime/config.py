@@ -2,10 +2,10 @@
 generation (GA nested `audio.input/output`, beta flat fields) -> one frozen config, and back to the
 `session` object each dialect expects.
 
-Fields follow the one rule of `app/fields.py` (docs/api-fields.md): what omnirt cannot do (tools, input
-transcription, noise reduction, semantic VAD, out-of-band `input`, another speed) is accepted only at a
-value that asks for nothing (so a client may send back the `session` object it got) and refused with an
-`error` otherwise, as is any unknown field.
+Fields follow the one rule of `app/fields.py` (docs/api-fields.md): what omnirt cannot do (tools, noise
+reduction, semantic VAD, out-of-band `input`, another speed) is accepted only at a value that asks for
+nothing (so a client may send back the `session` object it got) and refused with an `error` otherwise, as
+is any unknown field. Input transcription has its own module (`app/realtime/transcription.py`).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from app.audio.vad import VadConfig
 from app.audio.wire import FORMATS, FORMATS_BY_MIME, PCM16, AudioFormat
 from app.fields import FieldRule, rule
 from app.realtime.events import ProtocolError, check_fields, require
+from app.realtime.transcription import TranscriptionConfig, parse_transcription, transcription_object
 from pipeline.api import EngineInfo
 
 MAX_OUTPUT_TOKENS = 4096
@@ -26,15 +27,15 @@ _UNSERVED = {"tools": (None, []), "tool_choice": (None, "auto", "none"), "prompt
              "speed": (None, 1.0)}
 SESSION_FIELDS = rule(
     ("audio", "instructions", "output_modalities", "modalities", "voice", "input_audio_format", "output_audio_format",
-     "turn_detection", "temperature", "max_output_tokens", "max_response_output_tokens", "model", "truncation"),
-    ignored=(*_ECHOED, "tracing", "client_secret"),
-    inert={**_UNSERVED, "input_audio_transcription": (None,), "input_audio_noise_reduction": (None,)})
+     "turn_detection", "temperature", "max_output_tokens", "max_response_output_tokens", "model", "truncation",
+     "input_audio_transcription"),
+    ignored=(*_ECHOED, "tracing", "client_secret"), inert={**_UNSERVED, "input_audio_noise_reduction": (None,)})
 RESPONSE_FIELDS = rule(
     ("audio", "instructions", "output_modalities", "modalities", "voice", "output_audio_format", "temperature",
      "max_output_tokens", "max_response_output_tokens", "conversation", "metadata", "talker_sampling"),
     ignored=_ECHOED, inert={**_UNSERVED, "input": (None, [])})
 SESSION_AUDIO_FIELDS, RESPONSE_AUDIO_FIELDS = rule(("input", "output")), rule(("output",))
-AUDIO_INPUT_FIELDS = rule(("format", "turn_detection"), inert={"transcription": (None,), "noise_reduction": (None,)})
+AUDIO_INPUT_FIELDS = rule(("format", "turn_detection", "transcription"), inert={"noise_reduction": (None,)})
 AUDIO_OUTPUT_FIELDS = rule(("format", "voice"), inert={"speed": (None, 1.0)})
 VAD_FIELDS = rule(("type", "threshold", "prefix_padding_ms", "silence_duration_ms", "create_response",
                    "interrupt_response", "idle_timeout_ms"))
@@ -52,6 +53,7 @@ class SessionConfig:
     temperature: float | None = None  # None: the deploy profile's default
     max_output_tokens: int | None = None  # None: "inf" (the profile's limit)
     truncation: Any = "auto"  # as the client set it: "auto", "disabled" or {"type": "retention_ratio", ...}
+    transcription: TranscriptionConfig | None = None  # None: the user's audio is not transcribed
 
     @property
     def retention(self) -> float | None:
@@ -106,6 +108,9 @@ def apply_session_update(cfg: SessionConfig, update: dict[str, Any], voices: tup
     for src, where in ((update, "session"), (a_in, "session.audio.input")):
         if "turn_detection" in src:
             changes["turn_detection"] = parse_turn_detection(src["turn_detection"], f"{where}.turn_detection")
+    for src, key in ((update, "session.input_audio_transcription"), (a_in, "session.audio.input.transcription")):
+        if (name := key.rpartition(".")[2]) in src:
+            changes["transcription"] = parse_transcription(src[name], key, cfg.model)
     if update.get("temperature") is not None:
         changes["temperature"] = _temperature(update, "session")
     for key in ("max_output_tokens", "max_response_output_tokens"):
@@ -169,12 +174,14 @@ def session_object(cfg: SessionConfig, session_id: str, beta: bool) -> dict[str,
         return {"id": session_id, "object": "realtime.session", "model": cfg.model,
                 "modalities": ["text", "audio"] if cfg.wants_audio else ["text"], "instructions": cfg.instructions,
                 "voice": cfg.voice, "input_audio_format": cfg.input_format.name,
-                "output_audio_format": cfg.output_format.name, "input_audio_transcription": None,
+                "output_audio_format": cfg.output_format.name,
+                "input_audio_transcription": transcription_object(cfg.transcription),
                 "turn_detection": td, "tools": [], "tool_choice": "auto", "temperature": cfg.temperature,
                 "max_response_output_tokens": max_tokens}
     return {"type": "realtime", "object": "realtime.session", "id": session_id, "model": cfg.model,
             "output_modalities": ["audio"] if cfg.wants_audio else ["text"], "instructions": cfg.instructions,
-            "audio": {"input": {"format": format_object(cfg.input_format), "transcription": None,
+            "audio": {"input": {"format": format_object(cfg.input_format),
+                                "transcription": transcription_object(cfg.transcription),
                                 "noise_reduction": None, "turn_detection": td},
                       "output": {"format": format_object(cfg.output_format), "voice": cfg.voice, "speed": 1.0}},
             "tools": [], "tool_choice": "auto", "max_output_tokens": max_tokens, "tracing": None,

@@ -7,7 +7,6 @@ after running responses finished or the drain deadline)."""
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
@@ -17,6 +16,7 @@ from app.audio.vad import VadBatcher
 from app.ops.keys import ApiKey
 from app.ops.metrics import Metrics
 from app.ops.quotas import LimitExceeded, refused
+from app.ops.shared import SharedLimits
 from app.realtime.events import ProtocolError
 from app.realtime.session import RealtimeLimits, RealtimeSession
 
@@ -33,25 +33,25 @@ class _Entry:
 
 
 class SessionRegistry:
-    def __init__(self, limits: RealtimeLimits, metrics: Metrics):
+    """This process's sessions; the counts the limits hold to are `shared`'s (every API worker's sessions)."""
+
+    def __init__(self, limits: RealtimeLimits, metrics: Metrics, shared: SharedLimits | None = None,
+                 worker: int = 0):
         self.limits, self.metrics = limits, metrics
+        self.shared, self.worker = shared or SharedLimits(), worker
         self.sessions: dict[RealtimeSession, _Entry] = {}
-        self.num_by_key: collections.Counter[str] = collections.Counter()  # open sessions per API key id
         self.vad = VadBatcher()  # every session's VAD, evaluated together
         metrics.watch_vad(self.vad)
 
-    @property
-    def is_full(self) -> bool:
-        return len(self.sessions) >= self.limits.max_sessions
-
     def refusal(self, transport: str, key: ApiKey | None) -> ProtocolError | None:
-        """Why a new session cannot open now (the server's session limit, or its key's), counted as refused;
-        None: there is room, and `add` right after (with no await between) takes it."""
-        if self.is_full:
+        """Why a new session cannot open now (the server's session limit, or its key's, over every API worker),
+        counted as refused; None: there was room, and it is taken: `add` the session right after."""
+        full = self.shared.open_session(self.worker, key and key.id, self.limits.max_sessions,
+                                        key and key.limits.max_sessions)
+        if full == "server":
             error = ProtocolError(f"the server has {self.limits.max_sessions} realtime sessions open; try again "
                                   "later", "session_limit_reached", error_type="server_error")
-        elif key is not None and key.limits.max_sessions is not None and \
-                self.num_by_key[key.id] >= key.limits.max_sessions:
+        elif full == "key":
             error = refused(self.metrics, LimitExceeded(
                 key.id, "max_sessions", f"API key {key.id!r} has {key.limits.max_sessions} realtime sessions open, "
                 "its limit (max_sessions); close one first.", 5.0)).realtime()
@@ -70,7 +70,6 @@ class SessionRegistry:
         self.sessions[session] = _Entry(transport, end, key_id)
         self.metrics.sessions_active.labels(transport).inc()
         if key_id is not None:
-            self.num_by_key[key_id] += 1
             self.metrics.key_active.labels(key_id, "sessions").inc()
 
     def remove(self, session: RealtimeSession, state: str) -> None:
@@ -78,10 +77,10 @@ class SessionRegistry:
         entry = self.sessions.pop(session, None)
         if entry is None:
             return
+        self.shared.close_session(self.worker, entry.key_id)
         self.metrics.sessions_active.labels(entry.transport).dec()
         self.metrics.sessions.labels(entry.transport, state).inc()
         if entry.key_id is not None:
-            self.num_by_key[entry.key_id] -= 1
             self.metrics.key_active.labels(entry.key_id, "sessions").dec()
 
     async def end_all(self, reason: str) -> None:

@@ -70,6 +70,7 @@ class Response:
         self.usage: dict[str, Any] | None = None
         self.task: asyncio.Task | None = None
         self._is_open = False  # the output item was announced
+        self._has_output = asyncio.Event()  # its first audio (text, for a text reply) went out
         self._num_samples_out = 0
         fmt = opts.output_format
         self._engine_rate = engine.info().output_sample_rate
@@ -79,6 +80,20 @@ class Response:
     @property
     def is_done(self) -> bool:
         return self.status != "in_progress"
+
+    @property
+    def has_output(self) -> bool:
+        return self._has_output.is_set() or self.is_done
+
+    async def first_output(self) -> None:
+        """Returns once the response sent its first audio (its first text, for a text reply) or ended: what
+        a transcription of the user's turn waits for, so that it never delays the reply's first audio."""
+        waiter = asyncio.ensure_future(self._has_output.wait())
+        try:
+            await asyncio.wait([waiter, *([self.task] if self.task is not None else [])],
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
 
     def start(self, messages: list[dict]) -> None:
         self.task = asyncio.create_task(self._run(messages), name=f"response-{self.id}")
@@ -188,6 +203,7 @@ class Response:
         else:
             part.text += text
             await self._emit("response.output_text.delta", **self._where(), delta=text)
+            self._has_output.set()
 
     async def _audio(self, samples: np.ndarray, engine_pcm16: bytes) -> None:
         """Deltas in the output format, or the engine's PCM16 to the audio sink; `audio_ms` counts what left."""
@@ -196,6 +212,7 @@ class Response:
             if engine_pcm16:
                 part.audio_ms += len(engine_pcm16) // 2 * 1000 // self._engine_rate
                 await self.audio_sink.write(self.id, self.item.id, engine_pcm16)
+                self._has_output.set()
             return
         if not samples.size:
             return
@@ -204,6 +221,7 @@ class Response:
         self._num_samples_out += samples.size
         part.audio_ms = self._num_samples_out * 1000 // self.opts.output_format.sample_rate
         await self._emit("response.output_audio.delta", **self._where(), delta=base64.b64encode(data).decode())
+        self._has_output.set()
 
     async def _open_item(self) -> None:
         self.item.status, self._is_open = "in_progress", True

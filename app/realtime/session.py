@@ -11,7 +11,7 @@ The transport interface (WebSocket and WebRTC):
     await session.handle_event(event_dict)    # the same, already parsed
     await session.append_audio(samples, rate) # float32 mono input at any rate (e.g. 48 kHz from an RTP track)
     event = await session.outbox.get()        # the next server event (dict), None once closed: send it
-    await session.close()                     # aborts the running response in every engine stage
+    await session.close()                     # aborts the running response (and transcription) in the engine
 
 Output audio goes out as `response.output_audio.delta` events (base64 in the session's output
 format), or, when the transport passes an `audio_sink` (see `app.realtime.response.AudioSink`), as
@@ -20,7 +20,8 @@ PCM16 at the engine's output rate to that sink: WebRTC plays it on its media tra
 the played position itself (and emits `output_audio_buffer.cleared`), as OpenAI does for WebRTC. Every queue is bounded:
 the outbox (producers wait), the input buffer (`input_audio_buffer_full` error), the sink (its own).
 With `metrics`, each response is counted like a chat request (endpoint "realtime") and logs a
-"request finished" line with its response id, the session id and the API key's id.
+"request finished" line with its response id, the session id and the API key's id. With transcription
+set, committed user audio is transcribed beside the responses (`app.realtime.transcription`).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from app.realtime.events import ProtocolError, error_event, new_id, parse_client
 from app.realtime.input_buffer import BufferFull, InputBuffer, TurnEnded, TurnStarted
 from app.realtime.outbox import Outbox
 from app.realtime.response import AudioSink, Response
+from app.realtime.transcription import Transcriber
 from pipeline.api import EngineClient
 
 log = logging.getLogger(__name__)
@@ -86,6 +88,7 @@ class RealtimeSession:
         self.outbox = Outbox(limits.max_queued_events, beta, limits.max_queued_audio_bytes)
         self.input: InputBuffer | None = None
         self.response: Response | None = None
+        self.transcriber = Transcriber(engine, self.outbox, lambda: self.response, metrics, self.log_ids)
         self.audio_rate = TokenBucket(limits.max_audio_rate, limits.audio_burst_s)
         self.violation: str | None = None  # why the transport must close the session (policy), once set
         self._has_spoken = False  # the voice is fixed once audio was produced
@@ -143,6 +146,7 @@ class RealtimeSession:
     async def close(self) -> None:
         if self.response is not None and not self.response.is_done:
             self.response.abort()
+        self.transcriber.close()
         await self.outbox.close()
 
     # ---- session and input audio ----------------------------------------------------------------------
@@ -212,6 +216,8 @@ class RealtimeSession:
         previous = self.conversation.add(item)
         await self._emit("input_audio_buffer.committed", previous_item_id=previous, item_id=item_id)
         await self._item_added(item, previous)
+        if self.config.transcription is not None:  # starts once a reply created now has sent its first audio
+            await self.transcriber.add(item, self.config.transcription)
 
     # ---- conversation ---------------------------------------------------------------------------------
 
@@ -235,6 +241,7 @@ class RealtimeSession:
         if self.is_busy and self.response.item.id == ev["item_id"]:
             raise ProtocolError("the item is being generated; cancel the response first", "invalid_value", "item_id")
         self.conversation.delete(ev["item_id"])
+        self.transcriber.forget(ev["item_id"])
         await self._emit("conversation.item.deleted", item_id=ev["item_id"])
 
     async def _item_retrieve(self, ev: dict) -> None:

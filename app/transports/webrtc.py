@@ -16,7 +16,9 @@ data channel closes, no microphone audio arrives for `MEDIA_TIMEOUT_S`, it does 
 `connect_timeout_s`, the client posts
 `/v1/realtime/calls/{id}/hangup`, or the server shuts down (all calls closed with `gather`, after an
 `error` event that says why). Ending a call closes the session (which aborts its response in every
-engine stage), stops the track, and cancels the call's tasks. WebRTC calls count against the Realtime
+engine stage), stops the track, and cancels the call's tasks. Microphone audio the session has not taken
+within `max_input_lag_s` is dropped, oldest first (`MicBacklog`): counted in
+`omnirt_webrtc_input_dropped_seconds_total` and logged once per stall. WebRTC calls count against the Realtime
 `max_sessions` limit and in the session metrics (transport "webrtc"); log lines carry the session id.
 """
 
@@ -45,7 +47,7 @@ from app.realtime.config import SessionConfig
 from app.realtime.events import ProtocolError, new_id
 from app.realtime.session import RealtimeSession
 from app.transports.ice import IceSettings, advertise, candidates, offer_host_addresses, rtc_configuration
-from app.transports.webrtc_track import PacedAudioTrack
+from app.transports.webrtc_track import MicBacklog, PacedAudioTrack
 
 log = logging.getLogger(__name__)
 router = APIRouter()
@@ -63,6 +65,7 @@ class CallRegistry:
     """The app's calls: dropped when they end, all ended together on shutdown."""
 
     connect_timeout_s: float = 30.0  # ICE + DTLS must complete within this after the answer
+    max_input_lag_s: float = 1.0  # microphone audio the session has not taken yet; older audio is dropped
     ice: IceSettings = field(default_factory=IceSettings)
     calls: dict[str, Call] = field(default_factory=dict)
 
@@ -81,6 +84,7 @@ class Call:
         self.id = new_id("rtc")
         self.pc = RTCPeerConnection(rtc_configuration(self.registry.ice))  # no ICE server unless configured
         self.track = PacedAudioTrack(self.send, input_rate=server.engine.info().output_sample_rate)
+        self.mic, self.metrics = MicBacklog(self.registry.max_input_lag_s), server.metrics
         self.session = RealtimeSession(server.engine, config, self.limits, self.sessions.vad, beta=beta,
                                        audio_sink=self.track, metrics=server.metrics, key_id=key_id)
         self.log = logging.LoggerAdapter(log, self.session.log_ids)
@@ -114,7 +118,7 @@ class Call:
         self.log.info("webrtc %s: %s track", self.id, track.kind)
         if track.kind == "audio" and self.track not in (s.track for s in self.pc.getSenders()):
             self.pc.addTrack(self.track)
-            self._spawn(self._listen(track))
+            self._spawn(self._receive(track), self._listen())
 
     def _on_datachannel(self, channel) -> None:
         if channel.label != CHANNEL or self.channel is not None:
@@ -145,23 +149,38 @@ class Call:
 
     # ---- the call's tasks ----------------------------------------------------------------------------
 
-    async def _listen(self, track: MediaStreamTrack) -> None:
-        """Microphone frames (48 kHz Opus, decoded as stereo s16) -> 16 kHz mono -> the session."""
+    async def _receive(self, track: MediaStreamTrack) -> None:
+        """Microphone frames (48 kHz Opus, decoded as stereo s16) -> 16 kHz mono -> the backlog, as they come:
+        the session takes them from there when it is ready (`_listen`), and a backlog past its bound drops old
+        audio instead of growing."""
         resampler = av.AudioResampler(format="s16", layout="mono", rate=VAD_RATE)
-        pending: list[np.ndarray] = []
-        while True:
-            try:
-                frame = await asyncio.wait_for(track.recv(), MEDIA_TIMEOUT_S)
-            except MediaStreamError:
-                return
-            except TimeoutError:
-                self.end(f"no audio from the client for {MEDIA_TIMEOUT_S:g} s", "timeout")
-                return
-            pending += [f.to_ndarray().reshape(-1) for f in resampler.resample(frame)]
-            if sum(p.size for p in pending) >= INPUT_CHUNK_SAMPLES:
-                samples = np.concatenate(pending).astype(np.float32) / 32768.0
-                pending = []
-                await self.session.append_audio(samples, VAD_RATE)
+        try:
+            while True:
+                try:
+                    frame = await asyncio.wait_for(track.recv(), MEDIA_TIMEOUT_S)
+                except MediaStreamError:
+                    return
+                except TimeoutError:
+                    self.end(f"no audio from the client for {MEDIA_TIMEOUT_S:g} s", "timeout")
+                    return
+                for f in resampler.resample(frame):
+                    self.mic.push(f.to_ndarray().reshape(-1).astype(np.float32) / 32768.0)
+        finally:
+            self.mic.close()
+
+    async def _listen(self) -> None:
+        """The backlog -> the session, at least INPUT_CHUNK_SAMPLES at a time; drops are counted and logged."""
+        while (taken := await self.mic.take(INPUT_CHUNK_SAMPLES)) is not None:
+            samples, num_dropped = taken
+            if num_dropped:
+                self._dropped(num_dropped)
+            await self.session.append_audio(samples, VAD_RATE)
+
+    def _dropped(self, num_samples: int) -> None:
+        self.metrics.mic_dropped.inc(num_samples / VAD_RATE)
+        self.log.warning("webrtc %s: the session fell more than %d ms behind the microphone; dropped %d ms of old "
+                         "audio (%d ms in this call)", self.id, self.mic.max_samples * 1000 // VAD_RATE,
+                         num_samples * 1000 // VAD_RATE, self.mic.num_dropped_samples * 1000 // VAD_RATE)
 
     async def _read(self) -> None:
         while self.session.violation is None:
@@ -239,11 +258,17 @@ class Call:
 # ---- signalling ------------------------------------------------------------------------------------
 
 
-def install(app: FastAPI, ice: IceSettings, connect_timeout_s: float = 30.0) -> None:
+def install(app: FastAPI, ice: IceSettings, connect_timeout_s: float = 30.0, max_input_lag_s: float = 1.0) -> None:
     offer_host_addresses(ice.host_addresses)
-    app.state.webrtc = CallRegistry(connect_timeout_s, ice)
+    app.state.webrtc = CallRegistry(connect_timeout_s, max_input_lag_s, ice)
     app.router.on_shutdown.insert(0, app.state.webrtc.close_all)
+    if app.state.worker_link is not None:
+        app.state.worker_link.handlers["hangup"] = lambda req: _linked_hangup(app, req)
     app.include_router(router)
+
+
+async def _linked_hangup(app: FastAPI, request: dict) -> bytes:
+    return b"ended" if await _hang_up(app, request["call_id"], request["key_id"]) else b"none"
 
 
 @router.post("/v1/realtime/calls", status_code=201)
@@ -258,11 +283,22 @@ async def create_call_beta(request: Request) -> Response:
 
 @router.post("/v1/realtime/calls/{call_id}/hangup")
 async def hangup(call_id: str, request: Request) -> JSONResponse:
-    call = request.app.state.webrtc.calls.get(call_id)
-    if call is None or call.session.log_ids["key_id"] != request.state.principal.key_id:  # only its own key's
-        raise APIError(404, f"no call {call_id!r}", "call_id", "call_not_found")
-    await call.end("hangup")
+    """The call ends wherever it lives: here, or (`--api-workers`) in the sibling worker that answered its offer."""
+    key_id, link = request.state.principal.key_id, request.app.state.worker_link
+    if not await _hang_up(request.app, call_id, key_id):
+        answers = [] if link is None else await link.ask_others("hangup", call_id=call_id, key_id=key_id)
+        if b"ended" not in (answer for _, answer in answers):
+            raise APIError(404, f"no call {call_id!r}", "call_id", "call_not_found")
     return JSONResponse({})
+
+
+async def _hang_up(app: FastAPI, call_id: str, key_id: str | None) -> bool:
+    """End a call of this process, if it is there and `key_id`'s (only its own key may)."""
+    call = app.state.webrtc.calls.get(call_id)
+    if call is None or call.session.log_ids["key_id"] != key_id:
+        return False
+    await call.end("hangup")
+    return True
 
 
 async def _call(request: Request, beta: bool, status: int) -> Response:
@@ -272,14 +308,14 @@ async def _call(request: Request, beta: bool, status: int) -> Response:
         config = starting_config(server, principal.secret, request.query_params.get("model"))
     except ProtocolError as exc:
         raise http_error(exc) from exc
-    error = sessions.refusal(TRANSPORT, principal.key)  # the server's session limit, or the key's
-    if error is not None:
-        raise APIError(429, error.message, None, error.code, headers={"Retry-After": "5"})
     try:
         check_admission(server)  # 429 when the engine's wait queues are full, 503 while draining
     except APIError:
         sessions.refused(TRANSPORT)
         raise
+    error = sessions.refusal(TRANSPORT, principal.key)  # the server's session limit, or the key's (taken if None)
+    if error is not None:
+        raise APIError(429, error.message, None, error.code, headers={"Retry-After": "5"})
     call = Call(request, beta, config, principal.key_id)
     sessions.add(call.session, TRANSPORT, functools.partial(call.end, state="shutdown"))
     request.app.state.webrtc.calls[call.id] = call

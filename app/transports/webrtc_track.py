@@ -1,4 +1,5 @@
-"""The outgoing WebRTC audio track: it owns pacing and is the Realtime session's audio sink.
+"""WebRTC's audio on the server: the outgoing track (pacing, the session's audio sink) and the incoming
+microphone's backlog (`MicBacklog`: old audio is dropped beyond a bound).
 
 aiortc's RTP sender sends whatever `recv()` returns as fast as it returns it, so the track paces
 itself: every `recv()` sleeps until `start + pts / 48000` on the wall clock and returns one 20 ms
@@ -10,6 +11,11 @@ audio is still owed that silence is an underrun. The track also knows what was r
 `output_audio_buffer.started` when a response's first audio goes out, `stopped` when it has all
 gone out after the response is done (with the omnirt extension `omnirt_playback`:
 {audio_ms, num_underruns}); `clear()` (barge-in) drops what is queued.
+
+The microphone's frames wait in aiortc's receiver queue, which has no bound: a server that falls behind
+would build a backlog and answer ever older speech. A call's reader task moves them at once into a
+`MicBacklog` that holds at most `max_s` of audio; the session takes what is there when it is ready for
+more, and what is older than that bound is dropped (counted, in /metrics and the log).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 
 from app.audio.pcm import float_to_pcm16, pcm16_to_float
 from app.audio.resample import LowDelayResampler
+from app.audio.vad import VAD_RATE
 from app.audio.wire import PCM16
 from app.realtime.events import new_id
 
@@ -178,3 +185,56 @@ class PacedAudioTrack(MediaStreamTrack):
 
     def _emit(self, kind: str, **fields: Any) -> None:
         self.on_event({"type": kind, "event_id": new_id("event"), **fields})
+
+
+class MicBacklog:
+    """Microphone audio (VAD_RATE mono float32) waiting for the session, bounded to the newest `max_s`:
+    beyond that the oldest samples are dropped, so a session that falls behind skips audio instead of
+    answering ever older speech. `close()` ends `take()`."""
+
+    def __init__(self, max_s: float):
+        self.max_samples = max(1, int(max_s * VAD_RATE))
+        self._chunks: deque[np.ndarray] = deque()
+        self._num_samples = 0
+        self.num_dropped_samples = 0  # since the call began
+        self._dropped_since_take = 0
+        self._ready = asyncio.Event()
+        self._closed = False
+
+    @property
+    def num_samples(self) -> int:
+        return self._num_samples
+
+    def push(self, samples: np.ndarray) -> None:
+        self._chunks.append(samples)
+        self._num_samples += samples.size
+        while self._num_samples > self.max_samples:
+            over = self._num_samples - self.max_samples
+            oldest = self._chunks[0]
+            if oldest.size <= over:
+                self._chunks.popleft()
+                cut = oldest.size
+            else:
+                self._chunks[0], cut = oldest[over:], over
+            self._num_samples -= cut
+            self._dropped_since_take += cut
+            self.num_dropped_samples += cut
+        self._ready.set()
+
+    def close(self) -> None:
+        self._closed = True
+        self._ready.set()
+
+    async def take(self, min_samples: int) -> tuple[np.ndarray, int] | None:
+        """Everything queued once at least `min_samples` are (all of it, at most `max_samples`), and the
+        samples dropped since the last take; None once closed."""
+        while self._num_samples < min_samples and not self._closed:
+            self._ready.clear()
+            await self._ready.wait()
+        if self._closed:
+            return None
+        out = np.concatenate(self._chunks)
+        dropped, self._dropped_since_take = self._dropped_since_take, 0
+        self._chunks.clear()
+        self._num_samples = 0
+        return out, dropped

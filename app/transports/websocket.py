@@ -45,7 +45,7 @@ TRANSPORT = "websocket"
 
 def install(app: FastAPI, limits: RealtimeLimits) -> None:
     server = app.state.server
-    app.state.realtime = registry = SessionRegistry(limits, server.metrics)
+    app.state.realtime = registry = SessionRegistry(limits, server.metrics, app.state.shared, app.state.worker_index)
     server.lifecycle.on_deadline(registry.end_all)  # after running responses finished, or at the deadline
     app.router.on_shutdown.append(functools.partial(registry.end_all, SHUTDOWN_REASON))  # whatever is left
     app.include_router(router)

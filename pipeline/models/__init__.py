@@ -18,7 +18,7 @@ from pipeline.memory import MemoryPlan, log_capture, log_plan, plan_memory
 from pipeline.models.loader import ModelNotFoundError, load_hf_model
 from pipeline.models.qwen3_omni.code2wav import Code2WavModel, CodecWindow, frame_buckets
 from pipeline.models.qwen3_omni.memory import stage_memory
-from pipeline.models.qwen3_omni.prompt import INPUT_SAMPLE_RATE, EncodedPrompt, PromptEncoder
+from pipeline.models.qwen3_omni.prompt import EncodedPrompt, PromptEncoder
 from pipeline.models.qwen3_omni.talker import TalkerModel, TalkerState
 from pipeline.models.qwen3_omni.thinker import ThinkerModel, ThinkerRows, ThinkerState
 from pipeline.moe import use_fused_experts
@@ -45,8 +45,12 @@ class OmniModels:
     platform: Platform
     plan: MemoryPlan | None = None  # how the KV caches were sized (pipeline/memory.py)
     graph: StageGraph | None = None  # the stages and what crosses between them (set by load_models)
-    input_sample_rate: int = INPUT_SAMPLE_RATE
     output_sample_rate: int = OUTPUT_SAMPLE_RATE
+
+    @property
+    def input_sample_rate(self) -> int:
+        """The rate the checkpoint's feature extractor takes audio at."""
+        return self.encoder.sample_rate
 
     def capture_graphs(self) -> None:
         """Capture the steps of every stage loaded here whose profile allows graphs (no-op otherwise), and
@@ -107,14 +111,14 @@ def load_models(cfg: EngineConfig, platform: Platform, stages: tuple[str, ...] =
     # grouped_mm captures in bf16; other dtypes fall back to a kernel that reads group sizes on the host
     graph_moe = "batched_mm" if moe == "grouped_mm" and dtype != torch.bfloat16 else None
     in_place = _in_place(cfg.attention, platform)
-    hf, tokenizer, _ = load_hf_model(cfg.model, cfg.load_format, dtype, device, moe, frozenset(stages))
+    hf, tokenizer, path = load_hf_model(cfg.model, cfg.load_format, dtype, device, moe, frozenset(stages))
     log.info("weights of %s: %.2f GiB on %s (%s, experts: %s, attention: %s, compile: %s)", "+".join(stages),
              platform.memory_allocated(device) / 2**30, device, cfg.dtype, moe, "slots" if in_place else "dense",
              cfg.compile)
     hc = hf.config
     plan = memory_plan(hf, cfg, stages, platform)
     audio = hc.thinker_config.audio_config
-    encoder = PromptEncoder(tokenizer, audio.n_window, audio.num_mel_bins)
+    encoder = PromptEncoder.from_checkpoint(path, tokenizer, audio)
     thinker = talker = code2wav = None
     kv_bytes = {}
     if "thinker" in stages:

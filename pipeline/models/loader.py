@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from pipeline.models.qwen3_omni import released
-from pipeline.models.tiny import ensure_tiny_model
+from pipeline.models.tiny import ensure_tiny_model, init_talker_experts
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,9 @@ PARTS = ("thinker", "talker", "code2wav")  # the submodules of Qwen3OmniMoeForCo
 
 def load_hf_model(model: str, load_format: str, dtype: torch.dtype, device: torch.device,
                   moe_backend: str = "eager", parts: frozenset[str] = frozenset(PARTS)):
-    """Returns (Qwen3OmniMoeForConditionalGeneration in eval mode, tokenizer, path or None). Only the
+    """Returns (Qwen3OmniMoeForConditionalGeneration in eval mode, tokenizer, the folder the tokenizer and the
+    prompt configuration come from: the checkpoint's, or the tiny model's for dummy weights of the released
+    architecture without a checkpoint). Only the
     submodules in `parts` hold weights on `device`; the others are left on the meta device (no memory).
     A checkpoint is read whole into host memory (memory-mapped safetensors), then pared down."""
     from transformers import Qwen3OmniMoeForConditionalGeneration
@@ -95,8 +97,8 @@ def _dummy(model: str, dtype: torch.dtype, device: torch.device, parts: frozense
     except ModelNotFoundError:
         if model not in released.ALIASES:
             raise
-        path = None
-        tokenizer = _tokenizer(ensure_tiny_model())
+        path = ensure_tiny_model()
+        tokenizer = _tokenizer(path)
         config = released.released_config(tokenizer)
     log.info("dummy weights: building %s (%s) with random weights on %s", model, "+".join(sorted(parts)), device)
     default = torch.get_default_dtype()
@@ -104,11 +106,16 @@ def _dummy(model: str, dtype: torch.dtype, device: torch.device, parts: frozense
     try:
         with torch.device("meta"):
             hf = Qwen3OmniMoeForConditionalGeneration._from_config(config, dtype=dtype)
-        with torch.device(device):
+        # seeded, so that every start builds the same random weights (runs compare on the same near-ties)
+        cuda = [device] if torch.device(device).type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda), torch.device(device):
+            torch.manual_seed(0)
             for part in PARTS:
                 if part in parts and hasattr(hf, part):
                     setattr(hf, part, type(getattr(hf, part))._from_config(getattr(config, f"{part}_config"),
                                                                            dtype=dtype))
+            if "talker" in parts and hasattr(hf, "talker"):
+                init_talker_experts(hf.talker)
     finally:
         torch.set_default_dtype(default)
     return hf, tokenizer, path

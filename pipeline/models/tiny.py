@@ -4,7 +4,8 @@ It exists so that the whole pipeline (audio encoder, thinker MoE, talker MoE + c
 code2wav with the real x1920 upsampling and 16 codebooks) runs on a CPU in seconds. It is built
 deterministically (fixed seed) on first use into a cache folder and then loaded through the same
 `from_pretrained` path as a real checkpoint. The tokenizer is NOT Qwen's: it is a byte-level BPE
-trained here on inline text, with the Qwen-Omni special tokens appended in Qwen's order.
+trained here on inline text, with the Qwen-Omni special tokens appended in Qwen's order. Its prompt
+configuration is the released model's: the chat template and the feature extractor's settings.
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ from pathlib import Path
 
 import torch
 
+from pipeline.models.qwen3_omni import released
+
 log = logging.getLogger(__name__)
 
-TINY_VERSION = "v1"
+TINY_VERSION = "v2-prompt"  # the released chat template and feature extractor; the Talker experts initialised
 SEED = 1234
 
 # Qwen-Omni special tokens in the order the real vocabulary has them (151643.. there).
@@ -37,14 +40,6 @@ NAMED_TOKENS = {
     "vision_bos_token": "<|vision_start|>", "vision_eos_token": "<|vision_end|>",
     "audio_bos_token": "<|audio_start|>", "audio_eos_token": "<|audio_end|>",
 }
-CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for c in message['content'] %}"
-    "{% if c['type'] == 'audio' %}<|audio_start|><|audio_pad|><|audio_end|>"
-    "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}"
-    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 _TRAINING_TEXT = ["system", "user", "assistant"] * 10 + [
     "Hello, how are you today? I am a tiny test model that speaks.",
     "The quick brown fox jumps over the lazy dog near the river bank.",
@@ -91,10 +86,32 @@ def _build(out: Path) -> None:
     with torch.random.fork_rng():
         torch.manual_seed(SEED)
         model = Qwen3OmniMoeForConditionalGeneration(config)
+        init_talker_experts(model.talker)
         _audible_code2wav(model.code2wav)
     model.save_pretrained(out)
     tok.save_pretrained(out)
+    _save_prompt_config(out)
     (out / "omnirt.json").write_text(json.dumps({"tiny_version": TINY_VERSION, "seed": SEED}))
+
+
+def _save_prompt_config(out: Path) -> None:
+    """What the released checkpoint prompts with: its chat template (chat_template.json) and feature extractor."""
+    from transformers import WhisperFeatureExtractor
+
+    (out / "chat_template.json").write_text(json.dumps({"chat_template": released.CHAT_TEMPLATE.read_text()}))
+    WhisperFeatureExtractor(**released.FEATURE_EXTRACTOR).save_pretrained(out)
+
+
+def init_talker_experts(talker: torch.nn.Module) -> None:
+    """transformers leaves the Talker's fused expert weights as allocated (uninitialised memory: a build that
+    differs run to run, NaN at times); they get the init every other weight gets (normal, std 0.02). Used
+    for the tiny model's build and for `--load-format dummy`."""
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeTalkerTextExperts
+
+    for module in talker.modules():
+        if isinstance(module, Qwen3OmniMoeTalkerTextExperts):
+            for param in module.parameters():
+                torch.nn.init.normal_(param, std=talker.config.initializer_range)
 
 
 def _audible_code2wav(code2wav: torch.nn.Module) -> None:
@@ -130,7 +147,6 @@ def build_tokenizer():
         extra_special_tokens=NAMED_TOKENS,
     )
     tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
-    tok.chat_template = CHAT_TEMPLATE
     return tok
 
 

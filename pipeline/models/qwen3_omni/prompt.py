@@ -1,21 +1,29 @@
-"""Chat messages -> Qwen3-Omni thinker inputs (ChatML ids with expanded audio placeholders + mel features),
-and the prompt's cache key: what a resident KV prefix must equal to be reused."""
+"""Chat messages -> Qwen3-Omni thinker inputs (the checkpoint's chat template, audio placeholders expanded as
+its processor does, mel features from its feature extractor), and the prompt's cache key: what a resident KV
+prefix must equal to be reused."""
 
 from __future__ import annotations
 
 import hashlib
+import json
+import logging
 from dataclasses import dataclass
+from pathlib import Path
 
+import jinja2
 import numpy as np
 import torch
 from transformers import WhisperFeatureExtractor
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import _get_feat_extract_output_lengths
 
-from pipeline.api import Message
+from pipeline.api import Message, RequestError
 from pipeline.prefix_cache import common_prefix
 
-INPUT_SAMPLE_RATE = 16000
-N_FFT = 400  # the STFT window; its reflect padding needs more input than half of it
+log = logging.getLogger(__name__)
+
+
+class PromptConfigError(ValueError):
+    """The checkpoint lacks (or has a wrong) chat template or preprocessor config."""
 
 
 @dataclass(slots=True)
@@ -62,18 +70,37 @@ class PromptKey:
 
 
 class PromptEncoder:
-    """Renders ChatML the way Qwen3-Omni's template does: each audio part becomes
-    <|audio_start|> + one <|audio_pad|> per encoder output frame + <|audio_end|>."""
+    """Renders messages the way the checkpoint's own processor (`Qwen3OmniMoeProcessor`) does: its chat
+    template, then each <|audio_pad|> the template wrote expanded to one per encoder output frame, with the
+    mel features from its feature extractor. `tools` (OpenAI function specs) and `tool` / assistant
+    `tool_calls` messages go to the template as they are."""
 
-    def __init__(self, tokenizer, n_window: int, num_mel_bins: int):
+    def __init__(self, tokenizer, chat_template: str, features: WhisperFeatureExtractor, n_window: int):
         self.tokenizer = tokenizer
-        self.im_start_id = tokenizer.convert_tokens_to_ids("<|im_start|>")  # each message starts with it
-        self.audio_id = tokenizer.convert_tokens_to_ids("<|audio_pad|>")
+        self.chat_template = chat_template
+        self.features = features
         self.n_window = n_window
-        self.features = WhisperFeatureExtractor(feature_size=num_mel_bins, sampling_rate=INPUT_SAMPLE_RATE,
-                                                hop_length=160, n_fft=N_FFT, return_attention_mask=True)
+        self.im_start_id = tokenizer.convert_tokens_to_ids("<|im_start|>")  # each message starts with it
+        self.audio_token = tokenizer.audio_token
+        self.audio_id = tokenizer.convert_tokens_to_ids(self.audio_token)
 
-    def encode(self, messages: list[Message]) -> EncodedPrompt:
+    @classmethod
+    def from_checkpoint(cls, path: Path, tokenizer, audio_config) -> PromptEncoder:
+        """The checkpoint's own prompt processing: its chat template and `preprocessor_config.json`. A
+        checkpoint without either fails here, at load, rather than prompting the model in a made-up format."""
+        features = _feature_extractor(path)
+        if features.feature_size != audio_config.num_mel_bins:
+            raise PromptConfigError(f"{path / 'preprocessor_config.json'}: feature_size {features.feature_size} "
+                                    f"!= the audio encoder's num_mel_bins {audio_config.num_mel_bins}")
+        return cls(tokenizer, chat_template(path, tokenizer), features, audio_config.n_window)
+
+    @property
+    def sample_rate(self) -> int:
+        return self.features.sampling_rate
+
+    def encode(self, messages: list[Message], tools: list[dict] | None = None) -> EncodedPrompt:
+        if not messages:  # the released template (and transformers) render no prompt for no messages
+            raise RequestError("there is nothing to answer: no messages (nor instructions)", "messages")
         audios = [p["audio"] for m in messages if not isinstance(m["content"], str)
                   for p in m["content"] if p["type"] == "audio"]
         feats = mask = None
@@ -81,7 +108,7 @@ class PromptEncoder:
         if audios:
             feats, mask = self._features(audios)
             audio_tokens = [int(_get_feat_extract_output_lengths(n, self.n_window)) for n in mask.sum(-1)]
-        text = self._render(messages, iter(audio_tokens))
+        text = self._expand(self._render(messages, tools), audio_tokens)
         ids = self.tokenizer(text, add_special_tokens=False).input_ids
         starts = [i for i, t in enumerate(ids) if t == self.im_start_id] + [len(ids)]
         spans = _runs(ids, self.audio_id)
@@ -89,11 +116,32 @@ class PromptEncoder:
                              message_tokens=[b - a for a, b in zip(starts, starts[1:])], audio_spans=spans,
                              cache_key=_cache_key(ids, spans, feats, mask))
 
+    def _render(self, messages: list[Message], tools: list[dict] | None) -> str:
+        """The template's text; audio parts go in without their samples (the template only asks their type)."""
+        plain = [m if isinstance(m["content"], str) else
+                 {**m, "content": [{"type": "audio"} if p["type"] == "audio" else p for p in m["content"]]}
+                 for m in messages]
+        try:
+            return self.tokenizer.apply_chat_template(plain, tools=tools, chat_template=self.chat_template,
+                                                      tokenize=False, add_generation_prompt=True)
+        except (jinja2.TemplateError, TypeError, ValueError) as exc:
+            # e.g. the released template's `tools` branch takes only a string system message
+            raise RequestError(f"the model's chat template cannot render these messages: {exc}", "messages") from exc
+
+    def _expand(self, text: str, audio_tokens: list[int]) -> str:
+        """Each audio placeholder the template wrote, repeated once per encoder output frame of its audio."""
+        pieces = text.split(self.audio_token)
+        if len(pieces) - 1 != len(audio_tokens):
+            raise RequestError(f"the model's chat template wrote {len(pieces) - 1} audio placeholders for the "
+                               f"{len(audio_tokens)} audio parts of these messages", "messages")
+        return pieces[0] + "".join(self.audio_token * n + rest for n, rest in zip(audio_tokens, pieces[1:]))
+
     def _features(self, audios: list) -> tuple[torch.Tensor, torch.Tensor]:
         """Mel features [n, mel, frames] and their mask, each audio extracted alone and padded after: an
         audio's features (so its tokens, and the cache key) never depend on the other audios of the prompt."""
-        outs = [self.features(_at_least_one_window(a), sampling_rate=INPUT_SAMPLE_RATE, return_attention_mask=True,
-                              padding="longest", truncation=False, return_tensors="pt") for a in audios]
+        outs = [self.features(self._at_least_one_window(a), sampling_rate=self.sample_rate,
+                              return_attention_mask=True, padding="longest", truncation=False,
+                              return_tensors="pt") for a in audios]
         frames = max(o.input_features.shape[-1] for o in outs)
         feats = torch.cat([torch.nn.functional.pad(o.input_features, (0, frames - o.input_features.shape[-1]))
                            for o in outs])
@@ -101,25 +149,34 @@ class PromptEncoder:
                           for o in outs])
         return feats, mask
 
-    @staticmethod
-    def _render(messages: list[Message], audio_tokens) -> str:
-        out = []
-        for m in messages:
-            content = m["content"]
-            if not isinstance(content, str):
-                content = "".join(
-                    p["text"] if p["type"] == "text"
-                    else "<|audio_start|>" + "<|audio_pad|>" * next(audio_tokens) + "<|audio_end|>"
-                    for p in content)
-            out.append(f"<|im_start|>{m['role']}\n{content}<|im_end|>\n")
-        out.append("<|im_start|>assistant\n")
-        return "".join(out)
+    def _at_least_one_window(self, audio) -> np.ndarray:
+        """Audio shorter than one STFT window (25 ms), zero-padded to it: the feature extractor fails on less."""
+        audio = np.asarray(audio, dtype=np.float32)
+        return np.pad(audio, (0, max(0, self.features.n_fft - audio.size)))
 
 
-def _at_least_one_window(audio) -> np.ndarray:
-    """Audio shorter than one STFT window (25 ms), zero-padded to it: the feature extractor fails on less."""
-    audio = np.asarray(audio, dtype=np.float32)
-    return np.pad(audio, (0, max(0, N_FFT - audio.size)))
+def chat_template(path: Path, tokenizer) -> str:
+    """The checkpoint's chat template, where its processor would find it: `chat_template.json` (as the released
+    checkpoint ships it), `chat_template.jinja`, then the tokenizer config's."""
+    if (path / "chat_template.json").is_file():
+        template = json.loads((path / "chat_template.json").read_text()).get("chat_template")
+    elif (path / "chat_template.jinja").is_file():
+        template = (path / "chat_template.jinja").read_text()
+    else:
+        template = tokenizer.chat_template
+    if not isinstance(template, str) or not template:
+        raise PromptConfigError(f"{path} has no chat template (chat_template.json, chat_template.jinja or "
+                                "tokenizer_config.json's chat_template); omnirt renders prompts only with the "
+                                "checkpoint's own template")
+    log.info("chat template from %s", path)
+    return template
+
+
+def _feature_extractor(path: Path) -> WhisperFeatureExtractor:
+    if not (path / "preprocessor_config.json").is_file():
+        raise PromptConfigError(f"{path} has no preprocessor_config.json: the audio features' settings (mel bins, "
+                                "sample rate, hop) come only from the checkpoint")
+    return WhisperFeatureExtractor.from_pretrained(path, local_files_only=True)
 
 
 def _runs(ids: list[int], token: int) -> tuple[tuple[int, int], ...]:

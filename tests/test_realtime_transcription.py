@@ -1,0 +1,265 @@
+"""Transcripts of the user (`audio.input.transcription` / `input_audio_transcription`): the settings of both
+generations, and the session layer driven in-process over the tiny engine: the events and their order,
+the transcript in the item, the start after the reply's first audio, barge-in, deleting the item, a
+failure mid-way (`.failed`), and closing the session mid-transcription (nothing leaks, nothing after)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+
+from app.audio.vad import VadBatcher
+from app.realtime.config import SessionConfig, apply_session_update, initial_config, session_object
+from app.realtime.events import ProtocolError
+from app.realtime.session import RealtimeLimits, RealtimeSession
+from app.realtime.transcription import INSTRUCTION, MAX_PENDING, TranscriptionConfig, transcription_messages
+from tests.realtime_helpers import espeak_utterance
+
+VOICES = ("chelsie", "ethan")
+EVENT = "conversation.item.input_audio_transcription"
+GA_ON = {"audio": {"input": {"transcription": {"model": "tiny"}}}, "max_output_tokens": 16}
+LONG_AUDIO = {"max_output_tokens": 30, "talker_sampling": {"min_tokens": 2000, "max_tokens": 2000}}
+
+
+def test_transcription_settings_of_both_generations():
+    cfg = SessionConfig(model="tiny", voice="ethan")
+    ga = apply_session_update(cfg, {"audio": {"input": {"transcription": {"model": "whisper-1", "language": "en",
+                                                                           "prompt": "omnirt, Qwen"}}}}, VOICES)
+    assert ga.transcription == TranscriptionConfig("whisper-1", "en", "omnirt, Qwen")
+    beta = apply_session_update(cfg, {"input_audio_transcription": {}}, VOICES)
+    assert beta.transcription == TranscriptionConfig("tiny")  # the session's model when none is named
+    assert session_object(ga, "s", beta=False)["audio"]["input"]["transcription"] == {
+        "model": "whisper-1", "language": "en", "prompt": "omnirt, Qwen"}
+    echoed = session_object(beta, "s", beta=True)
+    assert echoed["input_audio_transcription"] == {"model": "tiny", "language": None, "prompt": None}
+    assert apply_session_update(beta, {k: v for k, v in echoed.items() if k != "object"}, VOICES) == beta  # sent back
+    assert apply_session_update(ga, {"audio": {"input": {"transcription": None}}}, VOICES).transcription is None
+    assert apply_session_update(ga, {"instructions": "x"}, VOICES).transcription == ga.transcription  # kept
+    for bad, param, code in [
+            ({"input_audio_transcription": {"model": "whisper-2"}}, "session.input_audio_transcription.model",
+             "invalid_value"),
+            ({"audio": {"input": {"transcription": {"model": 7}}}}, "session.audio.input.transcription.model",
+             "invalid_type"),
+            ({"audio": {"input": {"transcription": "whisper-1"}}}, "session.audio.input.transcription",
+             "invalid_type"),
+            ({"input_audio_transcription": {"language": "English"}}, "session.input_audio_transcription.language",
+             "invalid_value"),
+            ({"input_audio_transcription": {"prompt": "x" * 2001}}, "session.input_audio_transcription.prompt",
+             "invalid_value"),
+            ({"input_audio_transcription": {"delay": "low"}}, "session.input_audio_transcription.delay",
+             "unsupported_parameter"),
+            ({"input_audio_transcription": {"bogus": 1}}, "session.input_audio_transcription.bogus",
+             "unknown_parameter")]:
+        with pytest.raises(ProtocolError) as err:
+            apply_session_update(cfg, bad, VOICES)
+        assert (err.value.param, err.value.code) == (param, code)
+
+
+def test_the_prompt_is_a_plain_message_list():
+    audio = np.zeros(1600, np.float32)
+    system, user = transcription_messages(audio, TranscriptionConfig("tiny", "fr", "a cooking show"))
+    assert system["role"] == "system" and system["content"].startswith(INSTRUCTION)
+    assert "'fr'" in system["content"] and system["content"].endswith("Context: a cooking show")
+    assert user["role"] == "user" and user["content"][0]["type"] == "audio" and user["content"][0]["audio"] is audio
+
+
+class Recorder:
+    """A session over the in-process engine whose events are all kept; `submits` notes, for each engine
+    request, whether the session's response had sent its first audio when it was submitted."""
+
+    def __init__(self, engine, session_update: dict):
+        self.engine, self.events, self.submits, self.aborted, self.update = engine, [], [], [], session_update
+        self.session = RealtimeSession(self, initial_config(engine.info(), "tiny", ""), RealtimeLimits(), VadBatcher())
+
+    def info(self):
+        return self.engine.info()
+
+    def abort(self, request_id: str, error: str | None = None) -> None:
+        self.aborted.append(request_id)
+        self.engine.abort(request_id, error)
+
+    def submit(self, req):
+        reply = self.session.response
+        self.submits.append((req.request_id, None if reply is None else reply.has_output))
+        return self.engine.submit(req)
+
+    async def __aenter__(self):
+        await self.session.start()
+        self.reader = asyncio.create_task(self._drain())
+        await self.send({"type": "session.update", "session": self.update})
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.session.close()
+        await self.reader
+
+    async def _drain(self):
+        while (ev := await self.session.outbox.get()) is not None:
+            self.events.append(ev)
+
+    async def send(self, event: dict) -> None:
+        await self.session.handle_event(event)
+
+    async def speak(self, samples: np.ndarray) -> None:
+        for i in range(0, len(samples), 2400):  # 100 ms at 24 kHz
+            await self.session.append_audio(samples[i:i + 2400], 24000)
+
+    async def until(self, predicate, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout  # a guard against a hang, not a bound
+        while not predicate(self.events):
+            assert time.monotonic() < deadline, [e["type"] for e in self.events][-10:]
+            await asyncio.sleep(0.05)
+
+    def of(self, kind: str, item_id: str | None = None) -> list[dict]:
+        return [e for e in self.events if e["type"] == kind and item_id in (None, e.get("item_id"))]
+
+
+def _types(events: list[dict]) -> list[str]:
+    return [e["type"] for e in events]
+
+
+def _ended(item_id: str):
+    return lambda events: any(e["type"] in (f"{EVENT}.completed", f"{EVENT}.failed") and e["item_id"] == item_id
+                              for e in events)
+
+
+@pytest.fixture(scope="module")
+def utterance(tmp_path_factory):
+    return espeak_utterance(tmp_path_factory.mktemp("speech"))[0]
+
+
+async def test_a_vad_turn_is_transcribed_after_the_replys_first_audio(engine, utterance):
+    """Server VAD: the user item, then the reply; the transcription is submitted only once the reply sent
+    its first audio; its deltas add up to `.completed`'s transcript, which the item then holds."""
+    async with Recorder(engine, GA_ON) as rec:
+        await rec.speak(utterance)
+        committed = (await _wait(rec, "input_audio_buffer.committed"))["item_id"]
+        await rec.until(lambda ev: _ended(committed)(ev) and "response.done" in _types(ev))
+        await rec.send({"type": "conversation.item.retrieve", "item_id": committed})
+        await rec.until(lambda ev: "conversation.item.retrieved" in _types(ev))
+    kinds = _types(rec.events)
+    (transcription_id, had_output), = [s for s in rec.submits if s[0].startswith("transcription")]
+    assert had_output is True and rec.submits[0][0].startswith("resp")  # the reply went first, and sent audio
+    deltas, (done,) = rec.of(f"{EVENT}.delta", committed), rec.of(f"{EVENT}.completed", committed)
+    assert deltas and "".join(d["delta"] for d in deltas) == done["transcript"] and done["transcript"]
+    assert all(d["content_index"] == 0 for d in deltas) and done["content_index"] == 0
+    assert kinds.index("conversation.item.done") < kinds.index(f"{EVENT}.delta")
+    assert kinds.index("response.output_audio.delta") < kinds.index(f"{EVENT}.delta")
+    usage = done["usage"]
+    assert usage["type"] == "tokens" and usage["output_tokens"] >= len(deltas) and usage["input_tokens"] > 10
+    assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
+    retrieved = rec.of("conversation.item.retrieved")[0]["item"]
+    assert retrieved["content"] == [{"type": "input_audio", "transcript": done["transcript"]}]
+    assert not rec.of("error") and engine.num_active_requests == 0
+
+
+async def test_transcription_survives_barge_in_and_keeps_turn_order(engine, utterance):
+    """The user talks over a long reply: the reply is cancelled, and both turns' transcripts complete, in
+    the order of the turns."""
+    update = {"audio": {"input": {"transcription": {"model": "tiny"},
+                                  "turn_detection": {"type": "server_vad", "create_response": False}}}}
+    async with Recorder(engine, update) as rec:
+        await rec.speak(utterance)
+        first = (await _wait(rec, "input_audio_buffer.committed"))["item_id"]
+        await rec.send({"type": "response.create", "response": LONG_AUDIO})
+        await rec.until(lambda ev: "response.output_audio.delta" in _types(ev))
+        await rec.speak(utterance)  # barge-in
+        await rec.until(lambda ev: len([e for e in ev if e["type"] == "input_audio_buffer.committed"]) == 2)
+        second = rec.of("input_audio_buffer.committed")[1]["item_id"]
+        await rec.until(lambda ev: _ended(first)(ev) and _ended(second)(ev) and "response.done" in _types(ev))
+    done = [e for e in rec.events if e["type"] == f"{EVENT}.completed"]
+    assert [e["item_id"] for e in done] == [first, second] and all(e["transcript"] for e in done)
+    cancelled = rec.of("response.done")[0]["response"]["status_details"]
+    assert cancelled == {"type": "cancelled", "reason": "turn_detected"}
+    assert not rec.of(f"{EVENT}.failed") and engine.num_active_requests == 0
+
+
+async def _wait(rec: Recorder, kind: str) -> dict:
+    await rec.until(lambda ev: kind in _types(ev))
+    return rec.of(kind)[0]
+
+
+MANUAL = {"audio": {"input": {"transcription": {"model": "tiny"}, "turn_detection": None}}}
+
+
+async def _commit(rec: Recorder, samples: np.ndarray) -> str:
+    num_commits = len(rec.of("input_audio_buffer.committed"))
+    await rec.speak(samples)
+    await rec.send({"type": "input_audio_buffer.commit"})
+    await rec.until(lambda ev: len(rec.of("input_audio_buffer.committed")) > num_commits)
+    return rec.of("input_audio_buffer.committed")[-1]["item_id"]
+
+
+async def test_a_failure_mid_way_is_a_failed_event_and_the_session_goes_on(engine, utterance):
+    """The engine ends the transcription with an error after its first delta: `.failed` in OpenAI's shape,
+    the item keeps no transcript, and the next turn is transcribed."""
+    async with Recorder(engine, MANUAL) as rec:
+        item = await _commit(rec, utterance)
+        await rec.until(lambda ev: rec.of(f"{EVENT}.delta", item))
+        engine.abort(rec.submits[-1][0], "the server is shutting down")
+        await rec.until(_ended(item))
+        again = await _commit(rec, utterance)
+        await rec.until(_ended(again))
+    (failed,) = rec.of(f"{EVENT}.failed", item)
+    assert failed["content_index"] == 0 and failed["error"] == {
+        "type": "server_error", "code": "transcription_failed", "message": "the server is shutting down", "param": None}
+    assert not rec.of(f"{EVENT}.completed", item) and rec.of(f"{EVENT}.completed", again)
+    assert rec.session.conversation.get(item).content[0].transcript is None
+    assert engine.num_active_requests == 0
+
+
+async def test_deleting_the_item_stops_its_transcription(engine, utterance):
+    async with Recorder(engine, MANUAL) as rec:
+        item = await _commit(rec, np.tile(utterance, 4))
+        await rec.until(lambda ev: rec.of(f"{EVENT}.delta", item))
+        await rec.send({"type": "conversation.item.delete", "item_id": item})
+        num_events = len(rec.events)
+        await _settle(engine)
+    assert rec.aborted == [rec.submits[-1][0]]  # the transcription, in the engine
+    assert "conversation.item.deleted" in _types(rec.events[num_events - 1:])
+    assert not [e for e in rec.events[num_events:] if e["type"].startswith(EVENT)]
+    assert not rec.of(f"{EVENT}.completed") and not rec.of(f"{EVENT}.failed")
+
+
+async def test_closing_mid_transcription_leaks_nothing_and_sends_nothing_after(engine, utterance):
+    """A long turn's transcription is running when the session closes: the engine frees its slot, and no
+    transcription event follows the close."""
+    async with Recorder(engine, MANUAL) as rec:
+        item = await _commit(rec, np.tile(utterance, 4))
+        await rec.until(lambda ev: rec.of(f"{EVENT}.delta", item))
+        assert engine.num_active_requests == 1
+    num_events = len(rec.events)
+    await _settle(engine)
+    assert rec.aborted == [rec.submits[-1][0]] and rec.submits[-1][0].startswith("transcription")
+    assert len(rec.events) == num_events and not rec.of(f"{EVENT}.completed")
+
+
+async def _settle(engine) -> None:
+    """Until the engine has no request left and every slot free (a guard against a hang, not a bound)."""
+    deadline = time.monotonic() + 30
+    while (engine.num_active_requests or engine.num_free_slots() != engine.num_slots()) and \
+            time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert engine.num_active_requests == 0 and engine.num_free_slots() == engine.num_slots()
+
+
+async def test_a_burst_of_commits_beyond_the_queue_fails_at_once(engine):
+    """Twenty short commits in a row: at most `MAX_PENDING` wait, the later ones fail at once
+    (`transcription_queue_full`); every turn gets exactly one end, and those that ran complete in order."""
+    tone = (0.3 * np.sin(np.arange(4800) / 5)).astype(np.float32)  # 0.2 s
+    async with Recorder(engine, MANUAL) as rec:
+        for _ in range(20):  # without waiting for the events in between
+            await rec.speak(tone)
+            await rec.send({"type": "input_audio_buffer.commit"})
+        await rec.until(lambda ev: len(rec.of("input_audio_buffer.committed")) == 20)
+        items = [e["item_id"] for e in rec.of("input_audio_buffer.committed")]
+        await rec.until(lambda ev: all(_ended(i)(ev) for i in items))
+    ends = [e for e in rec.events if e["type"] in (f"{EVENT}.completed", f"{EVENT}.failed")]
+    assert sorted(e["item_id"] for e in ends) == sorted(items)
+    full = [e["item_id"] for e in ends if e["type"].endswith("failed")]
+    assert full and all(e["error"]["code"] == "transcription_queue_full" for e in rec.of(f"{EVENT}.failed"))
+    done = [e["item_id"] for e in ends if e["type"].endswith("completed")]
+    assert len(done) >= MAX_PENDING and done == [i for i in items if i not in full]  # in commit order
