@@ -278,3 +278,13 @@ def test_device_the_host_lacks_names_the_key(monkeypatch):
     cfg = load_profile(DEPLOY / "qwen3_omni_moe_multi_replicas.yaml", "cuda")  # devices "1,2" on a 2-GPU host
     with pytest.raises(ProfileError, match=r"stages\[1\]\.devices '1,2' names a device this host does not have"):
         make_stage("talker", cfg, models=None, on_step=lambda *a: None)
+
+
+@pytest.mark.parametrize("profile", sorted(p.name for p in DEPLOY.glob("qwen3_omni_moe*.yaml")))
+def test_gpu_profiles_keep_fixed_kv_sizing_on_the_cpu(profile):
+    """Their fractions are of a GPU: on the CPU (a host that runs other things) each stage gets max_num_seqs
+    slots."""
+    cpu, cuda = load_profile(DEPLOY / profile, "cpu"), load_profile(DEPLOY / profile, "cuda")
+    assert cpu.gpu_memory_utilization is None and all(s.gpu_memory_utilization is None for s in cpu.stages)
+    assert profile == "qwen3_omni_moe_ray.yaml" or cuda.gpu_memory_utilization or any(
+        s.gpu_memory_utilization for s in cuda.stages)
