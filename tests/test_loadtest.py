@@ -115,7 +115,9 @@ def test_bench_realtime_abusive_session_leaves_others_whole(tmp_path):
     events and wrong-format audio, and stops reading, in turn: every normal turn is answered with audio
     and no normal session sees an error either time; the abuser gets its errors, and is closed (1008,
     with the reason) for the flood and for not reading."""
-    srv = ServerProcess(["--realtime-audio-burst-s", "2", "--slow-client-timeout", "3",
+    # a 6 s burst: the flood (0.5 s appends as fast as the socket takes them) passes it within a second, while a
+    # normal client whose process a loaded machine stalls for a few seconds does not, when it catches up
+    srv = ServerProcess(["--realtime-audio-burst-s", "6", "--slow-client-timeout", "3",
                          "--realtime-max-sessions", "40"])
     try:
         run = subprocess.run([sys.executable, "-m", "app.cli", "bench", "realtime", "--url", srv.url,
