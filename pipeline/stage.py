@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from pipeline.connector import Command, StageMessage
+from pipeline.grammar import GrammarMasks
 from pipeline.request import Finish, Output, RequestStatus, StageRequest, StepResult
 from pipeline.sampling import Sampler
 from pipeline.scheduler import Batch, StepOutput
@@ -35,19 +36,22 @@ class ARRunner:
     build the step's hand-off payloads from the sampled tokens while they are still on the device
     (`complete(requests, outputs, sampled rows, tokens)`, once per batch), then bring the tokens to the host."""
 
-    def __init__(self, model: Any, sampler: Sampler):
+    def __init__(self, model: Any, sampler: Sampler, masks: GrammarMasks | None = None):
         self.model = model
         self.sampler = sampler
+        self.masks = masks  # constrained decoding (requests with a `constraint`); None: the stage has none
         self.waited_s = 0.0  # seconds waiting for the device's sampled tokens
 
     def run(self, batch: Batch) -> list[StepOutput]:
         outs = self.model.run(batch)
         rows = [i for i, o in enumerate(outs) if o.logits is not None]
         reqs = [batch.requests[i] for i in rows]
+        constraints = [r.constraint for r in reqs]
         tokens = None
-        if rows:
+        if rows:  # the masks are filled on the host while the device computes the logits
+            bitmask = self.masks.fill(constraints) if self.masks is not None else None
             tokens = self.sampler(torch.stack([outs[i].logits for i in rows]), [r.sampling for r in reqs],
-                                  [r.output_ids for r in reqs], [r.generator for r in reqs])
+                                  [r.output_ids for r in reqs], [r.generator for r in reqs], bitmask)
         complete = getattr(self.model, "complete", None)
         if complete is not None:
             for o, payload in zip(outs, complete(batch.requests, outs, rows, tokens)):
@@ -58,6 +62,8 @@ class ARRunner:
             self.waited_s += time.perf_counter() - started
             for i, t in zip(rows, host):
                 outs[i].token = t
+            if self.masks is not None:
+                self.masks.accept(constraints, host)
         return outs
 
 

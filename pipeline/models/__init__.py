@@ -6,12 +6,14 @@ nor the Talker on its device, and captures only its own graphs."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from pipeline.attention import attend_in_place
 from pipeline.config import STAGE_NAMES, EngineConfig
+from pipeline.grammar import Grammars
 from pipeline.graph import StageGraph
 from pipeline.kv_cache import SlotKVCache
 from pipeline.models.loader import ModelNotFoundError, load_hf_model
@@ -19,6 +21,7 @@ from pipeline.models.qwen3_omni.code2wav import Code2WavModel, CodecWindow, fram
 from pipeline.models.qwen3_omni.prompt import INPUT_SAMPLE_RATE, EncodedPrompt, PromptEncoder
 from pipeline.models.qwen3_omni.talker import TalkerModel, TalkerState
 from pipeline.models.qwen3_omni.thinker import ThinkerModel, ThinkerRows, ThinkerState
+from pipeline.models.qwen3_omni.tools import CALL_START, ToolCallParser, tool_call_spec
 from pipeline.moe import use_fused_experts
 from pipeline.platform import Platform
 from pipeline.triton_runtime import available
@@ -44,6 +47,9 @@ class OmniModels:
     graph: StageGraph | None = None  # the stages and what crosses between them (set by load_models)
     input_sample_rate: int = INPUT_SAMPLE_RATE
     output_sample_rate: int = OUTPUT_SAMPLE_RATE
+    grammars: Grammars | None = None  # compiles the Thinker's constraints (its tokenizer and vocabulary)
+    tool_parser: Callable[[], ToolCallParser] = ToolCallParser  # the model's tool calls, out of its text
+    tool_call_spec: Callable[..., dict] = tool_call_spec  # the grammar that forces them
 
     def capture_graphs(self) -> None:
         """Capture the steps of every stage loaded here whose profile allows graphs (no-op otherwise)."""
@@ -112,7 +118,8 @@ def load_models(cfg: EngineConfig, platform: Platform, stages: tuple[str, ...] =
         th_cfg = cfg.stage("thinker")
         th_kv = _kv_for(hc.thinker_config.text_config, th_cfg, platform, dtype, in_place)
         thinker = ThinkerModel(hf.thinker, hc, th_kv, platform, th_cfg.enforce_eager, graph_moe,
-                               cfg.compiles("thinker", platform.supports_graphs))
+                               cfg.compiles("thinker", platform.supports_graphs),
+                               tokenizer.convert_tokens_to_ids(CALL_START))
         kv_bytes["thinker"] = thinker.kv.num_bytes
     has_talker = getattr(hf, "has_talker", False)
     if has_talker and "talker" in stages:
@@ -132,7 +139,9 @@ def load_models(cfg: EngineConfig, platform: Platform, stages: tuple[str, ...] =
     for stage, n in kv_bytes.items():
         log.info("%s KV cache: %.1f MiB", stage, n / 2**20)
     log.info("device memory after load: %.2f GiB allocated", platform.memory_allocated(device) / 2**30)
-    models = OmniModels(encoder, thinker, talker, code2wav, voices, tokenizer, kv_bytes, hf, platform)
+    models = OmniModels(encoder, thinker, talker, code2wav, voices, tokenizer, kv_bytes, hf, platform,
+                        grammars=Grammars(tokenizer, hc.thinker_config.text_config.vocab_size,
+                                          [hc.im_end_token_id]))
     models.graph = build_graph(hc, has_talker)
     return models
 

@@ -20,7 +20,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-TINY_VERSION = "v1"
+TINY_VERSION = "v2"  # v2: the tool and think markers are plain added tokens, as in Qwen's tokenizer
 SEED = 1234
 
 # Qwen-Omni special tokens in the order the real vocabulary has them (151643.. there).
@@ -53,6 +53,8 @@ _TRAINING_TEXT = ["system", "user", "assistant"] * 10 + [
     "Tell me a long story about a dragon, a castle and a brave knight.",
     "Numbers 0 1 2 3 4 5 6 7 8 9 and punctuation , . ! ? : ; - ' \"",
 ] * 20
+# Qwen's released tokenizer adds these as non-special tokens: decoded text keeps them (its tool-call parser reads it)
+TEXT_MARKERS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>")
 VOICES = ("chelsie", "ethan", "aiden")
 CODEBOOK = 64
 
@@ -129,7 +131,7 @@ def build_tokenizer():
         vocab=vocab, merges=merges, unk_token=None, eos_token="<|im_end|>", pad_token="<|endoftext|>",
         extra_special_tokens=NAMED_TOKENS,
     )
-    tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    tok.add_tokens([AddedToken(t, special=t not in TEXT_MARKERS, normalized=False) for t in SPECIAL_TOKENS])
     tok.chat_template = CHAT_TEMPLATE
     return tok
 

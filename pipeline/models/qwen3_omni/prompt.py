@@ -4,6 +4,7 @@ and the prompt's cache key: what a resident KV prefix must equal to be reused.""
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass
 
 import numpy as np
@@ -73,7 +74,8 @@ class PromptEncoder:
         self.features = WhisperFeatureExtractor(feature_size=num_mel_bins, sampling_rate=INPUT_SAMPLE_RATE,
                                                 hop_length=160, n_fft=N_FFT, return_attention_mask=True)
 
-    def encode(self, messages: list[Message]) -> EncodedPrompt:
+    def encode(self, messages: list[Message], tools: list[dict] | None = None) -> EncodedPrompt:
+        messages = with_tools(messages, tools or [])
         audios = [p["audio"] for m in messages if not isinstance(m["content"], str)
                   for p in m["content"] if p["type"] == "audio"]
         feats = mask = None
@@ -114,6 +116,45 @@ class PromptEncoder:
             out.append(f"<|im_start|>{m['role']}\n{content}<|im_end|>\n")
         out.append("<|im_start|>assistant\n")
         return "".join(out)
+
+
+TOOLS_HEAD = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+              "You are provided with function signatures within <tools></tools> XML tags:\n<tools>")
+TOOLS_TAIL = ("\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+              "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
+              "<args-json-object>}\n</tool_call>")
+
+
+def with_tools(messages: list[Message], tools: list[dict]) -> list[Message]:
+    """Tools, calls and results as Qwen3-Omni's released chat template renders them: the tool list in the
+    system turn, each assistant call as a <tool_call> block after its text, and consecutive tool results
+    as <tool_response> blocks of one user turn. (The checkpoint's template can replace this function.)"""
+    out: list[Message] = []
+    if tools:
+        first = messages[0] if messages and messages[0]["role"] == "system" else None
+        head = _text(first["content"]) + "\n\n" if first else ""
+        listed = "".join("\n" + json.dumps(t, ensure_ascii=False) for t in tools)
+        out.append({"role": "system", "content": head + TOOLS_HEAD + listed + TOOLS_TAIL})
+        messages = messages[1:] if first else messages
+    for m in messages:
+        if m["role"] == "tool":
+            block = f"<tool_response>\n{_text(m['content'])}\n</tool_response>"
+            if out and out[-1].get("tool_results"):
+                out[-1] = {**out[-1], "content": out[-1]["content"] + "\n" + block}
+            else:
+                out.append({"role": "user", "content": block, "tool_results": True})
+        elif m["role"] == "assistant" and m.get("tool_calls"):
+            calls = [f'<tool_call>\n{{"name": "{c["name"]}", "arguments": {c["arguments"]}}}\n</tool_call>'
+                     for c in m["tool_calls"]]
+            content = _text(m["content"])
+            out.append({"role": "assistant", "content": "\n".join(([content] if content else []) + calls)})
+        else:
+            out.append(m)
+    return out
+
+
+def _text(content: str | list) -> str:
+    return content if isinstance(content, str) else "".join(p.get("text", "") for p in content)
 
 
 def _at_least_one_window(audio) -> np.ndarray:
