@@ -102,13 +102,28 @@ class Grammars:
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
             compiler = self._compiler
         try:
-            if spec["type"] == "json_schema":
-                return compiler.compile_json_schema(json.dumps(spec["schema"]), any_whitespace=False)
-            if spec["type"] == "json_object":
-                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+            if spec["type"] in ("json_schema", "json_object"):
+                return compiler.compile_grammar(json_schema_ebnf(spec.get("schema", {"type": "object"})))
             return compiler.compile_structural_tag(spec["tag"])
         except (RuntimeError, ValueError, TypeError) as exc:
             raise ConstraintError.of("the schema", exc) from exc
+
+
+# xgrammar 0.2.9 writes a length-bounded string's characters as this class, which lets raw control characters
+# through (JSON allows them only escaped); its unbounded strings already exclude them
+_LOOSE_CHARS, _JSON_CHARS = r'[^\"\\\r\n]', r'[^\0-\x1f\"\\\r\n]'
+
+
+def json_schema_ebnf(schema: dict) -> str:
+    """The grammar (EBNF) of JSON text that matches `schema`, written as json.dumps writes it (no free
+    whitespace: a model with nothing to say cannot fill its budget with blanks). ConstraintError if invalid."""
+    import xgrammar as xgr
+
+    try:
+        ebnf = str(xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False))
+    except (RuntimeError, ValueError, TypeError) as exc:
+        raise ConstraintError.of("the schema", exc) from exc
+    return ebnf.replace(_LOOSE_CHARS, _JSON_CHARS)
 
 
 def response_format_spec(response_format: dict | None) -> dict | None:

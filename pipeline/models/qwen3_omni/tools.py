@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline.grammar import ConstraintError
+from pipeline.grammar import json_schema_ebnf
 
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
 _HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\S)')
@@ -22,21 +22,11 @@ def tool_call_spec(tools: list[dict], tool_choice: str | dict, parallel: bool) -
     named = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
     functions = [t["function"] for t in tools if named is None or t["function"]["name"] == named]
     tags = [{"type": "tag", "begin": f'{CALL_START}\n{{"name": {json.dumps(f["name"])}, "arguments": ',
-             "content": {"type": "grammar", "grammar": _compact_json(f.get("parameters") or {"type": "object"})},
+             "content": {"type": "grammar", "grammar": json_schema_ebnf(f.get("parameters") or {"type": "object"})},
              "end": f"}}\n{CALL_END}"} for f in functions]
     calls = {"type": "tags_with_separator", "tags": tags, "separator": "\n", "at_least_one": True,
              "stop_after_first": named is not None or not parallel}
     return {"type": "structural_tag", "tag": {"type": "structural_tag", "format": calls}}
-
-
-def _compact_json(schema: dict) -> str:
-    """The grammar (EBNF) of JSON that matches `schema`, written as json.dumps writes it (no free whitespace)."""
-    import xgrammar as xgr
-
-    try:
-        return str(xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False))
-    except (RuntimeError, ValueError, TypeError) as exc:
-        raise ConstraintError.of("the function's parameters", exc) from exc
 
 
 @dataclass(slots=True)
