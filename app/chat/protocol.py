@@ -15,9 +15,9 @@ from app.audio.pcm import AudioFormatError
 from app.audio.resample import resample
 from app.errors import APIError
 from app.fields import FieldError, FieldRule, rule
+from app.tools import FUNCTION_NAME
 
 NO_LIST, NO_MAP = (None, []), (None, {})  # an unserved field at one of these asks for nothing
-FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for function and schema names
 
 
 class _Open(BaseModel):

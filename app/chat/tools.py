@@ -5,53 +5,25 @@ terms, and a reply's calls in OpenAI's shapes (`message.tool_calls`, streamed `d
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
-from jsonschema import Draft202012Validator, SchemaError
-
-from app.chat.protocol import FUNCTION_NAME, ResponseFormat, Tool
+from app.chat.protocol import ResponseFormat, Tool
 from app.errors import APIError
-
-NAME = re.compile(FUNCTION_NAME)
+from app.fields import FieldError
+from app.tools import check_functions, check_schema, engine_tool_choice
 
 
 def check_tools(tools: list[Tool], tool_choice: Any) -> str | dict:
-    """The engine's tool_choice: "auto" when unset; APIError 400 for a bad schema, a repeated name, or a
-    tool_choice that is not "none", "auto", "required" or {"type": "function", "function": {"name"}} of a
-    listed tool."""
+    """The engine's tool_choice ("auto" when unset); APIError 400 for a bad tool or tool_choice."""
     names = [t.function.name for t in tools]
-    for i, tool in enumerate(tools):
-        where = f"tools.{i}.function"
-        if not NAME.match(tool.function.name):
-            raise APIError(400, f"{where}.name must be 1-64 letters, digits, '_' or '-'", f"{where}.name",
-                           "invalid_value")
-        if names.index(tool.function.name) != i:
-            raise APIError(400, f"two tools are named {tool.function.name!r}", f"{where}.name", "invalid_value")
-        check_schema(tool.function.parameters, f"{where}.parameters")
-    if tool_choice is None or tool_choice in ("none", "auto"):
-        return tool_choice or "auto"
-    if tool_choice == "required":
-        if not tools:
-            raise APIError(400, "tool_choice 'required' needs tools", "tool_choice", "invalid_value")
-        return tool_choice
-    name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
-    if not isinstance(tool_choice, dict) or tool_choice.get("type") != "function" or not isinstance(name, str):
-        raise APIError(400, 'tool_choice must be "none", "auto", "required" or {"type": "function", '
-                       '"function": {"name": ...}}', "tool_choice", "invalid_value")
-    if name not in names:
-        raise APIError(400, f"tool_choice names the function {name!r}, which is not in tools", "tool_choice",
-                       "invalid_value")
-    return {"type": "function", "function": {"name": name}}
-
-
-def check_schema(schema: dict | None, where: str) -> None:
-    if schema is None:
-        return
+    named = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) and tool_choice.get(
+        "type") == "function" and isinstance(tool_choice.get("function"), dict) else None
     try:
-        Draft202012Validator.check_schema(schema)
-    except SchemaError as exc:
-        raise APIError(400, f"{where} is not a valid JSON Schema: {exc.message}", where, "invalid_schema") from exc
+        check_functions([(t.function.name, t.function.parameters) for t in tools], "tools.{}.function")
+        return engine_tool_choice(tool_choice, named if isinstance(named, str) else None, names, "tool_choice",
+                                  '{"type": "function", "function": {"name": ...}}')
+    except FieldError as exc:
+        raise APIError(400, exc.message, exc.param, exc.code) from exc
 
 
 def engine_response_format(fmt: ResponseFormat | None) -> dict | None:
@@ -63,7 +35,10 @@ def engine_response_format(fmt: ResponseFormat | None) -> dict | None:
     if fmt.json_schema is None:
         raise APIError(400, "response_format json_schema needs its `json_schema` ({name, schema})",
                        "response_format.json_schema", "invalid_value")
-    check_schema(fmt.json_schema.schema_, "response_format.json_schema.schema")
+    try:
+        check_schema(fmt.json_schema.schema_, "response_format.json_schema.schema")
+    except FieldError as exc:
+        raise APIError(400, exc.message, exc.param, exc.code) from exc
     return {"type": "json_schema", "schema": fmt.json_schema.schema_}
 
 
