@@ -32,6 +32,14 @@ vad = st.none() | st.fixed_dictionaries({"type": st.sampled_from(["server_vad", 
     "threshold": st.floats(-1, 2), "silence_duration_ms": small_ints, "prefix_padding_ms": small_ints,
     "create_response": st.booleans(), "interrupt_response": st.booleans(), "eagerness": st.text(max_size=6)})
 opt = st.fixed_dictionaries  # every key optional: st.fixed_dictionaries({}, optional=...)
+tools = st.lists(sometimes_junk(opt({"type": st.just("function"), "name": st.sampled_from(["get_weather", "roll",
+                                                                                           "bad name"])},
+                                    optional={"description": sometimes_junk(st.text(max_size=8)),
+                                              "parameters": sometimes_junk(st.sampled_from([
+                                                  {"type": "object", "properties": {"a": {"type": "integer"}}},
+                                                  {"type": "objekt"}, {"$ref": "#/nope"}, {}]))})), max_size=2)
+tool_choice = st.sampled_from(["auto", "none", "required", "bogus"]) | opt(
+    {"type": st.just("function"), "name": st.sampled_from(["get_weather", "nope"])})
 session = opt({}, optional={
     "type": sometimes_junk(st.sampled_from(["realtime", "transcription"])), "instructions": sometimes_junk(text),
     "output_modalities": sometimes_junk(modalities), "modalities": sometimes_junk(modalities),
@@ -42,4 +50,5 @@ session = opt({}, optional={
                                                   "turn_detection": sometimes_junk(vad)})),
         "output": sometimes_junk(opt({}, optional={"format": sometimes_junk(fmt), "voice": sometimes_junk(voices)}))})),
     "temperature": sometimes_junk(st.floats(allow_nan=True, allow_infinity=True)),
-    "max_output_tokens": sometimes_junk(small_ints | st.just("inf")), "tools": sometimes_junk(st.just([]))})
+    "max_output_tokens": sometimes_junk(small_ints | st.just("inf")), "tools": sometimes_junk(tools),
+    "tool_choice": sometimes_junk(tool_choice)})

@@ -2,7 +2,7 @@
 generation (GA nested `audio.input/output`, beta flat fields) -> one frozen config, and back to the
 `session` object each dialect expects.
 
-Fields follow the one rule of `app/fields.py` (docs/api-fields.md): what omnirt cannot do (tools, input
+Fields follow the one rule of `app/fields.py` (docs/api-fields.md): what omnirt cannot do (input
 transcription, noise reduction, semantic VAD, out-of-band `input`, another speed) is accepted only at a
 value that asks for nothing (so a client may send back the `session` object it got) and refused with an
 `error` otherwise, as is any unknown field.
@@ -16,26 +16,29 @@ from typing import Any
 
 from app.audio.vad import VadConfig
 from app.audio.wire import FORMATS, FORMATS_BY_MIME, PCM16, AudioFormat
-from app.fields import FieldRule, rule
+from app.fields import FieldError, FieldRule, rule
 from app.realtime.events import ProtocolError, check_fields, require
+from app.tools import check_functions, engine_tool_choice
 from pipeline.api import EngineInfo
 
 MAX_OUTPUT_TOKENS = 4096
 _ECHOED = ("type", "object", "id", "expires_at")  # parts of a session object a client may send back
-_UNSERVED = {"tools": (None, []), "tool_choice": (None, "auto", "none"), "prompt": (None,), "include": (None, []),
-             "speed": (None, 1.0)}
+_UNSERVED = {"prompt": (None,), "include": (None, []), "speed": (None, 1.0)}
 SESSION_FIELDS = rule(
     ("audio", "instructions", "output_modalities", "modalities", "voice", "input_audio_format", "output_audio_format",
-     "turn_detection", "temperature", "max_output_tokens", "max_response_output_tokens", "model", "truncation"),
+     "turn_detection", "temperature", "max_output_tokens", "max_response_output_tokens", "model", "truncation",
+     "tools", "tool_choice"),
     ignored=(*_ECHOED, "tracing", "client_secret"),
     inert={**_UNSERVED, "input_audio_transcription": (None,), "input_audio_noise_reduction": (None,)})
 RESPONSE_FIELDS = rule(
     ("audio", "instructions", "output_modalities", "modalities", "voice", "output_audio_format", "temperature",
-     "max_output_tokens", "max_response_output_tokens", "conversation", "metadata", "talker_sampling"),
+     "max_output_tokens", "max_response_output_tokens", "conversation", "metadata", "talker_sampling", "tools",
+     "tool_choice"),
     ignored=_ECHOED, inert={**_UNSERVED, "input": (None, [])})
 SESSION_AUDIO_FIELDS, RESPONSE_AUDIO_FIELDS = rule(("input", "output")), rule(("output",))
 AUDIO_INPUT_FIELDS = rule(("format", "turn_detection"), inert={"transcription": (None,), "noise_reduction": (None,)})
 AUDIO_OUTPUT_FIELDS = rule(("format", "voice"), inert={"speed": (None, 1.0)})
+TOOL_FIELDS = rule(("type", "name", "description", "parameters"))
 VAD_FIELDS = rule(("type", "threshold", "prefix_padding_ms", "silence_duration_ms", "create_response",
                    "interrupt_response", "idle_timeout_ms"))
 
@@ -52,6 +55,8 @@ class SessionConfig:
     temperature: float | None = None  # None: the deploy profile's default
     max_output_tokens: int | None = None  # None: "inf" (the profile's limit)
     truncation: Any = "auto"  # as the client set it: "auto", "disabled" or {"type": "retention_ratio", ...}
+    tools: tuple[dict, ...] = ()  # as the client sent them ({type: function, name, description, parameters})
+    tool_choice: Any = "auto"  # as the client sent it: "auto", "none", "required" or {type: function, name}
 
     @property
     def retention(self) -> float | None:
@@ -73,6 +78,8 @@ class ResponseOptions:
     metadata: dict | None = None
     talker_sampling: dict | None = None  # omnirt extension (as in /v1/chat/completions)
     truncation: float | None = 1.0  # SessionConfig.retention
+    tools: tuple[dict, ...] = ()  # the engine's shape: {type: function, function: {name, description, parameters}}
+    tool_choice: str | dict = "auto"  # the engine's shape
 
 
 def initial_config(info: EngineInfo, model: str, instructions: str) -> SessionConfig:
@@ -113,6 +120,10 @@ def apply_session_update(cfg: SessionConfig, update: dict[str, Any], voices: tup
             changes["max_output_tokens"] = _max_tokens(update[key], f"session.{key}")
     if "truncation" in update:
         changes["truncation"] = _truncation(update["truncation"], "session.truncation")
+    tools = _tools(update, "session", cfg.tools)
+    if "tools" in update or "tool_choice" in update:
+        changes["tools"], changes["tool_choice"] = tools, update.get("tool_choice") or cfg.tool_choice
+        engine_tools(tools, changes["tool_choice"], "session")  # checked now, refused with the update
     return dataclasses.replace(cfg, **changes)
 
 
@@ -131,6 +142,8 @@ def response_options(cfg: SessionConfig, body: dict[str, Any] | None, voices: tu
     for key in ("max_output_tokens", "max_response_output_tokens"):
         if key in body:
             max_tokens = _max_tokens(body[key], f"response.{key}")
+    tools, tool_choice = engine_tools(_tools(body, "response", cfg.tools), body.get("tool_choice") or cfg.tool_choice,
+                                      "response")
     return ResponseOptions(
         instructions=require(body, "instructions", (str,), "response", cfg.instructions),
         wants_audio=wants_audio, voice=_voice(body, a_out, "response", voices) or cfg.voice,
@@ -139,7 +152,22 @@ def response_options(cfg: SessionConfig, body: dict[str, Any] | None, voices: tu
         temperature=_temperature(body, "response") if body.get("temperature") is not None else cfg.temperature,
         max_output_tokens=max_tokens, in_conversation=conversation == "auto",
         metadata=require(body, "metadata", (dict,), "response"),
-        talker_sampling=require(body, "talker_sampling", (dict,), "response"), truncation=cfg.retention)
+        talker_sampling=require(body, "talker_sampling", (dict,), "response"), truncation=cfg.retention,
+        tools=tools, tool_choice=tool_choice)
+
+
+def engine_tools(tools: tuple[dict, ...], choice: Any, where: str) -> tuple[tuple[dict, ...], str | dict]:
+    """Realtime's flat function tools and tool_choice in the engine's (chat) shapes; ProtocolError if bad."""
+    named = choice.get("name") if isinstance(choice, dict) and choice.get("type") == "function" else None
+    try:
+        check_functions([(t.get("name"), t.get("parameters")) for t in tools], f"{where}.tools.{{}}")
+        choice = engine_tool_choice(choice, named if isinstance(named, str) else None, [t["name"] for t in tools],
+                                    f"{where}.tool_choice", '{"type": "function", "name": ...}')
+    except FieldError as exc:
+        raise ProtocolError(exc.message, exc.code, exc.param) from exc
+    functions = tuple({"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters")
+                                                        if t.get(k) is not None}} for t in tools)
+    return functions, choice
 
 
 def parse_turn_detection(value: Any, where: str) -> VadConfig | None:
@@ -170,14 +198,15 @@ def session_object(cfg: SessionConfig, session_id: str, beta: bool) -> dict[str,
                 "modalities": ["text", "audio"] if cfg.wants_audio else ["text"], "instructions": cfg.instructions,
                 "voice": cfg.voice, "input_audio_format": cfg.input_format.name,
                 "output_audio_format": cfg.output_format.name, "input_audio_transcription": None,
-                "turn_detection": td, "tools": [], "tool_choice": "auto", "temperature": cfg.temperature,
+                "turn_detection": td, "tools": list(cfg.tools), "tool_choice": cfg.tool_choice,
+                "temperature": cfg.temperature,
                 "max_response_output_tokens": max_tokens}
     return {"type": "realtime", "object": "realtime.session", "id": session_id, "model": cfg.model,
             "output_modalities": ["audio"] if cfg.wants_audio else ["text"], "instructions": cfg.instructions,
             "audio": {"input": {"format": format_object(cfg.input_format), "transcription": None,
                                 "noise_reduction": None, "turn_detection": td},
                       "output": {"format": format_object(cfg.output_format), "voice": cfg.voice, "speed": 1.0}},
-            "tools": [], "tool_choice": "auto", "max_output_tokens": max_tokens, "tracing": None,
+            "tools": list(cfg.tools), "tool_choice": cfg.tool_choice, "max_output_tokens": max_tokens, "tracing": None,
             "truncation": cfg.truncation, "prompt": None, "include": None}
 
 
@@ -186,6 +215,23 @@ def format_object(fmt: AudioFormat) -> dict[str, Any]:
 
 
 # ---- field parsers -------------------------------------------------------------------------------------
+
+
+def _tools(obj: dict, where: str, current: tuple[dict, ...]) -> tuple[dict, ...]:
+    """A session's or response's `tools` (each {type: "function", name, description, parameters}); `current`
+    when absent."""
+    tools = require(obj, "tools", (list,), where)
+    if tools is None:
+        return current
+    for i, tool in enumerate(tools):
+        at = f"{where}.tools.{i}"
+        if not isinstance(tool, dict):
+            raise ProtocolError(f"`{at}` must be an object", "invalid_type", at)
+        check_fields(TOOL_FIELDS, tool, at)
+        if tool.get("type") != "function":
+            raise ProtocolError(f"`{at}.type` must be 'function'", "invalid_value", f"{at}.type")
+        require(tool, "description", (str,), at)
+    return tuple(tools)
 
 
 def _truncation(value: Any, where: str) -> Any:
