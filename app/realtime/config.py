@@ -16,9 +16,9 @@ from typing import Any
 
 from app.audio.vad import VadConfig
 from app.audio.wire import FORMATS, FORMATS_BY_MIME, PCM16, AudioFormat
-from app.fields import FieldError, FieldRule, rule
+from app.fields import FieldRule, rule
 from app.realtime.events import ProtocolError, check_fields, require
-from app.tools import check_functions, engine_tool_choice
+from app.realtime.tools import engine_tools, parse_tools
 from pipeline.api import EngineInfo
 
 MAX_OUTPUT_TOKENS = 4096
@@ -38,7 +38,6 @@ RESPONSE_FIELDS = rule(
 SESSION_AUDIO_FIELDS, RESPONSE_AUDIO_FIELDS = rule(("input", "output")), rule(("output",))
 AUDIO_INPUT_FIELDS = rule(("format", "turn_detection"), inert={"transcription": (None,), "noise_reduction": (None,)})
 AUDIO_OUTPUT_FIELDS = rule(("format", "voice"), inert={"speed": (None, 1.0)})
-TOOL_FIELDS = rule(("type", "name", "description", "parameters"))
 VAD_FIELDS = rule(("type", "threshold", "prefix_padding_ms", "silence_duration_ms", "create_response",
                    "interrupt_response", "idle_timeout_ms"))
 
@@ -120,7 +119,7 @@ def apply_session_update(cfg: SessionConfig, update: dict[str, Any], voices: tup
             changes["max_output_tokens"] = _max_tokens(update[key], f"session.{key}")
     if "truncation" in update:
         changes["truncation"] = _truncation(update["truncation"], "session.truncation")
-    tools = _tools(update, "session", cfg.tools)
+    tools = parse_tools(update, "session", cfg.tools)
     if "tools" in update or "tool_choice" in update:
         changes["tools"], changes["tool_choice"] = tools, update.get("tool_choice") or cfg.tool_choice
         engine_tools(tools, changes["tool_choice"], "session")  # checked now, refused with the update
@@ -142,8 +141,8 @@ def response_options(cfg: SessionConfig, body: dict[str, Any] | None, voices: tu
     for key in ("max_output_tokens", "max_response_output_tokens"):
         if key in body:
             max_tokens = _max_tokens(body[key], f"response.{key}")
-    tools, tool_choice = engine_tools(_tools(body, "response", cfg.tools), body.get("tool_choice") or cfg.tool_choice,
-                                      "response")
+    tools = parse_tools(body, "response", cfg.tools)
+    tools, tool_choice = engine_tools(tools, body.get("tool_choice") or cfg.tool_choice, "response")
     return ResponseOptions(
         instructions=require(body, "instructions", (str,), "response", cfg.instructions),
         wants_audio=wants_audio, voice=_voice(body, a_out, "response", voices) or cfg.voice,
@@ -154,20 +153,6 @@ def response_options(cfg: SessionConfig, body: dict[str, Any] | None, voices: tu
         metadata=require(body, "metadata", (dict,), "response"),
         talker_sampling=require(body, "talker_sampling", (dict,), "response"), truncation=cfg.retention,
         tools=tools, tool_choice=tool_choice)
-
-
-def engine_tools(tools: tuple[dict, ...], choice: Any, where: str) -> tuple[tuple[dict, ...], str | dict]:
-    """Realtime's flat function tools and tool_choice in the engine's (chat) shapes; ProtocolError if bad."""
-    named = choice.get("name") if isinstance(choice, dict) and choice.get("type") == "function" else None
-    try:
-        check_functions([(t.get("name"), t.get("parameters")) for t in tools], f"{where}.tools.{{}}")
-        choice = engine_tool_choice(choice, named if isinstance(named, str) else None, [t["name"] for t in tools],
-                                    f"{where}.tool_choice", '{"type": "function", "name": ...}')
-    except FieldError as exc:
-        raise ProtocolError(exc.message, exc.code, exc.param) from exc
-    functions = tuple({"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters")
-                                                        if t.get(k) is not None}} for t in tools)
-    return functions, choice
 
 
 def parse_turn_detection(value: Any, where: str) -> VadConfig | None:
@@ -215,23 +200,6 @@ def format_object(fmt: AudioFormat) -> dict[str, Any]:
 
 
 # ---- field parsers -------------------------------------------------------------------------------------
-
-
-def _tools(obj: dict, where: str, current: tuple[dict, ...]) -> tuple[dict, ...]:
-    """A session's or response's `tools` (each {type: "function", name, description, parameters}); `current`
-    when absent."""
-    tools = require(obj, "tools", (list,), where)
-    if tools is None:
-        return current
-    for i, tool in enumerate(tools):
-        at = f"{where}.tools.{i}"
-        if not isinstance(tool, dict):
-            raise ProtocolError(f"`{at}` must be an object", "invalid_type", at)
-        check_fields(TOOL_FIELDS, tool, at)
-        if tool.get("type") != "function":
-            raise ProtocolError(f"`{at}.type` must be 'function'", "invalid_value", f"{at}.type")
-        require(tool, "description", (str,), at)
-    return tuple(tools)
 
 
 def _truncation(value: Any, where: str) -> Any:
