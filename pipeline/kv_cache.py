@@ -22,6 +22,7 @@ import torch
 
 from pipeline.attention import SlotMask
 from pipeline.cudagraph import length_buckets
+from pipeline.staging import HostStaging
 
 
 class SlotKVCache:
@@ -38,6 +39,7 @@ class SlotKVCache:
         self.in_place = in_place  # attention reads the slots themselves: no dense copy, no kv_len buckets
         self._free: deque[int] = deque(range(num_slots))
         self.resident: OrderedDict[int, Any] = OrderedDict()  # slot -> what it holds, least recently used first
+        self._staging: HostStaging | None = None  # for `view` (one stage's thread uses a cache)
 
     @property
     def num_free_slots(self) -> int:
@@ -91,11 +93,18 @@ class SlotKVCache:
         self.v[:, dst, :, :num_tokens] = self.v[:, src, :, :num_tokens]
 
     def view(self, slots: list[int], starts: list[int], lengths: list[int]) -> CacheView:
-        """A step over `lengths[i]` new tokens of row i, written from position `starts[i]` of its slot."""
-        device = self.k.device
+        """A step over `lengths[i]` new tokens of row i, written from position `starts[i]` of its slot. Where
+        each new token goes is worked out here on the host and staged in one pinned copy: a pageable copy,
+        or a boolean-mask index on the device, would wait for the stream (the latter in every layer)."""
         kv_len = max(s + n for s, n in zip(starts, lengths, strict=True))
-        return CacheView(self, torch.tensor(slots, device=device), torch.tensor(starts, device=device),
-                         torch.tensor(lengths, device=device), max(lengths), kv_len)
+        rows = [b for b, n in enumerate(lengths) for _ in range(n)]
+        offsets = [t for n in lengths for t in range(n)]
+        write_slots = [slots[b] for b in rows]
+        write_pos = [starts[b] + t for b, t in zip(rows, offsets)]
+        self._staging = self._staging or HostStaging(self.k.device)
+        t_slots, t_starts, t_lengths, *writes = self._staging.tensors(slots, starts, lengths, rows, offsets,
+                                                                      write_slots, write_pos)
+        return CacheView(self, t_slots, t_starts, t_lengths, max(lengths), kv_len, tuple(writes))
 
     def dense_view(self, slots: torch.Tensor, starts: torch.Tensor, num_new: int, kv_len: int | None) -> CacheView:
         """Every row writes exactly `num_new` tokens: built from tensors only, so it is the shape a
@@ -108,17 +117,15 @@ class CacheView:
     """One step's window on the cache: where new K/V rows go and which keys each query may see."""
 
     def __init__(self, cache: SlotKVCache, slots: torch.Tensor, starts: torch.Tensor,
-                 lengths: torch.Tensor | None, num_new: int, kv_len: int | None):
+                 lengths: torch.Tensor | None, num_new: int, kv_len: int | None,
+                 writes: tuple[torch.Tensor, ...] | None = None):
+        """`lengths` None: every row has exactly `num_new` new tokens (dense). Otherwise `writes` = (batch row,
+        offset in the step, slot, position) of each real new token: padded query rows are not written."""
         assert kv_len is None or kv_len <= cache.max_len, "sequence longer than the KV cache"
         self.cache, self.slots, self.num_new, self.kv_len = cache, slots, num_new, kv_len
+        self.lengths, self.writes = lengths, writes
         offs = torch.arange(num_new, device=slots.device)
         self.query_pos = starts[:, None] + offs[None, :]  # [B, T]
-        if lengths is None:  # dense: every row has exactly num_new valid tokens
-            self.valid = None
-        else:
-            self.valid = offs[None, :] < lengths[:, None]  # padded query rows are not written
-            self.write_slot = slots[:, None].expand_as(self.query_pos)[self.valid]
-            self.write_pos = self.query_pos[self.valid]
         if cache.in_place:
             self.mask = SlotMask(slots, starts, torch.full_like(slots, num_new) if lengths is None else lengths)
             return
@@ -137,12 +144,13 @@ class CacheView:
         """Called by transformers' attention: key/value are [B, kv_heads, T, head_dim]; `layer_idx` is the one
         `select_layer` was given."""
         k_buf, v_buf = self.k_buf, self.v_buf
-        if self.valid is None:
+        if self.writes is None:
             k_buf[self.slots[:, None], :, self.query_pos] = key.transpose(1, 2).to(k_buf.dtype)
             v_buf[self.slots[:, None], :, self.query_pos] = value.transpose(1, 2).to(v_buf.dtype)
         else:
-            k_buf[self.write_slot, :, self.write_pos] = key.transpose(1, 2)[self.valid].to(k_buf.dtype)
-            v_buf[self.write_slot, :, self.write_pos] = value.transpose(1, 2)[self.valid].to(v_buf.dtype)
+            row, offset, slot, pos = self.writes
+            k_buf[slot, :, pos] = key.transpose(1, 2)[row, offset].to(k_buf.dtype)
+            v_buf[slot, :, pos] = value.transpose(1, 2)[row, offset].to(v_buf.dtype)
         if self.cache.in_place:
             return k_buf, v_buf
         return k_buf[self.slots, :, : self.kv_len], v_buf[self.slots, :, : self.kv_len]

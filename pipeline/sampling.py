@@ -86,13 +86,17 @@ class Sampler:
         self._suppress: dict[torch.device, torch.Tensor] = {}
         self._eos: dict[torch.device, torch.Tensor] = {}
         self._staging: HostStaging | None = None  # the calling stage's thread only
+        self._seen: SeenTokens | None = None
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams], histories: list[list[int]],
-                 generators: list[torch.Generator | None], bitmask: torch.Tensor | None = None) -> torch.Tensor:
-        """One token per row, on the device (`fetch` brings them to the host). `bitmask` [rows, vocab/32] int32,
-        on the host: each row's allowed tokens (`pipeline/grammar.py`; all bits set for a free row)."""
+                 generators: list[torch.Generator | None], slots: list[int] | None = None,
+                 bitmask: torch.Tensor | None = None) -> torch.Tensor:
+        """One token per row, on the device (`fetch` brings them to the host). With `slots` (each row's KV
+        slot) the repetition penalty reads a per-slot mask of seen tokens kept on the device. `bitmask`
+        [rows, vocab/32] int32, on the host: each row's allowed tokens (`pipeline/grammar.py`; all bits set
+        for a free row)."""
         put = self._put(logits.device)
-        logits = self.process(logits.float(), params, histories, put, bitmask)
+        logits = self.process(logits.float(), params, histories, put, slots, bitmask)
         tokens = logits.argmax(-1)
         sampled = [i for i, p in enumerate(params) if not p.is_greedy]
         if sampled:
@@ -101,9 +105,9 @@ class Sampler:
             tokens[rows] = draw(warped, [generators[i] for i in sampled])
         return tokens
 
-    def fetch(self, tokens: torch.Tensor) -> list[int]:
-        """Sampled tokens to the host through pinned memory."""
-        return self._staging_for(tokens.device).fetch(tokens)
+    def fetch(self, *values: torch.Tensor) -> list:
+        """Sampled tokens (and any other tensors of the step) to the host through pinned memory, one wait."""
+        return self._staging_for(values[0].device).fetch(*values)
 
     def _put(self, device: torch.device) -> Put:
         return self._staging_for(device).tensor
@@ -114,17 +118,18 @@ class Sampler:
         return self._staging
 
     def process(self, logits: torch.Tensor, params: list[SamplingParams], histories: list[list[int]],
-                put: Put | None = None, bitmask: torch.Tensor | None = None):
+                put: Put | None = None, slots: list[int] | None = None, bitmask: torch.Tensor | None = None):
         """Penalty, min-tokens, suppression and the grammar's mask: the processors that also apply to greedy
         decoding. A constrained row ends when its grammar allows it: min-tokens does not hold its end back."""
         device = logits.device
         put = put or self._put(device)
         penalties = [p.repetition_penalty for p in params]
         if any(r != 1.0 for r in penalties) and any(histories):
-            width = max(len(h) for h in histories) or 1
-            hist = put([t for h in histories for t in h + [-1] * (width - len(h))]).view(len(histories), width)
-            seen = torch.zeros_like(logits, dtype=torch.bool)
-            seen.scatter_(1, hist.clamp_min(0), hist >= 0)
+            if slots is None:
+                seen = _seen_mask(logits, histories, put)
+            else:
+                self._seen = self._seen or SeenTokens(self.vocab_size, device)
+                seen = self._seen.mask(slots, histories, self._staging_for(device))
             pen = put(penalties, torch.float32)[:, None]
             logits = torch.where(seen, torch.where(logits < 0, logits * pen, logits / pen), logits)
         free = [True] * len(params) if bitmask is None else (bitmask != -1).any(-1).logical_not().tolist()
@@ -149,6 +154,49 @@ class Sampler:
             mask[self.suppress_ids] = True
             self._suppress[device] = mask.to(device)
         return self._suppress[device]
+
+
+def _seen_mask(logits: torch.Tensor, histories: list[list[int]], put: Put) -> torch.Tensor:
+    """[B, vocab]: the tokens each row's history holds, built from the whole histories. Padding goes to an
+    extra column (padding a row at token 0 raced its real token 0 in the scatter)."""
+    width, vocab = max(len(h) for h in histories) or 1, logits.shape[-1]
+    hist = put([t for h in histories for t in h + [vocab] * (width - len(h))]).view(len(histories), width)
+    seen = torch.zeros(len(histories), vocab + 1, dtype=torch.bool, device=logits.device)
+    return seen.scatter_(1, hist, True)[:, :vocab]
+
+
+class SeenTokens:
+    """Per KV slot, the tokens its request has produced, as a [slots, vocab] mask on the device, updated
+    with only each step's new tokens: staging whole histories cost the host O(reply length) per row per
+    step (a c=64 Talker step near the end of long replies staged ~64 k ids). A slot's row is cleared when
+    a different request (another history list) samples in it, or its history got shorter."""
+
+    def __init__(self, vocab_size: int, device: torch.device):
+        self.vocab_size, self.device = vocab_size, device
+        self.rows = torch.zeros(0, vocab_size, dtype=torch.bool, device=device)
+        self._owner: dict[int, tuple[list[int], int]] = {}  # slot -> (the history it holds, tokens counted)
+
+    def mask(self, slots: list[int], histories: list[list[int]], staging: HostStaging) -> torch.Tensor:
+        """[B, vocab]: row i holds the tokens of row i's slot, once this step's new tokens are added."""
+        if max(slots) >= len(self.rows):
+            grown = torch.zeros(max(slots) + 1, self.vocab_size, dtype=torch.bool, device=self.device)
+            grown[:len(self.rows)] = self.rows
+            self.rows = grown
+        cleared, new_slots, new_tokens = [], [], []
+        for slot, hist in zip(slots, histories):
+            owner, counted = self._owner.get(slot, (None, 0))
+            if owner is not hist or counted > len(hist):
+                cleared.append(slot)
+                counted = 0
+            new_slots.extend([slot] * (len(hist) - counted))
+            new_tokens.extend(hist[counted:])
+            self._owner[slot] = (hist, len(hist))
+        rows, cleared_rows, new_rows, new_ids = staging.tensors(slots, cleared, new_slots, new_tokens)
+        if cleared:
+            self.rows[cleared_rows] = False
+        if new_tokens:
+            self.rows[new_rows, new_ids] = True
+        return self.rows[rows]
 
 
 def warp(logits: torch.Tensor, params: list[SamplingParams], put: Put) -> torch.Tensor:

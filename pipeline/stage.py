@@ -34,7 +34,8 @@ StepSink = Callable[[str, StepResult], None]  # (stage name, what its step produ
 class ARRunner:
     """An autoregressive model plus its sampler: sample where the model produced logits, let the model
     build the step's hand-off payloads from the sampled tokens while they are still on the device
-    (`complete(requests, outputs, sampled rows, tokens)`, once per batch), then bring the tokens to the host."""
+    (`complete(requests, outputs, sampled rows, tokens)`, once per batch), then bring the tokens to the host.
+    A payload the model left as a device tensor comes back with them (one wait per step, not two)."""
 
     def __init__(self, model: Any, sampler: Sampler, masks: GrammarMasks | None = None):
         self.model = model
@@ -51,20 +52,31 @@ class ARRunner:
         if rows:  # the masks are filled on the host while the device computes the logits
             bitmask = self.masks.fill(constraints) if self.masks is not None else None
             tokens = self.sampler(torch.stack([outs[i].logits for i in rows]), [r.sampling for r in reqs],
-                                  [r.output_ids for r in reqs], [r.generator for r in reqs], bitmask)
+                                  [r.output_ids for r in reqs], [r.generator for r in reqs], [r.slot for r in reqs],
+                                  bitmask)
         complete = getattr(self.model, "complete", None)
         if complete is not None:
             for o, payload in zip(outs, complete(batch.requests, outs, rows, tokens)):
                 o.payload = payload
-        if rows:
-            started = time.perf_counter()
-            host = self.sampler.fetch(tokens)
-            self.waited_s += time.perf_counter() - started
-            for i, t in zip(rows, host):
-                outs[i].token = t
-            if self.masks is not None:
-                self.masks.accept(constraints, host)
+        self._fetch(outs, rows, tokens)
+        if rows and self.masks is not None:
+            self.masks.accept(constraints, [outs[i].token for i in rows])
         return outs
+
+    def _fetch(self, outs: list[StepOutput], rows: list[int], tokens: torch.Tensor | None) -> None:
+        """The sampled tokens, and the payloads that are device tensors, to the host in one wait."""
+        carried = [i for i, o in enumerate(outs) if isinstance(o.payload, torch.Tensor)]
+        values = ([tokens] if rows else []) + ([torch.stack([outs[i].payload for i in carried])] if carried else [])
+        if not values:
+            return
+        started = time.perf_counter()
+        fetched = self.sampler.fetch(*values)
+        self.waited_s += time.perf_counter() - started
+        fetched = fetched if len(values) > 1 else [fetched]
+        for i, t in zip(rows, fetched[0] if rows else ()):
+            outs[i].token = t
+        for i, p in zip(carried, fetched[-1] if carried else ()):
+            outs[i].payload = p
 
 
 class Stage:

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 
 CAPACITY = 1 << 18  # values per dtype (2 MiB of int64): a c=64 Talker step with its history stages ~10 k
-FETCH_CAPACITY = 1 << 12  # values per dtype coming back (a step's sampled tokens)
+FETCH_CAPACITY = 1 << 13  # values per dtype coming back (a step's sampled tokens and codec frames)
 
 
 class HostStaging:
@@ -63,18 +63,26 @@ class HostStaging:
     def tensor(self, values: Sequence, dtype: torch.dtype = torch.long) -> torch.Tensor:
         return self.tensors(values, dtype=dtype)[0]
 
-    def fetch(self, values: torch.Tensor) -> list:
-        """A device tensor's values as a list: one asynchronous copy into pinned memory, then a wait for it."""
-        if self.device.type == "cpu" or values.numel() > FETCH_CAPACITY:
-            return values.tolist()
-        if values.dtype not in self._fetched:
-            self._fetched[values.dtype] = torch.empty(FETCH_CAPACITY, dtype=values.dtype, pin_memory=True)
-        host = self._fetched[values.dtype][:values.numel()].view(values.shape)
-        host.copy_(values, non_blocking=True)
-        done = torch.Event(device=self.device)
-        done.record()
-        done.synchronize()
-        return host.tolist()
+    def fetch(self, *values: torch.Tensor) -> list:
+        """Device tensors' values as lists (the list itself for one tensor): asynchronous copies into pinned
+        memory, then one wait for all of them."""
+        if self.device.type == "cpu" or sum(v.numel() for v in values) > FETCH_CAPACITY:
+            out = [v.tolist() for v in values]
+        else:
+            hosts, offsets = [], {}
+            for v in values:
+                if v.dtype not in self._fetched:
+                    self._fetched[v.dtype] = torch.empty(FETCH_CAPACITY, dtype=v.dtype, pin_memory=True)
+                start = offsets.get(v.dtype, 0)
+                offsets[v.dtype] = start + v.numel()
+                host = self._fetched[v.dtype][start:start + v.numel()].view(v.shape)
+                host.copy_(v, non_blocking=True)
+                hosts.append(host)
+            done = torch.Event(device=self.device)
+            done.record()
+            done.synchronize()
+            out = [h.tolist() for h in hosts]
+        return out[0] if len(out) == 1 else out
 
     def _buffers_for(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if dtype not in self._buffers:

@@ -146,7 +146,8 @@ def test_the_mask_limits_its_row_and_leaves_the_others_alone():
     params = [greedy, sampled, greedy]
     free = sampler(logits.clone(), params, [[], [], []], [None, torch.Generator().manual_seed(7), None])
     mask = _bitmask([None, [3, 40, 77], None], 3, 100)
-    masked = sampler(logits.clone(), params, [[], [], []], [None, torch.Generator().manual_seed(7), None], mask)
+    masked = sampler(logits.clone(), params, [[], [], []], [None, torch.Generator().manual_seed(7), None],
+                     bitmask=mask)
     assert masked[0] == free[0] and masked[2] == free[2]  # unconstrained rows: the same tokens
     assert int(masked[1]) in (3, 40, 77)
     allowed = apply_token_bitmask(logits, _bitmask([[5, 31, 32, 63, 64, 99]], 1, 100))[0]
@@ -156,7 +157,8 @@ def test_the_mask_limits_its_row_and_leaves_the_others_alone():
 def test_a_constrained_row_may_end_before_min_tokens():
     logits = torch.zeros(1, 10)
     mask = _bitmask([[9]], 1, 10)  # the grammar is complete: only the end
-    token = Sampler(10, eos_ids=[9])(logits, [SamplingParams(temperature=0, min_tokens=5)], [[]], [None], mask)
+    token = Sampler(10, eos_ids=[9])(logits, [SamplingParams(temperature=0, min_tokens=5)], [[]], [None],
+                                                    bitmask=mask)
     assert int(token) == 9
 
 
@@ -181,7 +183,7 @@ def _generate(grammars: Grammars, spec: dict, seed: int, tokenizer, max_tokens: 
     sampler = Sampler(512, [grammars.stop_ids[0]])
     for _ in range(max_tokens):
         token = int(sampler(torch.randn(1, 512, generator=gen), [SamplingParams(temperature=0)], [out], [None],
-                            masks.fill([constraint])))
+                            bitmask=masks.fill([constraint])))
         masks.accept([constraint], [token])
         if token in grammars.stop_ids:
             break

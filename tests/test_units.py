@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from pipeline.connector import CodecStream
@@ -84,6 +85,42 @@ def test_sampler_greedy_penalty_suppress_min_tokens():
     draws1 = [int(sampler(logits.clone(), [p], [[]], [g1])[0]) for _ in range(20)]
     draws2 = [int(sampler(logits.clone(), [p], [[]], [g2])[0]) for _ in range(20)]
     assert draws1 == draws2 and set(draws1) <= {3, 4}  # seeded, and within top-k/top-p
+
+
+def test_seen_tokens_per_slot_equal_the_whole_history_mask():
+    """The device mask kept per slot, fed only each step's new tokens, equals the mask built from the whole
+    histories at every step; a new request in a slot (another history) starts from nothing."""
+    from pipeline.sampling import SeenTokens, _seen_mask
+    from pipeline.staging import HostStaging
+
+    rng = np.random.default_rng(0)
+    staging, seen = HostStaging(torch.device("cpu")), SeenTokens(50, torch.device("cpu"))
+    short = _seen_mask(torch.zeros(2, 50), [[0, 7, 9], [0]], staging.tensor)  # row 1 padded: its token 0 stays
+    assert short.nonzero().tolist() == [[0, 0], [0, 7], [0, 9], [1, 0]]
+    histories = {slot: [] for slot in (0, 3, 5)}
+    for step in range(30):
+        if step in (9, 20):
+            histories[3] = [int(rng.integers(50))] if step == 20 else []  # slot 3 taken over by a new request
+        slots = [s for s in histories if rng.random() < 0.8] or [0]
+        hists = [histories[s] for s in slots]
+        assert torch.equal(seen.mask(slots, hists, staging),
+                           _seen_mask(torch.zeros(len(slots), 50), hists, staging.tensor))
+        for s in slots:
+            histories[s].append(int(rng.integers(50)))
+
+
+def test_sampler_penalty_with_slots_matches_without():
+    """Penalised sampling through the per-slot mask picks what the whole-history path picks."""
+    torch.manual_seed(1)
+    with_slots, without = Sampler(40, eos_ids=[]), Sampler(40, eos_ids=[])
+    p = [SamplingParams(temperature=0, repetition_penalty=1.7)] * 2
+    hists: list[list[int]] = [[], []]
+    for _ in range(25):
+        logits = torch.randn(2, 40)
+        a = with_slots(logits.clone(), p, hists, [None, None], [4, 1]).tolist()
+        assert a == without(logits.clone(), p, hists, [None, None]).tolist()
+        for h, t in zip(hists, a):
+            h.append(t)
 
 
 def test_graph_safe_sampling_draws_from_the_same_distribution_as_the_warpers():

@@ -9,6 +9,8 @@ from app.cli import build_parser, engine_options
 from pipeline.api import AudioChunk, Finished, OmniRequest, TextDelta
 from pipeline.core import build_engine
 
+if os.environ.get("SWITCH_MS"):  # the interpreter's GIL switch interval (default 5 ms), for the host-path ablation
+    sys.setswitchinterval(float(os.environ["SWITCH_MS"]) / 1000)
 dump = open(os.path.join(os.environ.get("OUT", "/tmp"), "stacks.txt"), "w")
 faulthandler.dump_traceback_later(int(os.environ.get("DIAG_TIMEOUT", "200")), exit=True, file=dump)
 t0 = time.perf_counter()

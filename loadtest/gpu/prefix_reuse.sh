@@ -3,7 +3,7 @@
 # conversations (`omnirt bench realtime --turns 10`, each reply cancelled at its first audio, sessions with
 # instructions of their own), per turn of the conversation: response latency, prompt tokens reused and
 # prefilled. PARTS picks what runs, in this order (default: both; each part is one server, ~4 min at
-# SESSIONS "1 32", more with 64: split them over calls):
+# SESSIONS "1 32", more with 64: split them over calls; SESSIONS_reuse / SESSIONS_full set one part's):
 #   reuse  prefix caching on (as served);
 #   full   the same with --no-prefix-caching (every turn prefills its whole history): the baseline.
 # After each point the server's /metrics lines of the reuse (prompt tokens computed vs cached per stage,
@@ -18,7 +18,8 @@ for part in $PARTS; do
   [ "$part" = full ] && args+=(--no-prefix-caching)
   start_server "turns-$part" "${args[@]}" --log-level info || exit 1
   grep -E "KV cache:" "$OUT/server-turns-$part.log" | sed "s/^/$part /"
-  for n in ${SESSIONS:-1 32 64}; do
+  counts=SESSIONS_$part
+  for n in ${!counts:-${SESSIONS:-1 32 64}}; do
     timeout ${POINT_LIMIT:-400} python3 -m app.cli bench realtime --url http://127.0.0.1:8091 --model $MODEL \
       --sessions $n --turns 10 --mode cancel --clients 8 --name "h200-turns-$part-$n" --out "$OUT" 2>&1 \
       | grep -E "^\| [0-9]|^\| turn|^- |Error|error"

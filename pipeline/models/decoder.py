@@ -52,10 +52,10 @@ def experts_implementation(stack: torch.nn.Module, name: str | None):
         config._experts_implementation = saved
 
 
-def last_rows(hidden: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-    """The hidden state of each row's last valid position: [B, H]."""
-    idx = torch.tensor([n - 1 for n in lengths], device=hidden.device)
-    return hidden[torch.arange(hidden.shape[0], device=hidden.device), idx]
+def last_rows(hidden: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """The hidden state of each row's last valid position: [B, H] (`lengths` on the device, as a step's
+    `CacheView` holds them: no host copy)."""
+    return hidden[torch.arange(hidden.shape[0], device=hidden.device), lengths - 1]
 
 
 def pad_rows(rows: list[torch.Tensor]) -> torch.Tensor:

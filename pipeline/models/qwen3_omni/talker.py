@@ -171,8 +171,9 @@ class TalkerModel:
     def _prefill(self, reqs, starts: list[int], n_new: list[int]) -> list[StepOutput]:
         embeds = pad_rows([r.state.prompt[s:s + n] for r, s, n in zip(reqs, starts, n_new)])
         pos = pad_rows([r.state.position_ids[:, s:s + n].T for r, s, n in zip(reqs, starts, n_new)]).permute(2, 0, 1)
-        normed, _ = run_decoder(self.stack, embeds, pos, self.kv.view([r.slot for r in reqs], starts, n_new))
-        last = last_rows(normed, n_new)
+        view = self.kv.view([r.slot for r in reqs], starts, n_new)
+        normed, _ = run_decoder(self.stack, embeds, pos, view)
+        last = last_rows(normed, view.lengths)
         logits = self.talker.codec_head(last)
         outs = []
         for i, (r, s, n) in enumerate(zip(reqs, starts, n_new)):
@@ -196,7 +197,8 @@ class TalkerModel:
             n, max(starts) + 1, {"embeds": embeds, "slots": slots, "positions": positions, "rope_pos": rope},
             {"slots": self.kv.scratch_slot})
         self.past_hidden[slots] = hidden
-        return [StepOutput(logits=row, payload=frame) for row, frame in zip(logits, codes.tolist())]
+        # the frames stay on the device: they come to the host with the sampled tokens, in one wait
+        return [StepOutput(logits=row, payload=frame) for row, frame in zip(logits, codes)]
 
     def _decode_step(self, kv_len, embeds, slots, positions, rope_pos) -> tuple[torch.Tensor, torch.Tensor]:
         """One talker token per row (kv_len: the dense copy's length): returns (last hidden, codec logits)."""

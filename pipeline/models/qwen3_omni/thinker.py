@@ -127,11 +127,18 @@ class ThinkerModel:
             n = min(num_cached, len(inp.cached.embeds))
             embeds[:n], tapped[:n] = inp.cached.embeds[:n], inp.cached.tapped[:n]
         lengths = prompt.audio_lengths
-        pos, delta = self.thinker.model.get_rope_index(
-            ids, None, None, torch.ones_like(ids), False,
-            None if lengths is None else lengths.to(self.device), None)
-        return ThinkerState(prompt.input_ids, embeds, tapped, pos[:, 0].long(), int(delta.flatten()[0]),
-                            lengths, inp.wants_rows, inp.key)
+        pos, delta = self._positions(ids, lengths)
+        return ThinkerState(prompt.input_ids, embeds, tapped, pos, delta, lengths, inp.wants_rows, inp.key)
+
+    def _positions(self, ids: torch.Tensor, audio_lengths: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+        """The prompt's rope positions [3, T] and the offset of the positions after it. A prompt without
+        audio (the only multimodal input the prompt path makes) has the plain positions 0..T-1 on all three
+        axes, as `get_rope_index` gives them, without its host round trips."""
+        if audio_lengths is None:
+            return torch.arange(ids.shape[1], device=self.device).expand(3, -1), 0
+        pos, delta = self.thinker.model.get_rope_index(ids, None, None, torch.ones_like(ids), False,
+                                                       audio_lengths.to(self.device), None)
+        return pos[:, 0].long(), int(delta.flatten()[0])
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> list[StepOutput]:
@@ -147,7 +154,7 @@ class ThinkerModel:
         pos = pad_rows([r.state.position_ids[:, s:s + n].T for r, s, n in zip(reqs, starts, n_new)]).permute(2, 0, 1)
         view = self.kv.view([r.slot for r in reqs], starts, n_new)
         normed, tapped = run_decoder(self.stack, embeds, pos, view, self.tap_layer)
-        logits = self.thinker.lm_head(last_rows(normed, n_new))
+        logits = self.thinker.lm_head(last_rows(normed, view.lengths))
         for i, (r, s, n) in enumerate(zip(reqs, starts, n_new)):
             r.state.tapped[s:s + n] = tapped[i, :n]
         return [self._output(r, s, s + n, logits[i]) for i, (r, s, n) in enumerate(zip(reqs, starts, n_new))]
