@@ -251,7 +251,7 @@ class OmniEngine(EngineBase):
         try:
             return await asyncio.to_thread(lambda: self.models.grammars.compile(self._constraint_spec(req)))
         except ConstraintError as exc:
-            raise RequestError(str(exc), "response_format" if req.response_format else "tools",
+            raise RequestError(str(exc), "tools" if self._forces_calls(req) else "response_format",
                                "invalid_schema") from exc
 
     def abort(self, request_id: str, error: str | None = None) -> None:
