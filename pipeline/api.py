@@ -25,10 +25,15 @@ class Part(TypedDict, total=False):
     audio: np.ndarray  # float32 mono at EngineInfo.input_sample_rate
 
 
+class ToolCall(TypedDict):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
 class Message(TypedDict):
-    role: str  # "system" | "user" | "assistant" | "tool"
+    role: str  # "system" | "user" | "assistant" | "tool" (a tool's result)
     content: str | list[Part]
-    tool_calls: NotRequired[list[dict]]  # an assistant's calls, OpenAI's shape; the chat template renders them
+    tool_calls: NotRequired[list[ToolCall]]  # an assistant message's calls, after its content (the template renders)
     tool_call_id: NotRequired[str]  # a tool message's call
 
 
@@ -49,6 +54,14 @@ class OmniRequest(msgspec.Struct, tag=True):
     # requests reuse each other's KV prefixes only within one salt (the server passes the API key's id, so
     # that one tenant's prompts never warm, or reveal, another's); None is a salt of its own
     cache_salt: str | None = None
+    # function tools in OpenAI's shape ({"type": "function", "function": {name, description, parameters}});
+    # tool_choice "auto" (the model decides; its calls are parsed from the text), "none" (tools left out of
+    # the prompt), "required" or {"type": "function", "function": {"name": ...}} (a call is forced by grammar)
+    tools: list[dict] = msgspec.field(default_factory=list)
+    tool_choice: str | dict = "auto"
+    parallel_tool_calls: bool = True
+    # {"type": "json_object"} or {"type": "json_schema", "schema": {...}}: the text follows it (by grammar)
+    response_format: dict | None = None
 
     @property
     def wants_audio(self) -> bool:
@@ -62,6 +75,17 @@ class TextDelta(msgspec.Struct, frozen=True, tag=True):
     request_id: str
     text: str
     token_ids: tuple[int, ...]
+
+
+class ToolCallDelta(msgspec.Struct, frozen=True, tag=True):
+    """A piece of the reply's `index`th tool call: the first one names it (call_id, name, arguments ""),
+    the next ones carry pieces of its arguments (JSON text), in order."""
+
+    request_id: str
+    index: int
+    arguments: str
+    call_id: str | None = None
+    name: str | None = None
 
 
 class AudioChunk(msgspec.Struct, frozen=True, tag=True):
@@ -83,20 +107,21 @@ class Usage(msgspec.Struct, frozen=True):
 
 class Finished(msgspec.Struct, frozen=True, tag=True):
     request_id: str
-    finish_reason: str  # "stop" | "length" | "abort" | "error"
+    finish_reason: str  # "stop" | "tool_calls" (stopped after calling tools) | "length" | "abort" | "error"
     usage: Usage
     error: str | None = None
     truncated_messages: int = 0  # leading conversation messages the prompt left out (OmniRequest.truncation)
 
 
-Event = TextDelta | AudioChunk | Finished
+Event = TextDelta | ToolCallDelta | AudioChunk | Finished
 
 
 # ---- errors ------------------------------------------------------------------------------------------
 
 
 class RequestError(ValueError):
-    """The request cannot be served as asked (bad voice, prompt too long, bad sampling values)."""
+    """The request cannot be served as asked (bad voice, prompt too long, bad sampling values, a schema
+    that cannot be compiled for constrained decoding)."""
 
     def __init__(self, message: str, param: str | None = None, code: str = "invalid_request"):
         super().__init__(message)
@@ -293,16 +318,21 @@ class Reply:
     token_ids: list[int]
     pcm16: bytes
     finished: Finished | None
+    tool_calls: list[dict] = field(default_factory=list)  # {"id", "name", "arguments"} of each call, in order
 
 
 async def collect_reply(events: AsyncIterator[Event]) -> Reply:
-    text, ids, pcm, fin = [], [], bytearray(), None
+    text, ids, pcm, fin, calls = [], [], bytearray(), None, []
     async for ev in events:
         if isinstance(ev, TextDelta):
             text.append(ev.text)
             ids.extend(ev.token_ids)
+        elif isinstance(ev, ToolCallDelta):
+            if ev.name is not None:
+                calls.append({"id": ev.call_id, "name": ev.name, "arguments": ""})
+            calls[ev.index]["arguments"] += ev.arguments
         elif isinstance(ev, AudioChunk):
             pcm += ev.pcm16
         elif isinstance(ev, Finished):
             fin = ev
-    return Reply("".join(text), ids, bytes(pcm), fin)
+    return Reply("".join(text), ids, bytes(pcm), fin, calls)

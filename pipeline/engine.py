@@ -24,12 +24,12 @@ from pipeline.api import (
     RequestError,
     StageLimit,
     StageStats,
-    TextDelta,
     Usage,
 )
 from pipeline.config import EngineConfig
 from pipeline.connector import Command, StageMessage
 from pipeline.detokenizer import IncrementalDetokenizer
+from pipeline.grammar import Constraint, ConstraintError, response_format_spec
 from pipeline.models import OmniModels
 from pipeline.output import RequestOutput
 from pipeline.replicas import make_stage, replica_status
@@ -37,6 +37,7 @@ from pipeline.request import FINISH_REASONS, Finish, RequestStatus, StepResult
 from pipeline.sampling import SamplingError, SamplingParams, numerically_safe
 from pipeline.stage import Stage
 from pipeline.stage_admission import Admission
+from pipeline.text_events import TextEvents
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,24 @@ class EngineBase:
             raise RequestError(f"unknown voice {req.voice!r}; available: {', '.join(self.voices)}{aliases}", "voice",
                                "invalid_voice")
         return voice
+
+    @staticmethod
+    def _prompt_tools(req: OmniRequest) -> list[dict]:
+        """The tools the prompt lists: none with tool_choice "none", so the model cannot call one."""
+        return [] if req.tool_choice == "none" else req.tools
+
+    @staticmethod
+    def _forces_calls(req: OmniRequest) -> bool:
+        return bool(req.tools) and req.tool_choice not in ("auto", "none")
+
+    def _is_constrained(self, req: OmniRequest) -> bool:
+        return self._forces_calls(req) or response_format_spec(req.response_format) is not None
+
+    def _constraint_spec(self, req: OmniRequest) -> dict | None:
+        """The grammar the reply must follow: forced tool calls, else the response format, else none."""
+        if self._forces_calls(req):
+            return self.models.tool_call_spec(req.tools, req.tool_choice, req.parallel_tool_calls)
+        return response_format_spec(req.response_format)
 
     def _all_params(self, req: OmniRequest, num_prompt: int) -> dict[str, SamplingParams]:
         """Sampling parameters per stage on the request's path; RequestError if one cannot be served."""
@@ -200,11 +219,13 @@ class OmniEngine(EngineBase):
 
     async def _admit(self, req: OmniRequest) -> RequestOutput:
         voice = self._check_voice(req)
-        prompt = await asyncio.to_thread(self.models.encoder.encode, req.messages)
+        tools = self._prompt_tools(req)
+        prompt = await asyncio.to_thread(self.models.encoder.encode, req.messages, tools)
         messages, dropped = (self._truncated(req, prompt.message_tokens) if req.truncation is not None
                              else (req.messages, 0))
         if dropped:
-            prompt = await asyncio.to_thread(self.models.encoder.encode, messages)
+            prompt = await asyncio.to_thread(self.models.encoder.encode, messages, tools)
+        constraint = await self._compiled(req)
         n_prompt = len(prompt.input_ids)
         params = self._all_params(req, n_prompt)
         path = self.graph.path(req.wants_audio)
@@ -215,12 +236,23 @@ class OmniEngine(EngineBase):
         self._streams[req.request_id] = stream
         try:
             first = self.graph.new_requests(self.models, self.cfg, req, prompt, voice, params)
+            first[path[0]].constraint = constraint
             for name in reversed(path):  # downstream stages know the request before its first hand-off
                 self.stage(name).send(StageMessage(Command.ADD, req.request_id, first[name]))
         except BaseException:
             self.abort(req.request_id)  # never leave a half-started request holding its admission
             raise
         return stream
+
+    async def _compiled(self, req: OmniRequest) -> Constraint | None:
+        """The request's grammar, compiled in a worker thread (cached by spec), never on a stage's step path."""
+        if not self._is_constrained(req):
+            return None
+        try:
+            return await asyncio.to_thread(lambda: self.models.grammars.compile(self._constraint_spec(req)))
+        except ConstraintError as exc:
+            raise RequestError(str(exc), "tools" if self._forces_calls(req) else "response_format",
+                               "invalid_schema") from exc
 
     def abort(self, request_id: str, error: str | None = None) -> None:
         """Free the request in every stage; its stream ends with finish_reason "abort" (and `error`,
@@ -249,6 +281,7 @@ class OmniEngine(EngineBase):
     async def _events(self, stream: RequestOutput) -> AsyncIterator[Event]:
         rid, index, pending = stream.request.request_id, 0, []
         detok = IncrementalDetokenizer(self.models.tokenizer)
+        text_out = TextEvents(rid, self.models.tool_parser() if self._prompt_tools(stream.request) else None)
         try:
             while True:
                 kind, *data = await stream.get()
@@ -256,15 +289,16 @@ class OmniEngine(EngineBase):
                     pending.extend(data[0])
                     text = detok.add(data[0])
                     if text:  # else an incomplete UTF-8 sequence: wait for the next token
-                        yield TextDelta(rid, text, tuple(pending))
+                        for ev in text_out.feed(text, pending):
+                            yield ev
                         pending = []
                 elif kind == "audio":
                     yield AudioChunk(rid, data[0], index)
                     index += 1
-                else:
-                    if pending:  # tokens held back for an incomplete UTF-8 tail
-                        yield TextDelta(rid, detok.flush(), tuple(pending))
-                    yield data[0]
+                else:  # with the text held back (an incomplete UTF-8 tail, what may start a tool call)
+                    for ev in text_out.feed(detok.flush() if pending else "", pending, final=True):
+                        yield ev
+                    yield text_out.finished(data[0])
                     return
         finally:
             if not stream.closed:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 
-from pipeline.api import AudioChunk, EngineInfo, EngineStats, Finished, OmniRequest, TextDelta
+from pipeline.api import AudioChunk, EngineInfo, EngineStats, Finished, OmniRequest, TextDelta, ToolCallDelta
 
 FLOAT32_AUDIO = 1  # msgpack extension code: a 1-D float32 array
 
@@ -62,7 +62,7 @@ class Rejected(msgspec.Struct, tag=True):
 class Outputs(msgspec.Struct, tag=True):
     """Everything the core had for the API process since its last send, in order."""
 
-    items: list[Accepted | Rejected | TextDelta | AudioChunk | Finished]
+    items: list[Accepted | Rejected | TextDelta | ToolCallDelta | AudioChunk | Finished]
 
 
 FromCore = Ready | StartFailed | Outputs | EngineStats

@@ -48,6 +48,7 @@ class StageRequest:
     output_ids: list[int] = field(default_factory=list)
     slot: int | None = None
     generator: Any = None  # torch.Generator when seeded
+    constraint: Any = None  # pipeline.grammar.Constraint: the grammar its sampled tokens must follow
     error: str | None = None
 
     @property

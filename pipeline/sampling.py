@@ -1,6 +1,7 @@
 """Per-request sampling, batched on the device, in the order transformers' logits processors apply it.
 
-Repetition penalty, min-tokens and suppression first, then temperature, top-k and top-p; greedy
+Repetition penalty, min-tokens, suppression and a grammar's token mask first, then temperature, top-k and
+top-p; greedy
 (temperature 0 or top_k 1) is a plain argmax so that it matches the reference `generate()`. The
 whole batch is one set of tensor ops and one device->host copy (per-request settings go the other
 way through pinned memory); only seeded rows draw with their own generator, so a seed reproduces
@@ -15,6 +16,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from pipeline.grammar import apply_token_bitmask
 from pipeline.staging import HostStaging
 
 Put = Callable[..., torch.Tensor]  # (values, dtype) -> a device tensor
@@ -87,11 +89,14 @@ class Sampler:
         self._seen: SeenTokens | None = None
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams], histories: list[list[int]],
-                 generators: list[torch.Generator | None], slots: list[int] | None = None) -> torch.Tensor:
+                 generators: list[torch.Generator | None], slots: list[int] | None = None,
+                 bitmask: torch.Tensor | None = None) -> torch.Tensor:
         """One token per row, on the device (`fetch` brings them to the host). With `slots` (each row's KV
-        slot) the repetition penalty reads a per-slot mask of seen tokens kept on the device."""
+        slot) the repetition penalty reads a per-slot mask of seen tokens kept on the device. `bitmask`
+        [rows, vocab/32] int32, on the host: each row's allowed tokens (`pipeline/grammar.py`; all bits set
+        for a free row)."""
         put = self._put(logits.device)
-        logits = self.process(logits.float(), params, histories, put, slots)
+        logits = self.process(logits.float(), params, histories, put, slots, bitmask)
         tokens = logits.argmax(-1)
         sampled = [i for i, p in enumerate(params) if not p.is_greedy]
         if sampled:
@@ -113,8 +118,9 @@ class Sampler:
         return self._staging
 
     def process(self, logits: torch.Tensor, params: list[SamplingParams], histories: list[list[int]],
-                put: Put | None = None, slots: list[int] | None = None):
-        """Penalty, min-tokens and suppression: the processors that also apply to greedy decoding."""
+                put: Put | None = None, slots: list[int] | None = None, bitmask: torch.Tensor | None = None):
+        """Penalty, min-tokens, suppression and the grammar's mask: the processors that also apply to greedy
+        decoding. A constrained row ends when its grammar allows it: min-tokens does not hold its end back."""
         device = logits.device
         put = put or self._put(device)
         penalties = [p.repetition_penalty for p in params]
@@ -126,12 +132,15 @@ class Sampler:
                 seen = self._seen.mask(slots, histories, self._staging_for(device))
             pen = put(penalties, torch.float32)[:, None]
             logits = torch.where(seen, torch.where(logits < 0, logits * pen, logits / pen), logits)
-        early = [len(h) < p.min_tokens for p, h in zip(params, histories)]
+        free = [True] * len(params) if bitmask is None else (bitmask != -1).any(-1).logical_not().tolist()
+        early = [len(h) < p.min_tokens and f for p, h, f in zip(params, histories, free)]
         if any(early) and self.eos_ids:
             rows, eos = put([i for i, e in enumerate(early) if e]), self._eos_ids(device)
             logits[rows[:, None], eos[None, :]] = float("-inf")
         if self.suppress_ids:
             logits = logits.masked_fill(self._suppress_mask(device), float("-inf"))
+        if bitmask is not None:
+            logits = apply_token_bitmask(logits, self._staging_for(device).copy(bitmask))
         return logits
 
     def _eos_ids(self, device: torch.device) -> torch.Tensor:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from pipeline.connector import Command, StageMessage
+from pipeline.grammar import GrammarMasks
 from pipeline.request import Finish, Output, RequestStatus, StageRequest, StepResult
 from pipeline.sampling import Sampler
 from pipeline.scheduler import Batch, StepOutput
@@ -36,24 +37,30 @@ class ARRunner:
     (`complete(requests, outputs, sampled rows, tokens)`, once per batch), then bring the tokens to the host.
     A payload the model left as a device tensor comes back with them (one wait per step, not two)."""
 
-    def __init__(self, model: Any, sampler: Sampler):
+    def __init__(self, model: Any, sampler: Sampler, masks: GrammarMasks | None = None):
         self.model = model
         self.sampler = sampler
+        self.masks = masks  # constrained decoding (requests with a `constraint`); None: the stage has none
         self.waited_s = 0.0  # seconds waiting for the device's sampled tokens
 
     def run(self, batch: Batch) -> list[StepOutput]:
         outs = self.model.run(batch)
         rows = [i for i, o in enumerate(outs) if o.logits is not None]
         reqs = [batch.requests[i] for i in rows]
+        constraints = [r.constraint for r in reqs]
         tokens = None
-        if rows:
+        if rows:  # the masks are filled on the host while the device computes the logits
+            bitmask = self.masks.fill(constraints) if self.masks is not None else None
             tokens = self.sampler(torch.stack([outs[i].logits for i in rows]), [r.sampling for r in reqs],
-                                  [r.output_ids for r in reqs], [r.generator for r in reqs], [r.slot for r in reqs])
+                                  [r.output_ids for r in reqs], [r.generator for r in reqs], [r.slot for r in reqs],
+                                  bitmask)
         complete = getattr(self.model, "complete", None)
         if complete is not None:
             for o, payload in zip(outs, complete(batch.requests, outs, rows, tokens)):
                 o.payload = payload
         self._fetch(outs, rows, tokens)
+        if rows and self.masks is not None:
+            self.masks.accept(constraints, [outs[i].token for i in rows])
         return outs
 
     def _fetch(self, outs: list[StepOutput], rows: list[int], tokens: torch.Tensor | None) -> None:

@@ -37,15 +37,28 @@ class HostStaging:
         n = len(flat)
         if self.device.type == "cpu" or n > self.capacity:
             return list(torch.tensor(flat, dtype=dtype, device=self.device).split(sizes))
+        return list(self._staged(torch.tensor(flat, dtype=dtype)).split(sizes))
+
+    def copy(self, values: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the device, through one asynchronous copy from pinned memory (e.g. a grammar mask)."""
+        if self.device.type == "cpu":
+            return values
+        if values.numel() > self.capacity:
+            return values.to(self.device)
+        return self._staged(values.flatten()).view(values.shape)
+
+    def _staged(self, flat: torch.Tensor) -> torch.Tensor:
+        """1-D host values in the next region of the device buffer of their dtype."""
+        n, dtype = flat.numel(), flat.dtype
         host, dev = self._buffers_for(dtype)
         start = self._offsets.get(dtype, 0)
         if start + n > self.capacity:
             start = 0
-        host[start:start + n] = torch.tensor(flat, dtype=dtype)
+        host[start:start + n] = flat
         region = dev[start:start + n]
         region.copy_(host[start:start + n], non_blocking=True)
         self._offsets[dtype] = start + n
-        return list(region.split(sizes))
+        return region
 
     def tensor(self, values: Sequence, dtype: torch.dtype = torch.long) -> torch.Tensor:
         return self.tensors(values, dtype=dtype)[0]

@@ -36,6 +36,14 @@ transcription = st.none() | opt({}, optional={
     "model": sometimes_junk(st.sampled_from(["tiny", "whisper-1", "gpt-4o-transcribe", "whisper-2", ""])),
     "language": sometimes_junk(st.sampled_from(["en", "fr", "zh-Hans", "EN", "english", ""])),
     "prompt": sometimes_junk(text), "delay": st.sampled_from([None, "low"]), "keywords": sometimes_junk(st.just([]))})
+tools = st.lists(sometimes_junk(opt({"type": st.just("function"), "name": st.sampled_from(["get_weather", "roll",
+                                                                                           "bad name"])},
+                                    optional={"description": sometimes_junk(st.text(max_size=8)),
+                                              "parameters": sometimes_junk(st.sampled_from([
+                                                  {"type": "object", "properties": {"a": {"type": "integer"}}},
+                                                  {"type": "objekt"}, {"$ref": "#/nope"}, {}]))})), max_size=2)
+tool_choice = st.sampled_from(["auto", "none", "required", "bogus"]) | opt(
+    {"type": st.just("function"), "name": st.sampled_from(["get_weather", "nope"])})
 session = opt({}, optional={
     "type": sometimes_junk(st.sampled_from(["realtime", "transcription"])), "instructions": sometimes_junk(text),
     "output_modalities": sometimes_junk(modalities), "modalities": sometimes_junk(modalities),
@@ -47,4 +55,5 @@ session = opt({}, optional={
                                                   "transcription": sometimes_junk(transcription)})),
         "output": sometimes_junk(opt({}, optional={"format": sometimes_junk(fmt), "voice": sometimes_junk(voices)}))})),
     "temperature": sometimes_junk(st.floats(allow_nan=True, allow_infinity=True)),
-    "max_output_tokens": sometimes_junk(small_ints | st.just("inf")), "tools": sometimes_junk(st.just([]))})
+    "max_output_tokens": sometimes_junk(small_ints | st.just("inf")), "tools": sometimes_junk(tools),
+    "tool_choice": sometimes_junk(tool_choice)})

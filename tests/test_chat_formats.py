@@ -147,9 +147,7 @@ def test_fields_openai_clients_send_are_accepted(client):
 
 
 REFUSED = [
-    ("tools", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools",
-     "unsupported_parameter"),
-    ("json output", {"response_format": {"type": "json_object"}}, "response_format", "unsupported_parameter"),
+    ("deprecated functions", {"functions": [{"name": "f", "parameters": {}}]}, "functions", "unsupported_parameter"),
     ("logprobs", {"logprobs": True}, "logprobs", "unsupported_parameter"),
     ("stop", {"stop": ["\n"]}, "stop", "unsupported_parameter"),
     ("penalty", {"frequency_penalty": 0.5}, "frequency_penalty", "unsupported_parameter"),
@@ -158,9 +156,9 @@ REFUSED = [
      "audio.speed", "unknown_parameter"),
     ("unknown in a part", {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "cache": 1}]}]},
      "messages.0.content.0.cache", "unknown_parameter"),
-    ("tool calls in history", {"messages": [*MSG, {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages.1.tool_calls",
-     "unsupported_parameter"),
+    ("a deprecated function call in history", {"messages": [*MSG, {"role": "assistant", "content": None,
+                                                                   "function_call": {"name": "f", "arguments": "{}"}}]},
+     "messages.1.function_call", "unsupported_parameter"),
 ]
 
 

@@ -139,7 +139,9 @@ async def test_an_expired_secret_starts_nothing_and_its_session_goes_on(keyed_se
     ("/v1/realtime/client_secrets", {"expires_after": {"sec": 60}}, "expires_after.sec"),
     ("/v1/realtime/client_secrets", {"expires_after": 60}, "expires_after"),
     ("/v1/realtime/client_secrets", {"session": {"type": "transcription"}}, "session.type"),
-    ("/v1/realtime/client_secrets", {"session": {"tools": [{"type": "function", "name": "f"}]}}, "session.tools"),
+    ("/v1/realtime/client_secrets", {"session": {"tools": [{"type": "function", "name": "f", "parameters": {
+        "type": "objekt"}}]}}, "session.tools.0.parameters"),
+    ("/v1/realtime/client_secrets", {"session": {"tool_choice": "required"}}, "session.tool_choice"),
     ("/v1/realtime/client_secrets", {"session": {"audio": {"output": {"voice": "nobody"}}}}, "session.voice"),
     ("/v1/realtime/client_secrets", {"session": {"model": "gpt-4o"}}, "session.model"),
     ("/v1/realtime/client_secrets", {"session": {"model": 4}}, "session.model"),

@@ -39,10 +39,31 @@ audio_part = st.fixed_dictionaries({"type": st.just("input_audio"), "input_audio
     "data": st.sampled_from([WAV, "", "@@@", "UklGRg=="]) | st.binary(max_size=48).map(lambda b: base64.b64encode(
         b).decode()), "format": st.sampled_from(["wav", "flac", "mp3", "pcm16"]) | st.text(max_size=4)})})
 text_part = st.fixed_dictionaries({"type": st.just("text"), "text": sometimes_junk(st.text(max_size=40))})
+schema = st.sampled_from([
+    {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"]},
+    {"type": "object", "properties": {"n": {"type": "integer", "minimum": 3, "maximum": 1}}},  # empty range
+    {"type": "objekt"}, {"$ref": "#/$defs/missing"}, {"type": "string", "pattern": "("}, {}, {"enum": []},
+    {"type": "array", "items": {"type": "boolean"}, "maxItems": 2}, {"anyOf": [{"type": "null"}, {"const": 1}]},
+]) | st.dictionaries(st.sampled_from(["type", "properties", "required", "items", "enum", "x"]), junk, max_size=3)
+function = st.fixed_dictionaries({"name": st.sampled_from(["get_weather", "roll", "bad name", ""])},
+                                 optional={"parameters": sometimes_junk(schema), "description": st.text(max_size=8),
+                                           "strict": st.booleans()})
+tools = st.lists(sometimes_junk(st.fixed_dictionaries({"type": st.just("function"), "function": function})),
+                 max_size=3)
+tool_choice = st.sampled_from(["none", "auto", "required", "sometimes"]) | st.fixed_dictionaries(
+    {"type": st.just("function"), "function": st.fixed_dictionaries(
+        {"name": st.sampled_from(["get_weather", "roll", "nope"])})})
+response_format = st.sampled_from([{"type": "text"}, {"type": "json_object"}, {"type": "json_schema"}]) | st.builds(
+    lambda s, strict: {"type": "json_schema", "json_schema": {"name": "out", "schema": s, "strict": strict}},
+    schema, st.booleans())
+call_function = st.fixed_dictionaries({"name": st.sampled_from(["get_weather", "x"]),
+                                       "arguments": st.sampled_from(['{"city": "Oslo"}', "{oops", ""])})
+tool_call = st.fixed_dictionaries({"id": st.just("call_1"), "type": st.just("function"), "function": call_function})
 message = sometimes_junk(st.fixed_dictionaries(
     {"role": st.sampled_from(["user"] * 4 + ["system", "developer", "assistant", "tool", "robot"]),
      "content": st.none() | st.text(max_size=60) | st.lists(sometimes_junk(text_part | audio_part), max_size=3)},
-    optional={"audio": junk, "name": st.text(max_size=5)}))
+    optional={"audio": junk, "name": st.text(max_size=5), "tool_calls": sometimes_junk(st.lists(tool_call, max_size=2)),
+              "tool_call_id": st.text(max_size=6)}))
 chat_body = st.fixed_dictionaries(
     {"model": sometimes_junk(st.sampled_from(["tiny"] * 8 + ["gpt-4o", ""])),
      "messages": sometimes_junk(st.lists(message, min_size=1, max_size=3))},
@@ -62,6 +83,8 @@ chat_body = st.fixed_dictionaries(
                              "repetition_penalty", "bogus"]), small_ints | st.floats(allow_nan=True) | junk,
             max_size=3)),
         "initial_codec_chunk_frames": sometimes_junk(st.integers(-2, 70)),
+        "tools": sometimes_junk(tools), "tool_choice": sometimes_junk(tool_choice),
+        "parallel_tool_calls": sometimes_junk(st.booleans()), "response_format": sometimes_junk(response_format),
     })
 
 

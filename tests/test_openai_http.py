@@ -180,5 +180,8 @@ def test_reference_engine_serves_the_same_api():
         samples, rate = _wav(r.choices[0].message.audio.data)
         frames = r.usage.completion_tokens_details.audio_tokens
         assert rate == 24000 and frames > 0 and len(samples) == frames * 1920 - 555
+        with pytest.raises(openai.BadRequestError, match="no constrained decoding"):  # it has no grammar engine
+            client.chat.completions.create(model="tiny", messages=MSG, max_tokens=8,
+                                           response_format={"type": "json_object"})
     finally:
         srv.stop()

@@ -28,7 +28,19 @@ from hypothesis import strategies as st
 
 from app.realtime.transcription import OPENAI_MODELS
 from tests.conftest import ServerProcess
-from tests.fuzz_helpers import CHEAP, junk, modalities, opt, session, small_ints, sometimes_junk, text, voices
+from tests.fuzz_helpers import (
+    CHEAP,
+    junk,
+    modalities,
+    opt,
+    session,
+    small_ints,
+    sometimes_junk,
+    text,
+    tool_choice,
+    tools,
+    voices,
+)
 from tests.realtime_helpers import lost_audio, ws_url
 
 NUM_CASES = int(os.environ.get("OMNIRT_RT_FUZZ_CASES", "8000"))
@@ -43,14 +55,22 @@ audio = b64 | st.sampled_from(["", "@@@", "A", "AAA=", "==", "UklGRg=="])
 item_ids = st.sampled_from(["a", "b", "c", "root", ""]) | st.text(max_size=6)
 part = opt({"type": st.sampled_from(["input_text", "input_audio", "text", "audio", "output_text", "bogus"])},
            optional={"text": sometimes_junk(text), "audio": sometimes_junk(audio), "transcript": st.text(max_size=9)})
-item = opt({"type": sometimes_junk(st.sampled_from(["message", "message", "function_call_output"])),
-            "role": sometimes_junk(st.sampled_from(["user", "user", "assistant", "system", "tool"])),
-            "content": sometimes_junk(st.lists(sometimes_junk(part), max_size=3))},
-           optional={"id": sometimes_junk(item_ids)})
+message_item = opt({"type": sometimes_junk(st.just("message")),
+                    "role": sometimes_junk(st.sampled_from(["user", "user", "assistant", "system", "tool"])),
+                    "content": sometimes_junk(st.lists(sometimes_junk(part), max_size=3))},
+                   optional={"id": sometimes_junk(item_ids)})
+call_ids = st.sampled_from(["call_1", "call_2", ""]) | st.text(max_size=5)
+function_item = opt({"type": st.sampled_from(["function_call", "function_call_output"])}, optional={
+    "call_id": sometimes_junk(call_ids), "output": sometimes_junk(st.text(max_size=20)),
+    "name": sometimes_junk(st.sampled_from(["get_weather", "roll"])), "role": st.just("user"),
+    "arguments": sometimes_junk(st.sampled_from(['{"city": "Oslo"}', "{oops", ""])),
+    "id": sometimes_junk(item_ids)})
+item = message_item | message_item | function_item
 response = opt({}, optional={
     "output_modalities": sometimes_junk(modalities), "max_output_tokens": sometimes_junk(small_ints | st.just("inf")),
     "instructions": sometimes_junk(text), "conversation": sometimes_junk(st.sampled_from(["auto", "none"])),
-    "voice": sometimes_junk(voices), "metadata": junk, "input": junk,
+    "voice": sometimes_junk(voices), "metadata": junk, "input": junk, "tools": sometimes_junk(tools),
+    "tool_choice": sometimes_junk(tool_choice),
     "talker_sampling": sometimes_junk(st.dictionaries(st.sampled_from(
         ["max_tokens", "min_tokens", "temperature", "top_k", "top_p", "seed", "repetition_penalty", "bogus"]),
         small_ints | st.floats(allow_nan=True), max_size=3))})

@@ -99,8 +99,20 @@ MALFORMED = [
     ("unsupported voice", {"type": "session.update", "session": {"voice": "nobody"}}, "invalid_voice", None),
     ("unserved field at a value", {"type": "session.update", "session": {"audio": {"output": {"speed": 1.5}}}},
      "unsupported_parameter", "session.audio.output.speed"),
-    ("unserved field: tools", {"type": "response.create", "response": {"tools": [{"type": "function"}]}},
-     "unsupported_parameter", "response.tools"),
+    ("a tool without a name", {"type": "response.create", "response": {"tools": [{"type": "function"}]}},
+     "invalid_value", "response.tools.0.name"),
+    ("a tool schema that is not JSON Schema", {"type": "session.update", "session": {"tools": [
+        {"type": "function", "name": "f", "parameters": {"type": "objekt"}}]}}, "invalid_schema",
+     "session.tools.0.parameters"),
+    ("tool_choice naming no tool", {"type": "response.create", "response": {"tool_choice": {
+        "type": "function", "name": "nope"}}}, "invalid_value", "response.tool_choice"),
+    ("a function_call_output of no call", {"type": "conversation.item.create", "item": {
+        "type": "function_call_output", "call_id": "call_nope", "output": "{}"}}, "invalid_value", "item.call_id"),
+    ("a function_call_output without output", {"type": "conversation.item.create", "item": {
+        "type": "function_call_output", "call_id": "call_1"}}, "missing_required_parameter", "item.output"),
+    ("a function_call_output with content", {"type": "conversation.item.create", "item": {
+        "type": "function_call_output", "call_id": "call_1", "output": "1", "content": []}}, "unknown_parameter",
+     "item.content"),
     ("unknown field", {"type": "response.create", "response": {"temprature": 0.5}}, "unknown_parameter",
      "response.temprature"),
     ("unknown event field", {"type": "response.cancel", "response": "resp_1"}, "unknown_parameter", "response"),

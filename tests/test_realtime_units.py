@@ -84,7 +84,7 @@ def test_session_update_accepts_both_generations():
     assert beta.wants_audio and beta.input_format is G711_ALAW and beta.turn_detection is None
     assert session_object(beta, "s", beta=True)["max_response_output_tokens"] == 20
     assert session_object(ga, "s", beta=False)["audio"]["input"]["format"] == {"type": "audio/pcmu"}
-    for bad, param in [({"tools": [{"type": "function"}]}, "session.tools"),
+    for bad, param in [({"tools": [{"type": "function"}]}, "session.tools.0.name"),
                        ({"audio": {"input": {"turn_detection": {"type": "semantic_vad"}}}},
                         "session.audio.input.turn_detection.type"),
                        ({"turn_detection": {"threshold": 3}}, "session.turn_detection"),

@@ -4,9 +4,11 @@ spread the load, keep each request on one replica, and survive a replica being k
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 
+import jsonschema
 import pytest
 from replica_helpers import (
     PROMPTS,
@@ -20,6 +22,7 @@ from replica_helpers import (
     wait_for,
 )
 
+from pipeline.api import OmniRequest, collect_reply
 from pipeline.connector import Command, StageMessage
 from pipeline.replicas import ReplicaPool
 from pipeline.worker import ReplicaLoad, StepReport, WorkerSpec
@@ -173,6 +176,14 @@ async def test_thinker_in_a_worker_process_matches_in_process(baseline):
             assert len(res.pcm) == len(base.pcm) and max_pcm_diff(res.pcm, base.pcm) <= 2
         # the prompt goes as token ids: the Thinker embeds it (and encodes audio) in its own process
         assert eng.stage("thinker")._slots[0].handle.inbox.stats.num_shm_bytes == 0
+        # a compiled grammar crosses too (as its serialized JSON) and constrains the worker's sampling
+        schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
+                                                                                    "maximum": 99}},
+                  "required": ["ok", "n"], "additionalProperties": False}
+        req = OmniRequest("th-json", [{"role": "user", "content": "JSON"}], thinker_sampling={"max_tokens": 60},
+                          response_format={"type": "json_schema", "schema": schema})
+        reply = await asyncio.wait_for(collect_reply(await eng.submit(req)), 120)
+        jsonschema.validate(json.loads(reply.text), schema)
     finally:
         eng.stop()
 

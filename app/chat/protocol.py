@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import json
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -14,6 +15,7 @@ from app.audio.pcm import AudioFormatError
 from app.audio.resample import resample
 from app.errors import APIError
 from app.fields import FieldError, FieldRule, rule
+from app.tools import FUNCTION_NAME
 
 NO_LIST, NO_MAP = (None, []), (None, {})  # an unserved field at one of these asks for nothing
 
@@ -36,13 +38,51 @@ class ContentPart(_Open):
     input_audio: InputAudio | None = None
 
 
+class FunctionDef(_Open):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # accepted: forced calls always follow the schema; free ones are not checked
+
+
+class Tool(_Open):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class JSONSchemaFormat(_Open):
+    name: str = Field(pattern=FUNCTION_NAME)
+    schema_: dict[str, Any] = Field(alias="schema", default_factory=dict)
+    description: str | None = None
+    strict: bool | None = None  # accepted: the schema is always enforced
+
+
+class ResponseFormat(_Open):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class FunctionCall(_Open):
+    name: str
+    arguments: str
+
+
+class ToolCallItem(_Open):
+    """An assistant's call as the SDK sends it back (`message.tool_calls`)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Open):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     audio: dict[str, Any] | None = None  # a previous assistant audio reference: the transcript is in content
-    # what the SDK echoes back from an earlier reply (`message.model_dump()`), and tool bookkeeping
-    fields = rule((), ignored=("name", "refusal", "annotations", "tool_call_id"),
-                  inert={"tool_calls": NO_LIST, "function_call": (None,)})
+    tool_calls: list[ToolCallItem] | None = None  # an assistant's calls, sent back with the tools' results
+    # what the SDK echoes back from an earlier reply (`message.model_dump()`), and tool bookkeeping (Qwen's
+    # template pairs results with calls by their order, not by id)
+    fields = rule((), ignored=("name", "refusal", "annotations", "tool_call_id"), inert={"function_call": (None,)})
 
 
 class AudioParams(_Open):
@@ -75,10 +115,12 @@ class ChatRequest(_Open):
     # omnirt extensions (vLLM-Omni names): per-stage talker sampling, first audio chunk size
     talker_sampling: dict[str, Any] | None = None
     initial_codec_chunk_frames: int | None = Field(default=None, ge=1, le=64)
-    fields = rule((), ignored=("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
-                               "parallel_tool_calls"),
-                  inert={"tools": NO_LIST, "functions": NO_LIST, "tool_choice": (None, "none", "auto"),
-                         "function_call": (None, "none", "auto"), "response_format": (None, {"type": "text"}),
+    tools: list[Tool] | None = None
+    tool_choice: str | dict[str, Any] | None = None  # checked by app/chat/tools.py, for a clear error
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    fields = rule((), ignored=("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"),
+                  inert={"functions": NO_LIST, "function_call": (None, "none", "auto"),
                          "logprobs": (None, False), "top_logprobs": (None, 0), "frequency_penalty": (None, 0),
                          "presence_penalty": (None, 0), "logit_bias": NO_MAP, "stop": (None, [], ""),
                          "prediction": (None,), "web_search_options": (None,), "reasoning_effort": (None,),
@@ -109,14 +151,26 @@ def to_engine_messages(messages: list[ChatMessage], input_rate: int, max_audio_s
     out = []
     for i, m in enumerate(messages):
         role = "system" if m.role == "developer" else m.role
-        if role == "tool":
-            role = "user"
         if m.content is None or isinstance(m.content, str):
-            out.append({"role": role, "content": m.content or ""})
-            continue
-        parts = [_part(p, f"messages.{i}.content.{j}", input_rate, max_audio_s) for j, p in enumerate(m.content)]
-        out.append({"role": role, "content": parts})
+            msg = {"role": role, "content": m.content or ""}
+        else:
+            msg = {"role": role, "content": [_part(p, f"messages.{i}.content.{j}", input_rate, max_audio_s)
+                                              for j, p in enumerate(m.content)]}
+        if m.tool_calls:
+            msg["tool_calls"] = engine_tool_calls(m.tool_calls, f"messages.{i}.tool_calls")
+        out.append(msg)
     return out
+
+
+def engine_tool_calls(calls: list[ToolCallItem], where: str) -> list[dict]:
+    """An assistant message's calls for the prompt; each call's arguments must be JSON text."""
+    for j, call in enumerate(calls):
+        try:
+            json.loads(call.function.arguments)
+        except ValueError as exc:
+            raise APIError(400, f"{where}.{j}.function.arguments is not JSON", f"{where}.{j}.function.arguments",
+                           "invalid_value") from exc
+    return [{"name": c.function.name, "arguments": c.function.arguments} for c in calls]
 
 
 def _part(p: ContentPart, where: str, input_rate: int, max_audio_s: float) -> dict:

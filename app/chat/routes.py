@@ -1,4 +1,4 @@
-"""POST /v1/chat/completions in OpenAI's shapes: text or text+audio, streaming (SSE) or not.
+"""POST /v1/chat/completions in OpenAI's shapes: text or text+audio, streaming (SSE) or not, with tool calls.
 
 With audio output, as in OpenAI's API, the text arrives as the audio's transcript
 (`message.audio.transcript`, `delta.audio.transcript`) and `content` is null; the audio is base64 in
@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from app.audio.files import StreamEncoder, encode_file
 from app.chat.protocol import ChatRequest, check_fields, to_engine_messages
+from app.chat.tools import check_tools, delta_tool_call, engine_response_format, message_tool_calls
 from app.errors import APIError
 from app.ops.admission import check_draining, overloaded_error
 from pipeline.api import (
@@ -32,6 +33,7 @@ from pipeline.api import (
     OmniRequest,
     RequestError,
     TextDelta,
+    ToolCallDelta,
     collect_reply,
 )
 
@@ -49,6 +51,9 @@ async def _engine_request(body: ChatRequest, request: Request) -> OmniRequest:
     if wants_audio and body.audio is None:
         raise APIError(400, "audio output needs the `audio` parameter ({voice, format})", "audio",
                        "missing_audio_params")
+    tools = body.tools or []
+    tool_choice = check_tools(tools, body.tool_choice)
+    response_format = engine_response_format(body.response_format)
     messages = await asyncio.to_thread(to_engine_messages, body.messages, server.engine.info().input_sample_rate,
                                        server.max_audio_s)  # decoding audio files is not the event loop's work
     if server.system_prompt and not any(m["role"] == "system" for m in messages):
@@ -57,7 +62,9 @@ async def _engine_request(body: ChatRequest, request: Request) -> OmniRequest:
         request_id=f"chatcmpl-{uuid.uuid4().hex}", messages=messages, modalities=tuple(body.modalities),
         voice=body.audio.voice if body.audio else None, thinker_sampling=body.thinker_overrides(),
         talker_sampling=body.talker_sampling or {}, initial_codec_chunk_frames=body.initial_codec_chunk_frames,
-        cache_salt=request.state.principal.key_id)
+        cache_salt=request.state.principal.key_id, tools=[t.model_dump(exclude_none=True) for t in tools],
+        tool_choice=tool_choice, parallel_tool_calls=body.parallel_tool_calls is not False,
+        response_format=response_format)
 
 
 @router.post("/v1/chat/completions")
@@ -114,8 +121,13 @@ async def _collect(body: ChatRequest, req: OmniRequest, events: AsyncIterator, r
     reply = await collect_reply(events)
     fin = reply.finished
     _raise_if_failed(fin)
-    message: dict = {"role": "assistant", "content": reply.text, "refusal": None}
-    if req.wants_audio:
+    message: dict = {"role": "assistant", "content": reply.text if reply.text or not reply.tool_calls else None,
+                     "refusal": None}
+    if reply.tool_calls:
+        message["tool_calls"] = message_tool_calls(reply.tool_calls)
+    if req.wants_audio and not reply.pcm16 and reply.tool_calls:  # a reply that only calls tools says nothing
+        message["content"], message["audio"] = None, None
+    elif req.wants_audio:
         data = await asyncio.to_thread(encode_file, reply.pcm16, rate, body.audio.format)
         message["content"] = None
         message["audio"] = {"id": f"audio_{uuid.uuid4().hex}", "data": base64.b64encode(data).decode(),
@@ -160,6 +172,8 @@ async def _sse(body: ChatRequest, req: OmniRequest, events: AsyncIterator, inclu
             if isinstance(ev, TextDelta):
                 yield chunk({"audio": {"id": audio_id, "transcript": ev.text}} if req.wants_audio
                             else {"content": ev.text})
+            elif isinstance(ev, ToolCallDelta):
+                yield chunk({"tool_calls": [delta_tool_call(ev.index, ev.call_id, ev.name, ev.arguments)]})
             elif isinstance(ev, AudioChunk) and (data := await asyncio.to_thread(encoder.encode, ev.pcm16)):
                 yield chunk({"audio": {"id": audio_id, "data": base64.b64encode(data).decode()}})
             elif isinstance(ev, Finished):

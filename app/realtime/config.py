@@ -2,10 +2,11 @@
 generation (GA nested `audio.input/output`, beta flat fields) -> one frozen config, and back to the
 `session` object each dialect expects.
 
-Fields follow the one rule of `app/fields.py` (docs/api-fields.md): what omnirt cannot do (tools, noise
-reduction, semantic VAD, out-of-band `input`, another speed) is accepted only at a value that asks for
-nothing (so a client may send back the `session` object it got) and refused with an `error` otherwise, as
-is any unknown field. Input transcription has its own module (`app/realtime/transcription.py`).
+Fields follow the one rule of `app/fields.py` (docs/api-fields.md): what omnirt cannot do (noise reduction,
+semantic VAD, out-of-band `input`, another speed) is accepted only at a value that asks for nothing (so a
+client may send back the `session` object it got) and refused with an `error` otherwise, as is any unknown
+field. Input transcription has its own module (`app/realtime/transcription.py`), tools theirs
+(`app/realtime/tools.py`).
 """
 
 from __future__ import annotations
@@ -18,21 +19,22 @@ from app.audio.vad import VadConfig
 from app.audio.wire import FORMATS, FORMATS_BY_MIME, PCM16, AudioFormat
 from app.fields import FieldRule, rule
 from app.realtime.events import ProtocolError, check_fields, require
+from app.realtime.tools import engine_tools, parse_tools
 from app.realtime.transcription import TranscriptionConfig, parse_transcription, transcription_object
 from pipeline.api import EngineInfo
 
 MAX_OUTPUT_TOKENS = 4096
 _ECHOED = ("type", "object", "id", "expires_at")  # parts of a session object a client may send back
-_UNSERVED = {"tools": (None, []), "tool_choice": (None, "auto", "none"), "prompt": (None,), "include": (None, []),
-             "speed": (None, 1.0)}
+_UNSERVED = {"prompt": (None,), "include": (None, []), "speed": (None, 1.0)}
 SESSION_FIELDS = rule(
     ("audio", "instructions", "output_modalities", "modalities", "voice", "input_audio_format", "output_audio_format",
      "turn_detection", "temperature", "max_output_tokens", "max_response_output_tokens", "model", "truncation",
-     "input_audio_transcription"),
+     "input_audio_transcription", "tools", "tool_choice"),
     ignored=(*_ECHOED, "tracing", "client_secret"), inert={**_UNSERVED, "input_audio_noise_reduction": (None,)})
 RESPONSE_FIELDS = rule(
     ("audio", "instructions", "output_modalities", "modalities", "voice", "output_audio_format", "temperature",
-     "max_output_tokens", "max_response_output_tokens", "conversation", "metadata", "talker_sampling"),
+     "max_output_tokens", "max_response_output_tokens", "conversation", "metadata", "talker_sampling", "tools",
+     "tool_choice"),
     ignored=_ECHOED, inert={**_UNSERVED, "input": (None, [])})
 SESSION_AUDIO_FIELDS, RESPONSE_AUDIO_FIELDS = rule(("input", "output")), rule(("output",))
 AUDIO_INPUT_FIELDS = rule(("format", "turn_detection", "transcription"), inert={"noise_reduction": (None,)})
@@ -54,6 +56,8 @@ class SessionConfig:
     max_output_tokens: int | None = None  # None: "inf" (the profile's limit)
     truncation: Any = "auto"  # as the client set it: "auto", "disabled" or {"type": "retention_ratio", ...}
     transcription: TranscriptionConfig | None = None  # None: the user's audio is not transcribed
+    tools: tuple[dict, ...] = ()  # as the client sent them ({type: function, name, description, parameters})
+    tool_choice: Any = "auto"  # as the client sent it: "auto", "none", "required" or {type: function, name}
 
     @property
     def retention(self) -> float | None:
@@ -75,6 +79,8 @@ class ResponseOptions:
     metadata: dict | None = None
     talker_sampling: dict | None = None  # omnirt extension (as in /v1/chat/completions)
     truncation: float | None = 1.0  # SessionConfig.retention
+    tools: tuple[dict, ...] = ()  # the engine's shape: {type: function, function: {name, description, parameters}}
+    tool_choice: str | dict = "auto"  # the engine's shape
 
 
 def initial_config(info: EngineInfo, model: str, instructions: str) -> SessionConfig:
@@ -118,6 +124,10 @@ def apply_session_update(cfg: SessionConfig, update: dict[str, Any], voices: tup
             changes["max_output_tokens"] = _max_tokens(update[key], f"session.{key}")
     if "truncation" in update:
         changes["truncation"] = _truncation(update["truncation"], "session.truncation")
+    tools = parse_tools(update, "session", cfg.tools)
+    if "tools" in update or "tool_choice" in update:
+        changes["tools"], changes["tool_choice"] = tools, update.get("tool_choice") or cfg.tool_choice
+        engine_tools(tools, changes["tool_choice"], "session")  # checked now, refused with the update
     return dataclasses.replace(cfg, **changes)
 
 
@@ -136,6 +146,8 @@ def response_options(cfg: SessionConfig, body: dict[str, Any] | None, voices: tu
     for key in ("max_output_tokens", "max_response_output_tokens"):
         if key in body:
             max_tokens = _max_tokens(body[key], f"response.{key}")
+    tools = parse_tools(body, "response", cfg.tools)
+    tools, tool_choice = engine_tools(tools, body.get("tool_choice") or cfg.tool_choice, "response")
     return ResponseOptions(
         instructions=require(body, "instructions", (str,), "response", cfg.instructions),
         wants_audio=wants_audio, voice=_voice(body, a_out, "response", voices) or cfg.voice,
@@ -144,7 +156,8 @@ def response_options(cfg: SessionConfig, body: dict[str, Any] | None, voices: tu
         temperature=_temperature(body, "response") if body.get("temperature") is not None else cfg.temperature,
         max_output_tokens=max_tokens, in_conversation=conversation == "auto",
         metadata=require(body, "metadata", (dict,), "response"),
-        talker_sampling=require(body, "talker_sampling", (dict,), "response"), truncation=cfg.retention)
+        talker_sampling=require(body, "talker_sampling", (dict,), "response"), truncation=cfg.retention,
+        tools=tools, tool_choice=tool_choice)
 
 
 def parse_turn_detection(value: Any, where: str) -> VadConfig | None:
@@ -176,7 +189,8 @@ def session_object(cfg: SessionConfig, session_id: str, beta: bool) -> dict[str,
                 "voice": cfg.voice, "input_audio_format": cfg.input_format.name,
                 "output_audio_format": cfg.output_format.name,
                 "input_audio_transcription": transcription_object(cfg.transcription),
-                "turn_detection": td, "tools": [], "tool_choice": "auto", "temperature": cfg.temperature,
+                "turn_detection": td, "tools": list(cfg.tools), "tool_choice": cfg.tool_choice,
+                "temperature": cfg.temperature,
                 "max_response_output_tokens": max_tokens}
     return {"type": "realtime", "object": "realtime.session", "id": session_id, "model": cfg.model,
             "output_modalities": ["audio"] if cfg.wants_audio else ["text"], "instructions": cfg.instructions,
@@ -184,7 +198,7 @@ def session_object(cfg: SessionConfig, session_id: str, beta: bool) -> dict[str,
                                 "transcription": transcription_object(cfg.transcription),
                                 "noise_reduction": None, "turn_detection": td},
                       "output": {"format": format_object(cfg.output_format), "voice": cfg.voice, "speed": 1.0}},
-            "tools": [], "tool_choice": "auto", "max_output_tokens": max_tokens, "tracing": None,
+            "tools": list(cfg.tools), "tool_choice": cfg.tool_choice, "max_output_tokens": max_tokens, "tracing": None,
             "truncation": cfg.truncation, "prompt": None, "include": None}
 
 

@@ -26,7 +26,8 @@ _ROLES = {"user": ("input_text", "input_audio"), "system": ("input_text",),
           "assistant": ("output_text", "output_audio", "text", "audio")}
 _BETA_TYPES = {"output_text": "text", "output_audio": "audio"}
 _GA_TYPES = {"text": "output_text", "audio": "output_audio"}
-ITEM_FIELDS = rule(("type", "role", "content", "id"), ignored=("object", "status"))  # status: an item sent back
+ITEM_FIELDS = rule(("type", "role", "content", "id", "call_id", "name", "arguments", "output"),
+                   ignored=("object", "status"))  # status: an item sent back
 CONTENT_FIELDS = rule(("type", "text", "audio", "transcript"))
 
 
@@ -49,6 +50,11 @@ class Item:
     role: str
     content: list[Content] = field(default_factory=list)
     status: str = "completed"
+    type: str = "message"  # message | function_call (the model's) | function_call_output (the client's result)
+    call_id: str | None = None
+    name: str | None = None  # function_call: the function
+    arguments: str = ""  # function_call: JSON text
+    output: str = ""  # function_call_output: the result
 
 
 class Conversation:
@@ -61,6 +67,10 @@ class Conversation:
         """Insert after `previous_item_id` ("root": first; None: last); returns the id it follows."""
         if any(i.id == item.id for i in self.items):
             raise ProtocolError(f"an item with id {item.id!r} already exists", "duplicate_item_id", "item.id")
+        if item.type == "function_call_output" and not any(
+                i.type == "function_call" and i.call_id == item.call_id for i in self.items):
+            raise ProtocolError(f"no function_call in the conversation has call_id {item.call_id!r}",
+                                "invalid_value", "item.call_id")
         if previous_item_id is None:
             index = len(self.items)
         elif previous_item_id == "root":
@@ -108,15 +118,28 @@ class Conversation:
         """Engine messages: the instructions as the system turn, then every item in order."""
         ids = [i.id for i in self.items]
         pairs = [({"role": "system", "content": instructions}, None)] if instructions else []
-        pairs += [(m, item.id) for item in self.items[ids.index(self.start) if self.start in ids else 0:]
-                  if (m := _message(item)) is not None]
+        for item in self.items[ids.index(self.start) if self.start in ids else 0:]:
+            m = _message(item)
+            if m is None:
+                continue
+            if m.get("tool_calls") and pairs and pairs[-1][0]["role"] == "assistant":  # calls after their text
+                last = pairs[-1][0]
+                pairs[-1] = ({**last, "tool_calls": last.get("tool_calls", []) + m["tool_calls"]}, pairs[-1][1])
+            else:
+                pairs.append((m, item.id))
         leading = next((n for n, (m, _) in enumerate(pairs) if m["role"] != "system"), len(pairs))
         self._sent = [item_id for _, item_id in pairs[leading:]]  # what the engine may leave out, in order
         return [m for m, _ in pairs]
 
 
 def _message(item: Item) -> dict[str, Any] | None:
-    """An item as an engine message (assistant items as their text); None when it holds nothing to say."""
+    """An item as an engine message (assistant items as their text, calls as tool_calls, results as a tool
+    message); None when it holds nothing to say, or is a call cut short (its arguments may not be JSON)."""
+    if item.type == "function_call":
+        return None if item.status == "incomplete" else {
+            "role": "assistant", "content": "", "tool_calls": [{"name": item.name, "arguments": item.arguments}]}
+    if item.type == "function_call_output":
+        return {"role": "tool", "content": item.output}
     if item.role == "assistant":
         text = "".join(c.spoken_text for c in item.content)
         return {"role": "assistant", "content": text} if text else None
@@ -128,6 +151,12 @@ def _message(item: Item) -> dict[str, Any] | None:
 
 def item_object(item: Item, beta: bool) -> dict[str, Any]:
     """The wire shape of an item (audio bytes are never echoed back)."""
+    if item.type == "function_call":
+        return {"id": item.id, "object": "realtime.item", "type": "function_call", "status": item.status,
+                "name": item.name, "call_id": item.call_id, "arguments": item.arguments}
+    if item.type == "function_call_output":
+        return {"id": item.id, "object": "realtime.item", "type": "function_call_output", "status": item.status,
+                "call_id": item.call_id, "output": item.output}
     content = []
     for c in item.content:
         kind = _BETA_TYPES.get(c.type, c.type) if beta else c.type
@@ -143,20 +172,53 @@ def parse_item(obj: dict[str, Any], input_format: AudioFormat, audio_rate: int) 
     """`conversation.item.create`'s `item` -> an Item (audio decoded and resampled to `audio_rate`)."""
     check_fields(ITEM_FIELDS, obj, "item")
     kind = require(obj, "type", (str,), "item", "message")
+    if kind in ("function_call", "function_call_output"):
+        return _function_item(obj, kind)
     if kind != "message":
-        raise ProtocolError(f"item type {kind!r} is not supported (function calling is not)", "unsupported_parameter",
-                            "item.type")
+        raise ProtocolError(f"item type {kind!r} is not supported (message, function_call, function_call_output)",
+                            "invalid_value", "item.type")
+    _only(obj, ("call_id", "name", "arguments", "output"), "a message")
     role = require(obj, "role", (str,), "item")
     if role not in _ROLES:
         raise ProtocolError("item.role must be user, assistant or system", "invalid_value", "item.role")
-    item_id = require(obj, "id", (str,), "item") or new_id("item")
-    if len(item_id) > 64:
-        raise ProtocolError("item.id is at most 64 characters", "invalid_value", "item.id")
+    item_id = _item_id(obj)
     parts = require(obj, "content", (list,), "item")
     if not parts:
         raise ProtocolError("item.content must be a non-empty list", "invalid_value", "item.content")
     return Item(item_id, role, [_content(p, role, f"item.content.{i}", input_format, audio_rate)
                                 for i, p in enumerate(parts)])
+
+
+def _function_item(obj: dict[str, Any], kind: str) -> Item:
+    """A function_call (a call the model made, sent back as history) or a function_call_output (its result)."""
+    _only(obj, ("role", "content") + (("output",) if kind == "function_call" else ("name", "arguments")), f"a {kind}")
+    item = Item(_item_id(obj), "assistant" if kind == "function_call" else "user", type=kind)
+    item.call_id = require(obj, "call_id", (str,), "item")
+    if not item.call_id:
+        raise ProtocolError(f"a {kind} item needs its `call_id`", "missing_required_parameter", "item.call_id")
+    if kind == "function_call_output":
+        item.output = require(obj, "output", (str,), "item")
+        if item.output is None:
+            raise ProtocolError("a function_call_output item needs its `output` (a string: the result, e.g. JSON)",
+                                "missing_required_parameter", "item.output")
+        return item
+    item.name, item.arguments = require(obj, "name", (str,), "item"), require(obj, "arguments", (str,), "item", "")
+    if not item.name:
+        raise ProtocolError("a function_call item needs its `name`", "missing_required_parameter", "item.name")
+    return item
+
+
+def _only(obj: dict[str, Any], refused: tuple[str, ...], what: str) -> None:
+    for key in refused:
+        if key in obj:
+            raise ProtocolError(f"{what} item has no `{key}`", "unknown_parameter", f"item.{key}")
+
+
+def _item_id(obj: dict[str, Any]) -> str:
+    item_id = require(obj, "id", (str,), "item") or new_id("item")
+    if len(item_id) > 64:
+        raise ProtocolError("item.id is at most 64 characters", "invalid_value", "item.id")
+    return item_id
 
 
 def _content(part: Any, role: str, where: str, fmt: AudioFormat, audio_rate: int) -> Content:

@@ -1,7 +1,8 @@
 """One Realtime response: an engine request streamed out as server events, and how it ends.
 
 Lifecycle: `response.created` -> output item / content part added -> text or transcript deltas and
-audio deltas -> the `.done` events -> `response.done` with status `completed`, `incomplete`
+audio deltas (and, with tools, a `function_call` item per call with `response.function_call_arguments.delta`
+events) -> the `.done` events -> `response.done` with status `completed`, `incomplete`
 (`max_output_tokens`), `failed`, or `cancelled` (`turn_detected` / `client_cancelled`).
 Cancelling aborts the request in every engine stage at once (`engine.abort`), drops its queued
 audio from the outbox (or the audio sink), and ends the event stream with `response.done` (whose usage
@@ -36,11 +37,13 @@ from pipeline.api import (
     OmniRequest,
     RequestError,
     TextDelta,
+    ToolCallDelta,
 )
 
 log = logging.getLogger(__name__)
-_STATUS = {"stop": ("completed", None), "length": ("incomplete", "max_output_tokens"),
-           "abort": ("cancelled", "client_cancelled"), "error": ("failed", None)}
+_STATUS = {"stop": ("completed", None), "tool_calls": ("completed", None),
+           "length": ("incomplete", "max_output_tokens"), "abort": ("cancelled", "client_cancelled"),
+           "error": ("failed", None)}
 
 
 class AudioSink(Protocol):
@@ -57,19 +60,25 @@ class AudioSink(Protocol):
 
 
 class Response:
+    """Its output items, in order: the message (text or audio) unless the reply is only tool calls, and a
+    `function_call` item per call. Each item enters the conversation (`add_item`, which returns the id it
+    follows) as it opens; without tools the message opens at once, with tools at its first text or audio."""
+
     def __init__(self, engine: EngineClient, outbox: Outbox, response_id: str, item: Item, opts: ResponseOptions,
-                 beta: bool, previous_item_id: str | None = None, audio_sink: AudioSink | None = None,
+                 beta: bool, add_item: Callable[[Item], str | None], audio_sink: AudioSink | None = None,
                  metrics: Metrics | None = None, log_ids: dict[str, str | None] | None = None,
                  on_truncated: Callable[[int], None] | None = None):
         self.engine, self.outbox, self.id, self.item, self.opts = engine, outbox, response_id, item, opts
-        self.beta, self.previous_item_id, self.audio_sink = beta, previous_item_id, audio_sink
+        self.beta, self.add_item, self.audio_sink = beta, add_item, audio_sink
         self.metrics, self.on_truncated = metrics, on_truncated
+        self.outputs: list[Item] = []  # the items opened so far, in output order
+        self._previous: dict[str, str | None] = {}  # item id -> the conversation item it follows
+        self._calls: dict[int, Item] = {}  # the reply's call index -> its function_call item
         self._ids = {"request_id": response_id, **(log_ids or {})}  # for log lines: + session and key ids
         self.status, self.reason, self.error = "in_progress", None, None
         self.cancel_reason: str | None = None
         self.usage: dict[str, Any] | None = None
         self.task: asyncio.Task | None = None
-        self._is_open = False  # the output item was announced
         self._has_output = asyncio.Event()  # its first audio (text, for a text reply) went out
         self._num_samples_out = 0
         fmt = opts.output_format
@@ -143,14 +152,19 @@ class Response:
             self.engine.abort(self.id)
         if self.metrics is not None:
             events = self.metrics.observe(events, "realtime", started, self._ids)
-        await self._open_item()
+        if not self._may_call:
+            await self._open_message()
         try:
             await self._stream(events)
         except Exception:  # a bug here must not leave the session with a response that never ends
             log.exception("response %s: streaming failed", self.id, extra=self._ids)
             self.status, self.error = "failed", {"type": "server_error", "code": "internal_error",
                                                  "message": "streaming the response failed"}
-        await self._close_item()
+        await self._close()
+
+    @property
+    def _may_call(self) -> bool:
+        return bool(self.opts.tools) and self.opts.tool_choice != "none"
 
     async def _stream(self, events) -> None:
         try:
@@ -161,11 +175,13 @@ class Response:
                     continue  # what was already on its way is dropped; the engine ends the stream
                 elif isinstance(ev, TextDelta):
                     await self._text(ev.text)
+                elif isinstance(ev, ToolCallDelta):
+                    await self._call(ev)
                 elif isinstance(ev, AudioChunk):
                     await self._audio(self._resampler(pcm16_to_float(ev.pcm16)), ev.pcm16)
         finally:
             await events.aclose()
-        if self.opts.wants_audio and not self.cancel_reason:
+        if self.opts.wants_audio and not self.cancel_reason and self.item in self.outputs:
             await self._audio(self._resampler.flush(), b"")
 
     async def _fail(self, exc: ProtocolError) -> None:
@@ -178,7 +194,8 @@ class Response:
         return OmniRequest(self.id, messages, ("text", "audio") if self.opts.wants_audio else ("text",),
                            voice=self.opts.voice, thinker_sampling={k: v for k, v in sampling.items() if v is not None},
                            talker_sampling=self.opts.talker_sampling or {}, truncation=self.opts.truncation,
-                           cache_salt=self._ids.get("key_id"))  # one API key's sessions share cached prefixes
+                           cache_salt=self._ids.get("key_id"),  # one API key's sessions share cached prefixes
+                           tools=list(self.opts.tools), tool_choice=self.opts.tool_choice)
 
     def _finished(self, fin: Finished) -> None:
         if fin.truncated_messages and self.on_truncated is not None:
@@ -196,6 +213,7 @@ class Response:
                       "output_token_details": {"text_tokens": u.completion_tokens, "audio_tokens": u.audio_frames}}
 
     async def _text(self, text: str) -> None:
+        await self._open_message()
         part = self.item.content[0]
         if self.opts.wants_audio:
             part.transcript += text
@@ -207,6 +225,8 @@ class Response:
 
     async def _audio(self, samples: np.ndarray, engine_pcm16: bytes) -> None:
         """Deltas in the output format, or the engine's PCM16 to the audio sink; `audio_ms` counts what left."""
+        if engine_pcm16 or samples.size:
+            await self._open_message()
         part = self.item.content[0]
         if self.audio_sink is not None:
             if engine_pcm16:
@@ -223,18 +243,52 @@ class Response:
         await self._emit("response.output_audio.delta", **self._where(), delta=base64.b64encode(data).decode())
         self._has_output.set()
 
-    async def _open_item(self) -> None:
-        self.item.status, self._is_open = "in_progress", True
-        wire = item_object(self.item, self.beta)
-        await self._emit("response.output_item.added", response_id=self.id, output_index=0, item=wire)
-        if self.opts.in_conversation:
-            await self._emit("conversation.item.added", previous_item_id=self.previous_item_id, item=wire)
+    async def _call(self, ev: ToolCallDelta) -> None:
+        """A piece of a tool call: the first opens its function_call item, the next ones stream its arguments."""
+        if ev.name is not None:
+            item = Item(new_id("item"), "assistant", type="function_call", call_id=ev.call_id, name=ev.name)
+            self._calls[ev.index] = item
+            await self._open(item)
+            return
+        item = self._calls[ev.index]
+        item.arguments += ev.arguments
+        await self._emit("response.function_call_arguments.delta", response_id=self.id, item_id=item.id,
+                         output_index=self.outputs.index(item), call_id=item.call_id, delta=ev.arguments)
+
+    async def _open_message(self) -> None:
+        if self.item in self.outputs:
+            return
+        await self._open(self.item)
         await self._emit("response.content_part.added", **self._where(), part=self._part())
 
-    async def _close_item(self) -> None:
+    async def _open(self, item: Item) -> None:
+        item.status = "in_progress"
+        self.outputs.append(item)
+        wire = item_object(item, self.beta)
+        await self._emit("response.output_item.added", response_id=self.id, output_index=len(self.outputs) - 1,
+                         item=wire)
+        if self.opts.in_conversation:
+            self._previous[item.id] = self.add_item(item)
+            await self._emit("conversation.item.added", previous_item_id=self._previous[item.id], item=wire)
+
+    async def _close(self) -> None:
+        """Every item done, in order, then `response.done`."""
         if self.cancel_reason:
             self.status, self.reason = "cancelled", self.cancel_reason
-        self.item.status = "completed" if self.status == "completed" else "incomplete"
+        for index, item in enumerate(self.outputs):
+            item.status = "completed" if self.status == "completed" else "incomplete"
+            if item is self.item:
+                await self._close_message()
+            elif not self.cancel_reason:  # a call cut short is not one to run: its arguments are not announced
+                await self._emit("response.function_call_arguments.done", response_id=self.id, item_id=item.id,
+                                 output_index=index, call_id=item.call_id, name=item.name, arguments=item.arguments)
+            wire = item_object(item, self.beta)
+            await self._emit("response.output_item.done", response_id=self.id, output_index=index, item=wire)
+            if self.opts.in_conversation:
+                await self._emit("conversation.item.done", previous_item_id=self._previous[item.id], item=wire)
+        await self._emit("response.done", response=self.object())
+
+    async def _close_message(self) -> None:
         part = self.item.content[0]
         if self.opts.wants_audio:
             await self._emit("response.output_audio.done", **self._where())
@@ -242,16 +296,12 @@ class Response:
         else:
             await self._emit("response.output_text.done", **self._where(), text=part.text)
         await self._emit("response.content_part.done", **self._where(), part=self._part())
-        wire = item_object(self.item, self.beta)
-        await self._emit("response.output_item.done", response_id=self.id, output_index=0, item=wire)
-        if self.opts.in_conversation:
-            await self._emit("conversation.item.done", previous_item_id=self.previous_item_id, item=wire)
-        await self._emit("response.done", response=self.object())
 
     # ---- shapes ----------------------------------------------------------------------------------------
 
     def _where(self) -> dict[str, Any]:
-        return {"response_id": self.id, "item_id": self.item.id, "output_index": 0, "content_index": 0}
+        return {"response_id": self.id, "item_id": self.item.id, "output_index": self.outputs.index(self.item),
+                "content_index": 0}
 
     def _part(self) -> dict[str, Any]:
         part = self.item.content[0]
@@ -264,7 +314,7 @@ class Response:
             details = {"type": self.status, "reason": self.reason}
         elif self.status == "failed":
             details = {"type": "failed", "error": self.error}
-        output = [item_object(self.item, self.beta)] if self._is_open else []
+        output = [item_object(item, self.beta) for item in self.outputs]
         max_tokens = self.opts.max_output_tokens or "inf"
         common = {"object": "realtime.response", "id": self.id, "status": self.status, "status_details": details,
                   "output": output, "usage": self.usage, "metadata": self.opts.metadata,

@@ -259,8 +259,7 @@ class RealtimeSession:
     async def _start_response(self, opts: ResponseOptions) -> None:
         messages = self.conversation.history(opts.instructions)
         item = Item(new_id("item"), "assistant")
-        previous = self.conversation.add(item) if opts.in_conversation else None
-        self.response = Response(self.engine, self.outbox, new_id("resp"), item, opts, self.beta, previous,
+        self.response = Response(self.engine, self.outbox, new_id("resp"), item, opts, self.beta, self.conversation.add,
                                  self.audio_sink, self.metrics, self.log_ids, self.conversation.leave_out)
         self._has_spoken |= opts.wants_audio
         self.response.start(messages)

@@ -6,12 +6,14 @@ nor the Talker on its device, and captures only its own graphs."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from pipeline.attention import attend_in_place
 from pipeline.config import STAGE_NAMES, EngineConfig
+from pipeline.grammar import Grammars
 from pipeline.graph import StageGraph
 from pipeline.kv_cache import SlotKVCache
 from pipeline.memory import MemoryPlan, log_capture, log_plan, plan_memory
@@ -21,6 +23,7 @@ from pipeline.models.qwen3_omni.memory import stage_memory
 from pipeline.models.qwen3_omni.prompt import EncodedPrompt, PromptEncoder
 from pipeline.models.qwen3_omni.talker import TalkerModel, TalkerState
 from pipeline.models.qwen3_omni.thinker import ThinkerModel, ThinkerRows, ThinkerState
+from pipeline.models.qwen3_omni.tools import CALL_START, ToolCallParser, tool_call_spec
 from pipeline.moe import use_fused_experts
 from pipeline.platform import Platform
 from pipeline.triton_runtime import available
@@ -46,6 +49,9 @@ class OmniModels:
     plan: MemoryPlan | None = None  # how the KV caches were sized (pipeline/memory.py)
     graph: StageGraph | None = None  # the stages and what crosses between them (set by load_models)
     output_sample_rate: int = OUTPUT_SAMPLE_RATE
+    grammars: Grammars | None = None  # compiles the Thinker's constraints (its tokenizer and vocabulary)
+    tool_parser: Callable[[], ToolCallParser] = ToolCallParser  # the model's tool calls, out of its text
+    tool_call_spec: Callable[..., dict] = tool_call_spec  # the grammar that forces them
 
     @property
     def input_sample_rate(self) -> int:
@@ -126,7 +132,8 @@ def load_models(cfg: EngineConfig, platform: Platform, stages: tuple[str, ...] =
         th_kv = _kv_for(hc.thinker_config.text_config, plan.num_slots["thinker"], th_cfg.max_model_len, platform,
                         dtype, in_place)
         thinker = ThinkerModel(hf.thinker, hc, th_kv, platform, th_cfg.max_num_seqs, th_cfg.enforce_eager, graph_moe,
-                               cfg.compiles("thinker", platform.supports_graphs))
+                               cfg.compiles("thinker", platform.supports_graphs),
+                               tokenizer.convert_tokens_to_ids(CALL_START))
         kv_bytes["thinker"] = thinker.kv.num_bytes
     has_talker = getattr(hf, "has_talker", False)
     if has_talker and "talker" in stages:
@@ -149,7 +156,9 @@ def load_models(cfg: EngineConfig, platform: Platform, stages: tuple[str, ...] =
     for stage, n in kv_bytes.items():
         log.info("%s KV cache: %.1f MiB allocated, %d slots", stage, n / 2**20, plan.num_slots[stage])
     log.info("device memory after load: %.2f GiB allocated", platform.memory_allocated(device) / 2**30)
-    models = OmniModels(encoder, thinker, talker, code2wav, voices, tokenizer, kv_bytes, hf, platform, plan)
+    models = OmniModels(encoder, thinker, talker, code2wav, voices, tokenizer, kv_bytes, hf, platform, plan,
+                        grammars=Grammars(tokenizer, hc.thinker_config.text_config.vocab_size,
+                                          [hc.im_end_token_id]))
     models.graph = build_graph(hc, has_talker)
     return models
 

@@ -23,7 +23,8 @@ from pipeline.models.qwen3_omni import released
 
 log = logging.getLogger(__name__)
 
-TINY_VERSION = "v2-prompt"  # the released chat template and feature extractor; the Talker experts initialised
+TINY_VERSION = "v3"  # the released chat template and feature extractor, the Talker experts initialised; the tool
+# and think markers plain added tokens, as in Qwen's tokenizer
 SEED = 1234
 
 # Qwen-Omni special tokens in the order the real vocabulary has them (151643.. there).
@@ -48,6 +49,8 @@ _TRAINING_TEXT = ["system", "user", "assistant"] * 10 + [
     "Tell me a long story about a dragon, a castle and a brave knight.",
     "Numbers 0 1 2 3 4 5 6 7 8 9 and punctuation , . ! ? : ; - ' \"",
 ] * 20
+# Qwen's released tokenizer adds these as non-special tokens: decoded text keeps them (its tool-call parser reads it)
+TEXT_MARKERS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>")
 VOICES = ("chelsie", "ethan", "aiden")
 CODEBOOK = 64
 
@@ -146,7 +149,7 @@ def build_tokenizer():
         vocab=vocab, merges=merges, unk_token=None, eos_token="<|im_end|>", pad_token="<|endoftext|>",
         extra_special_tokens=NAMED_TOKENS,
     )
-    tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    tok.add_tokens([AddedToken(t, special=t not in TEXT_MARKERS, normalized=False) for t in SPECIAL_TOKENS])
     return tok
 
 

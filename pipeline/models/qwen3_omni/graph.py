@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from pipeline.connector import CodecStream
+from pipeline.grammar import GrammarMasks
 from pipeline.graph import StageGraph, StageNode, StageParts
 from pipeline.models.qwen3_omni.prefix import TalkerPrefixes, ThinkerPrefixes
 from pipeline.models.qwen3_omni.prompt import PromptKey
@@ -33,7 +34,7 @@ def build_thinker(cfg, models) -> StageParts:
     th, sc = models.thinker, cfg.stage("thinker")
     reuse = ThinkerPrefixes(th.multimodal_ids) if sc.prefix_caching else None
     return StageParts(Scheduler(th.kv, sc.max_num_seqs, sc.max_num_batched_tokens, th.eos_ids, lambda r: True, reuse),
-                      ARRunner(th, Sampler(th.vocab_size, th.eos_ids)))
+                      ARRunner(th, Sampler(th.vocab_size, th.eos_ids), GrammarMasks(models.grammars)))
 
 
 def thinker_to_client(eos_ids: list[int]):

@@ -12,9 +12,19 @@ from collections.abc import AsyncIterator
 import numpy as np
 import torch
 
-from pipeline.api import AudioChunk, EngineStats, Event, Finished, OmniRequest, StageStats, TextDelta, Usage
+from pipeline.api import (
+    AudioChunk,
+    EngineStats,
+    Event,
+    Finished,
+    OmniRequest,
+    RequestError,
+    StageStats,
+    Usage,
+)
 from pipeline.engine import EngineBase
 from pipeline.sampling import SamplingParams
+from pipeline.text_events import TextEvents
 
 
 class ReferenceEngine(EngineBase):
@@ -43,7 +53,10 @@ class ReferenceEngine(EngineBase):
 
     async def submit(self, req: OmniRequest) -> AsyncIterator[Event]:
         voice = self._check_voice(req)
-        prompt = await asyncio.to_thread(self.models.encoder.encode, req.messages)
+        if self._is_constrained(req):
+            raise RequestError("the reference engine has no constrained decoding (tool_choice required or a "
+                               "function, response_format)", "tool_choice" if req.tools else "response_format")
+        prompt = await asyncio.to_thread(self.models.encoder.encode, req.messages, self._prompt_tools(req))
         params = self._all_params(req, len(prompt.input_ids))
         th, tk = params["thinker"], params.get("talker")
         self._lock = self._lock or asyncio.Lock()
@@ -58,14 +71,16 @@ class ReferenceEngine(EngineBase):
             self.num_active_requests -= 1
         eos = set(self.models.thinker.eos_ids)
         text_ids = [t for t in tokens if t not in eos]
-        yield TextDelta(req.request_id, self.models.decode_text(text_ids), tuple(text_ids))
+        text_out = TextEvents(req.request_id, self.models.tool_parser() if self._prompt_tools(req) else None)
+        for ev in text_out.feed(self.models.decode_text(text_ids), text_ids, final=True):
+            yield ev
         frames = 0
         if wav is not None and wav.size:
             pcm = (np.clip(wav, -1, 1) * 32767).round().astype("<i2").tobytes()
             yield AudioChunk(req.request_id, pcm, 0)
             frames = (wav.size + self.models.code2wav.tail) // self.models.code2wav.samples_per_frame
         reason = "stop" if tokens and tokens[-1] in eos else "length"
-        yield Finished(req.request_id, reason, Usage(len(prompt.input_ids), len(tokens), frames))
+        yield text_out.finished(Finished(req.request_id, reason, Usage(len(prompt.input_ids), len(tokens), frames)))
 
     @torch.inference_mode()
     def _generate(self, prompt, voice, th: SamplingParams, tk: SamplingParams | None):

@@ -41,6 +41,7 @@ class ThinkerState:
     audio_lengths: torch.Tensor | None
     wants_rows: bool  # audio requested: hand rows to the Talker
     key: PromptKey | None = None
+    is_speech_done: bool = False  # a tool call began: nothing after its marker is spoken
 
 
 @dataclass(slots=True)
@@ -54,8 +55,10 @@ class ThinkerRows:
 
 class ThinkerModel:
     def __init__(self, thinker, config, kv: SlotKVCache, platform: Platform, max_num_seqs: int,
-                 enforce_eager: bool = True, graph_moe: str | None = None, compile_step: bool = False):
+                 enforce_eager: bool = True, graph_moe: str | None = None, compile_step: bool = False,
+                 tool_call_id: int | None = None):
         self.thinker = thinker
+        self.tool_call_id = tool_call_id  # the marker that starts a tool call: speech ends there
         self.graph_moe = graph_moe  # experts implementation inside captured graphs
         self.stack = thinker.model.language_model
         self.config = config
@@ -186,10 +189,18 @@ class ThinkerModel:
                  tokens: torch.Tensor | None) -> list[ThinkerRows | None]:
         """The step's hand-offs: prompt rows, plus the embedding of each token just sampled (`tokens`, on the
         device, for the rows `sampled`: one lookup, no round trip through the host)."""
-        rows = [(out.payload or ThinkerRows()) if req.state.wants_rows else None for req, out in zip(reqs, outs)]
+        rows = [(out.payload or ThinkerRows()) if self._speaks(req) else None for req, out in zip(reqs, outs)]
         wanted = [j for j, i in enumerate(sampled) if rows[i] is not None]
         if wanted:
             picked = tokens if len(wanted) == len(sampled) else tokens[self.staging.tensor(wanted)]
             for j, embed in zip(wanted, self.stack.embed_tokens(picked)):
                 rows[sampled[j]].token_embed = embed
         return rows
+
+    def _speaks(self, req) -> bool:
+        """Whether the Talker still gets this request's rows. A tool call's marker is the last text row it gets
+        (it ends the speech as the end of text would): a reply that is a call says nothing."""
+        st = req.state
+        if st.wants_rows and req.output_ids and req.output_ids[-1] == self.tool_call_id:
+            st.is_speech_done = True
+        return st.wants_rows and not st.is_speech_done
