@@ -115,15 +115,21 @@ async def main_async(args) -> dict:
                            if rows}}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--num-requests", type=int, default=6)
-    p.add_argument("--thinker-tokens", type=int, default=16)
-    p.add_argument("--frames", type=int, default=24)
+def cli(doc: str, options: dict[str, tuple[type, object, str]], run) -> None:
+    """A check's command line: its `options` (name -> type, default, help), then `omnirt serve`'s arguments
+    after --; prints the JSON that `run(args)` (a coroutine function) returns."""
+    p = argparse.ArgumentParser(description=doc.split("\n")[0])
+    for name, (kind, default, text) in options.items():
+        p.add_argument(name, type=kind, default=default, help=text)
     p.add_argument("serve_args", nargs=argparse.REMAINDER, help="arguments of `omnirt serve` after --")
     args = p.parse_args()
     args.serve_args = [a for a in args.serve_args if a != "--"]
-    print(json.dumps(asyncio.run(main_async(args)), indent=1))
+    print(json.dumps(asyncio.run(run(args)), indent=1))
+
+
+def main() -> None:
+    cli(__doc__, {"--num-requests": (int, 6, "prompts"), "--thinker-tokens": (int, 16, "text tokens per reply"),
+                  "--frames": (int, 24, "codec frames per reply")}, main_async)
 
 
 if __name__ == "__main__":

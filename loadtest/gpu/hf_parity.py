@@ -14,13 +14,10 @@ deploy/qwen3_omni_moe_1gpu.yaml` (a JSON summary on stdout).
 
 from __future__ import annotations
 
-import argparse
-import asyncio
-import json
-
 import numpy as np
 import torch
 
+from loadtest.gpu_check import cli
 from pipeline.api import OmniRequest, collect_reply
 
 VOICE = "ethan"
@@ -224,13 +221,8 @@ async def main_async(args) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--tokens", type=int, default=16, help="text tokens compared")
-    p.add_argument("--frames", type=int, default=8, help="codec frames compared (all 16 codebooks)")
-    p.add_argument("serve_args", nargs=argparse.REMAINDER, help="arguments of `omnirt serve` after --")
-    args = p.parse_args()
-    args.serve_args = [a for a in args.serve_args if a != "--"]
-    print(json.dumps(asyncio.run(main_async(args)), indent=1))
+    cli(__doc__, {"--tokens": (int, 16, "text tokens compared"),
+                  "--frames": (int, 8, "codec frames compared (all 16 codebooks)")}, main_async)
 
 
 if __name__ == "__main__":
