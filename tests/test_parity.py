@@ -225,8 +225,8 @@ async def test_requests_batched_at_different_steps_match_their_own_generate(engi
 
 @pytest.fixture(scope="module")
 def chunked_engine(tiny_config):
-    """The tiny profile with prefill chunks of at most 16 tokens in the Thinker and the Talker."""
-    stages = [dataclasses.replace(s, max_num_batched_tokens=16) for s in tiny_config.stages]
+    """The tiny profile with prefill chunks of at most 16 tokens and 2 slots in the Thinker and the Talker."""
+    stages = [dataclasses.replace(s, max_num_batched_tokens=16, max_num_seqs=2) for s in tiny_config.stages]
     with started_engine(dataclasses.replace(tiny_config, stages=tuple(stages))) as eng:
         yield eng
 
@@ -238,9 +238,10 @@ LONG_PROMPT = [{"role": "system", "content": "You are a helpful voice assistant.
 
 async def test_prompts_longer_than_the_token_budget_prefill_in_chunks_as_generate(chunked_engine, reference_model):
     """Prompts of several 16-token prefill chunks (an audio span cut across chunks), prefilled side by side and
-    between the other's decode steps, answer as generate() does on the whole prompt."""
+    between another's decode steps, the third in a slot the first two left, answer as generate() does on the
+    whole prompt."""
     models, thinker = chunked_engine.models, chunked_engine.stage("thinker")
-    prompts = [LONG_PROMPT, PROMPTS["audio"]]
+    prompts = [LONG_PROMPT, PROMPTS["audio"], PROMPTS["text"]]
     lengths = [len(models.encoder.encode(m).input_ids) for m in prompts]
     assert min(lengths) > 16 and max(lengths) > 3 * 16
     refs = [reference_generate(reference_model, models.encoder.encode(m)) for m in prompts]
