@@ -252,7 +252,8 @@ async def test_prompts_longer_than_the_token_budget_prefill_in_chunks_as_generat
     for ref, out, n in zip(refs, outs, lengths, strict=True):
         assert_same_reply(chunked_engine, ref, out)
         assert out.finished.usage.prompt_tokens == n
-    assert thinker.num_steps - thinker.num_decode_steps - prefills >= -(-sum(lengths) // 16)
+    prefilled = sum(lengths) - sum(out.finished.usage.cached_tokens for out in outs)
+    assert thinker.num_steps - thinker.num_decode_steps - prefills >= -(-prefilled // 16) > 3
 
 
 def test_streaming_chunks_join_without_gap(engine):
