@@ -119,7 +119,7 @@ async def test_slot_attention_starts_a_turn_from_the_slot_the_last_one_left(slot
     tokens, _, _, _ = await engine_generate(slots_engine, "slots-turn-1", PROMPTS["text"])
     messages = PROMPTS["text"] + [{"role": "assistant", "content": models.decode_text(tokens)},
                                   {"role": "user", "content": "And then?"}]
-    ref_tokens, ref_frames = reference_generate(reference_model, models.encoder.encode(messages))
+    ref_tokens, ref_frames, _ = reference_generate(reference_model, models.encoder.encode(messages))
     tokens, frames, _, fin = await engine_generate(slots_engine, "slots-turn-2", messages)
     assert fin.usage.cached_tokens >= len(models.encoder.encode(PROMPTS["text"]).input_ids)
     assert tokens == [t for t in ref_tokens if t not in models.thinker.eos_ids] and frames == ref_frames

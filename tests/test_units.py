@@ -121,6 +121,20 @@ def test_sampler_penalty_with_slots_matches_without():
         assert a == without(logits.clone(), p, hists, [None, None]).tolist()
         for h, t in zip(hists, a):
             h.append(t)
+def test_repetition_penalty_in_a_batch_is_each_rows_own():
+    """Rows with histories of different lengths (a batch of requests at different steps) are penalised as
+    transformers' processor penalises each alone, token 0 included, with and without per-slot masks."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    torch.manual_seed(0)
+    logits = torch.randn(3, 8)
+    histories = [[0, 5], [1, 2, 3, 4, 6, 7], [3]]
+    params = [SamplingParams(temperature=0, repetition_penalty=r) for r in (1.5, 1.2, 2.0)]
+    for slots in (None, [2, 0, 5]):
+        got = Sampler(8, eos_ids=[]).process(logits.clone(), params, histories, slots=slots)
+        for row, (h, p) in enumerate(zip(histories, params)):
+            penalty = RepetitionPenaltyLogitsProcessor(p.repetition_penalty)
+            assert torch.equal(got[row], penalty(torch.tensor([h]), logits[row:row + 1].clone())[0]), (slots, row)
 
 
 def test_graph_safe_sampling_draws_from_the_same_distribution_as_the_warpers():

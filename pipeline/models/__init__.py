@@ -152,6 +152,10 @@ def load_models(cfg: EngineConfig, platform: Platform, stages: tuple[str, ...] =
         code2wav = Code2WavModel(hf.code2wav, device, platform, c2w_cfg.enforce_eager, c2w_cfg.max_num_seqs,
                                  frame_buckets(cc.initial_codec_chunk_frames, cc.codec_chunk_frames,
                                                cc.codec_left_context_frames))
+        if cc.codec_left_context_frames < code2wav.receptive_field_frames:
+            log.info("code2wav: %d frames of left context, the vocoder's receptive field is %d: streamed audio "
+                     "approximates the one-shot decode (docs/architecture.md, Parity)",
+                     cc.codec_left_context_frames, code2wav.receptive_field_frames)
     voices = {k.lower(): v for k, v in hc.talker_config.speaker_id.items()} if has_talker else {}
     for stage, n in kv_bytes.items():
         log.info("%s KV cache: %.1f MiB allocated, %d slots", stage, n / 2**20, plan.num_slots[stage])

@@ -9,11 +9,16 @@ chunks join without the hole that transformers' `chunked_decode` leaves.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeSnakeBeta
+from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
+    Qwen3OmniMoeCausalConvNet,
+    Qwen3OmniMoeCausalTransConvNet,
+    Qwen3OmniMoeSnakeBeta,
+)
 
 from pipeline.cudagraph import GraphCache, batch_buckets
 from pipeline.platform import Platform
@@ -48,6 +53,20 @@ def precompute_snake(module: torch.nn.Module) -> None:
             precompute_snake(child)
 
 
+def receptive_field_frames(code2wav) -> int:
+    """Frames of left context a window needs for its new samples to equal the one-shot decode's: each
+    sliding-window attention layer reaches `sliding_window - 1` frames further back (they compound), each
+    causal convolution `kernel - 1` samples at its rate (the transposed ones only look ahead: `tail`)."""
+    cfg = code2wav.config
+    frames, rate, samples_back = cfg.num_hidden_layers * (cfg.sliding_window - 1), 1, 0.0
+    for module in (*code2wav.upsample.modules(), *code2wav.decoder.modules()):  # in the order they run
+        if isinstance(module, Qwen3OmniMoeCausalTransConvNet):
+            rate *= module.conv.stride[0]
+        elif isinstance(module, Qwen3OmniMoeCausalConvNet):
+            samples_back += (module.kernel_size - 1) / rate
+    return frames + math.ceil(samples_back)
+
+
 def frame_buckets(initial: int, chunk: int, left_context: int) -> list[int]:
     """Window lengths a stream decodes: powers of two up to the largest window, plus the exact first,
     steady and full-context sizes, so that most windows need no padding."""
@@ -63,6 +82,7 @@ class Code2WavModel:
         self.device = device
         self.num_quantizers = code2wav.config.num_quantizers
         self.samples_per_frame = int(code2wav.total_upsample)
+        self.receptive_field_frames = receptive_field_frames(code2wav)
         precompute_snake(code2wav)
         with torch.inference_mode():
             one = torch.zeros(1, self.num_quantizers, 1, dtype=torch.long, device=device)
