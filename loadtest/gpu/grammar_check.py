@@ -47,13 +47,19 @@ def graph_check(device: str) -> None:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = apply_token_bitmask(logits, mask)
-    host = torch.zeros_like(mask, device="cpu")
-    host[0, 0], host[1] = 0b110, -1  # row 0: tokens 1 and 2; row 1: all; rows 2, 3: the last token only
-    host[2:, (VOCAB - 1) // BITS] = 1 << ((VOCAB - 1) % BITS)
-    mask.copy_(host)
+    mask.copy_(replay_mask(mask.shape))
     graph.replay()
     rows = [torch.isfinite(out[i]).nonzero().flatten().tolist() for i in (0, 2)]
     emit("graph", ok=rows == [[1, 2], [VOCAB - 1]] and bool(torch.isfinite(out[1]).all()))
+
+
+def replay_mask(shape) -> torch.Tensor:
+    """Row 0: tokens 1 and 2; row 1: all; rows 2, 3: the last token only (bit 31 of its word: the sign bit)."""
+    host = torch.zeros(shape, dtype=torch.int32)
+    host[0, 0], host[1] = 0b110, -1
+    bit = (VOCAB - 1) % BITS
+    host[2:, (VOCAB - 1) // BITS] = (1 << bit) - (1 << 32 if bit == BITS - 1 else 0)
+    return host
 
 
 def device_ms(fn, reps: int = 200) -> float:
@@ -141,7 +147,8 @@ async def serve_round(url: str, model: str, n: int, extra: dict) -> dict:
         start = time.perf_counter()
         outs = await asyncio.gather(*[one(client, i) for i in range(n)])
         wall = time.perf_counter() - start
-    tokens, valid = sum(o.get("usage", {}).get("completion_tokens", 0) for o in outs), 0
+    counts = [o.get("usage", {}).get("completion_tokens", 0) for o in outs]
+    tokens, valid = sum(counts), 0
     for out in outs:
         try:
             msg = out["choices"][0]["message"]
@@ -151,15 +158,16 @@ async def serve_round(url: str, model: str, n: int, extra: dict) -> dict:
         except (KeyError, IndexError, TypeError, ValueError, jsonschema.ValidationError):
             pass
     return {"requests": n, "wall_s": round(wall, 2), "tokens_per_s": round(tokens / wall, 1), "valid": valid,
-            "errors": sum("error" in o for o in outs)}
+            "errors": sum("error" in o for o in outs), "longest_tokens": max(counts),
+            "ms_per_step": round(wall * 1000 / max(max(counts), 1), 1)}  # the longest reply paces the round
 
 
 def serve(url: str, model: str, n: int) -> None:
     rounds = {"free": {}, "json_schema": {"response_format": {"type": "json_schema", "json_schema": {
         "name": "weather", "schema": SCHEMA, "strict": True}}}, "tool_required": {"tools": TOOLS,
                                                                                    "tool_choice": "required"}}
-    asyncio.run(serve_round(url, model, 4, {}))  # warm-up
     for name, extra in rounds.items():
+        asyncio.run(serve_round(url, model, 4, extra))  # warm-up: the grammar compiled, its tables built
         emit("serve", mode=name, **asyncio.run(serve_round(url, model, n, extra)))
 
 

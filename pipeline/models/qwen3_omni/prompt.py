@@ -121,6 +121,8 @@ class PromptEncoder:
         plain = [m if isinstance(m["content"], str) else
                  {**m, "content": [{"type": "audio"} if p["type"] == "audio" else p for p in m["content"]]}
                  for m in messages]
+        if tools:
+            plain = _text_system_as_string(plain)
         try:
             return self.tokenizer.apply_chat_template(plain, tools=tools, chat_template=self.chat_template,
                                                       tokenize=False, add_generation_prompt=True)
@@ -153,6 +155,17 @@ class PromptEncoder:
         """Audio shorter than one STFT window (25 ms), zero-padded to it: the feature extractor fails on less."""
         audio = np.asarray(audio, dtype=np.float32)
         return np.pad(audio, (0, max(0, self.features.n_fft - audio.size)))
+
+
+def _text_system_as_string(messages: list[Message]) -> list[Message]:
+    """The released template's `tools` branch writes the system message as a string (`content + '\\n\\n'`): a
+    system message of text parts alone (as OpenAI's clients may send it) goes in as their text, joined."""
+    first = messages[0]
+    if first["role"] != "system" or isinstance(first["content"], str):
+        return messages
+    if any(p["type"] != "text" for p in first["content"]):
+        return messages
+    return [{**first, "content": "".join(p["text"] for p in first["content"])}, *messages[1:]]
 
 
 def chat_template(path: Path, tokenizer) -> str:
