@@ -31,8 +31,11 @@ class Priority:
         """`reqs` (in arrival order), the one to serve first first."""
         return sorted(reqs, key=lambda r: self._rank(r, is_owed))  # stable: arrival order among equals
 
+    def is_overdue(self, req: StageRequest) -> bool:
+        return req.num_waited_steps >= self.max_wait_steps
+
     def _rank(self, req: StageRequest, is_owed: IsOwed) -> tuple[int, int]:
-        if req.num_waited_steps >= self.max_wait_steps:
+        if self.is_overdue(req):
             return 0, -req.num_waited_steps
         if is_owed(req):
             return 1, 0
@@ -56,7 +59,7 @@ class WaitCounts:
         self.num_first_steps = 0  # requests that took their first step here
         self.first_wait_steps = 0  # the steps they waited, runnable, before it (summed)
         self.max_wait_steps = 0  # the most steps a runnable request waited between two of its steps
-        self.num_deferred = 0  # rows a step had no room for: runnable requests with a slot, of its kind, left out
+        self.num_deferred = 0  # runnable requests with a slot, of the step's kind, that it left out
 
     def account(self, runnable: list[StageRequest], chosen: list[StageRequest], num_deferred: int) -> None:
         """One step: `chosen` ran it, the rest of `runnable` waited it."""

@@ -217,8 +217,9 @@ def _is_first_chunk(req: StageRequest) -> bool:
 
 class ChunkScheduler:
     """Code2Wav batching: no KV cache; a request runs whenever its next codec window is due
-    (its `state` is a `connector.CodecStream`), up to `max_num_seqs` windows per step; when more are due,
-    a `Priority` takes first chunks first."""
+    (its `state` is a `connector.CodecStream`), up to `max_num_seqs` windows per step. With a `Priority`,
+    first chunks go first, in a step of their own unless another window is overdue: a first chunk has no left
+    context, so alone it is a short step, where beside longer windows it would be padded to their length."""
 
     def __init__(self, max_num_seqs: int, priority: Priority | None = None):
         self.max_num_seqs = max_num_seqs
@@ -244,11 +245,17 @@ class ChunkScheduler:
         ready = [r for r in self.requests if r.state.is_ready()]
         if not ready:
             return None
-        chosen = in_arrival_order(ranked(self.priority, ready, _is_first_chunk)[: self.max_num_seqs], ready)
+        chosen = self._pick(ready)
         self.waits.account(ready, chosen, len(ready) - len(chosen))
         for r in chosen:
             r.status = RequestStatus.RUNNING
         return Batch(chosen, [r.state.next_window()[1] for r in chosen], is_prefill=False)
+
+    def _pick(self, ready: list[StageRequest]) -> list[StageRequest]:
+        chosen = ranked(self.priority, ready, _is_first_chunk)[: self.max_num_seqs]
+        if self.priority is not None and not any(self.priority.is_overdue(r) for r in chosen):
+            chosen = [r for r in chosen if _is_first_chunk(r)] or chosen
+        return in_arrival_order(chosen, ready)
 
     def update(self, batch: Batch, outputs: list[StepOutput]) -> list[StageRequest]:
         finished = []

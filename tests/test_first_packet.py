@@ -144,24 +144,27 @@ def _chunk_steps(s: ChunkScheduler, num_steps: int, new_per_step: int) -> list[l
     return batches
 
 
-def test_code2wav_takes_first_chunks_first():
-    s = ChunkScheduler(max_num_seqs=2, priority=Priority(max_wait_steps=4))
-    for i in range(2):
-        s.add(_codec_req(f"s{i}", 100, is_first=False))
-    batches = _chunk_steps(s, 6, new_per_step=1)
-    assert all(f"n{step}.0" in b for step, b in enumerate(batches))  # never behind a steady chunk
-    assert [b for b in batches if "s0" in b] == [["s0", "n0.0"], ["s0", "n2.0"], ["s0", "n4.0"]]  # turns
-    assert s.waits.num_first_steps == 8 and s.waits.first_wait_steps == 1  # s1 waited one step for its first
+def test_code2wav_runs_due_first_chunks_first_in_a_step_of_their_own():
+    s = ChunkScheduler(max_num_seqs=4, priority=Priority(max_wait_steps=4))
+    steady = [_codec_req(f"s{i}", 100, is_first=False) for i in range(3)]
+    news = [_codec_req(f"n{i}", 2, is_first=True) for i in range(2)]
+    for r in steady + news:
+        s.add(r)
+    batch = s.schedule()
+    assert batch.requests == news and [len(r.state.next_window()[0].codes) for r in news] == [2, 2]
+    s.update(batch, [StepOutput() for _ in batch.requests])  # their only chunk: they are done here
+    assert s.schedule().requests == steady  # windows of 2 context + 4 new frames, in the next step
 
 
 def test_code2wav_ages_steady_chunks_under_a_stream_of_first_chunks():
-    s = ChunkScheduler(max_num_seqs=2, priority=Priority(max_wait_steps=2))
+    k = 2
+    s = ChunkScheduler(max_num_seqs=2, priority=Priority(max_wait_steps=k))
     for i in range(3):
         s.add(_codec_req(f"s{i}", 200, is_first=False))
-    batches = _chunk_steps(s, 30, new_per_step=1)  # one row a step goes to a first chunk, three streams share one
-    assert all(f"n{step}.0" in b for step, b in enumerate(batches))
-    assert s.waits.max_wait_steps == 2  # each steady stream every third step, by turns
-    assert [sum(f"s{i}" in b for b in batches) for i in range(3)] == [10, 10, 10]
+    batches = _chunk_steps(s, 30, new_per_step=1)  # first chunks alone would take a step each
+    assert s.waits.max_wait_steps <= k + 2  # max_wait_steps + ceil(overdue windows / rows)
+    assert all(sum(f"s{i}" in b for b in batches) >= 30 // (k + 2 + 1) for i in range(3))
+    assert sum(f"n{step}.0" in b for step, b in enumerate(batches)) >= 10  # a third run the step they are due
 
 
 def test_code2wav_without_the_priority_takes_windows_in_arrival_order():
