@@ -111,8 +111,9 @@ def _run_stream(priority: Priority, num_steps: int, every: int = 1, slots: int =
 
 
 @pytest.mark.parametrize("every", [1, 2], ids=["saturating", "every-other-step"])
-def test_under_a_constant_stream_of_new_requests_every_running_request_advances_within_the_bound(every):
-    k, rows, slots = 4, 3, 12
+@pytest.mark.parametrize("k, rows, slots", [(4, 3, 12), (1, 1, 4), (2, 4, 16), (6, 2, 8)])
+def test_under_a_constant_stream_of_new_requests_every_running_request_advances_within_the_bound(every, k, rows,
+                                                                                                 slots):
     worst, ran = _run_stream(Priority(max_wait_steps=k), 300, every, slots, rows)
     bound = k + 2 * math.ceil(slots / rows)  # the documented bound: decode steps come at least every other step
     assert worst <= bound
