@@ -33,6 +33,7 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
         moe_backend=args.moe_backend, attention=args.attention, compile=args.compile,
         enforce_eager=args.enforce_eager,
         async_chunk=not args.no_async_chunk, async_output=not args.no_async_output,
+        first_packet_priority=not args.no_first_packet_priority,
         prefix_caching=not args.no_prefix_caching, engine=args.engine,
         platform=args.platform, distributed=args.distributed, threads=args.threads,
         max_output_buffer_bytes=args.max_output_buffer_bytes, process=args.engine_process,

@@ -132,6 +132,9 @@ def add_engine_args(s: argparse.ArgumentParser) -> None:
                    help="hand off whole payloads: Talker after the Thinker, Code2Wav after the Talker (ablation)")
     g.add_argument("--no-async-output", action="store_true",
                    help="stage threads wait for the consumer of each output (ablation)")
+    g.add_argument("--no-first-packet-priority", action="store_true",
+                   help="every stage serves its runnable requests in arrival order, at most max_num_seqs holding "
+                        "a KV slot, instead of those still owed their first audio packet first (ablation)")
     g.add_argument("--no-prefix-caching", action="store_true",
                    help="free each request's KV slot when it ends: every turn prefills its whole prompt (ablation)")
     g.add_argument("--gpu-memory-utilization", type=number(float, 0, 1, above=True), default=None,

@@ -197,6 +197,10 @@ class StageStats(msgspec.Struct, frozen=True):
     cached_tokens: int | None = None  # prompt tokens reused from resident slots instead
     resident_slots: int | None = None  # slots holding an ended request's KV for reuse (counted in free_slots)
     resident_bytes: int | None = None  # memory those keep beyond the KV cache (e.g. the Thinker's rows)
+    first_steps: int | None = None  # requests that took their first step (pipeline/priority.py's WaitCounts)
+    first_wait_steps: int | None = None  # steps they waited, runnable, before it (summed)
+    max_wait_steps: int | None = None  # the most steps a runnable request waited between two of its steps
+    deferred_rows: int | None = None  # rows steps had no room for
 
 
 class EngineStats(msgspec.Struct, frozen=True, tag=True):
@@ -259,6 +263,7 @@ class EngineOptions:
     enforce_eager: bool = False
     async_chunk: bool = True
     async_output: bool = True
+    first_packet_priority: bool = True  # False: every stage serves its requests in arrival order (ablation)
     prefix_caching: bool = True  # False: every stage prefills each prompt in full (ablation)
     engine: Literal["omnirt", "reference"] = "omnirt"
     platform: str | None = None

@@ -134,6 +134,8 @@ class EngineConfig:
     platform: str = "cpu"
     distributed: str = "none"  # where out-of-process stage replicas run: "none" (local processes) | "ray" (actors)
     async_output: bool = True  # stage threads never wait for the consumer of their outputs
+    first_packet_priority: bool = True  # steps serve requests still owed their first packet first (priority.py)
+    max_wait_steps: int = 4  # with it: a runnable request left out of this many steps in a row goes first
     default_voice: str = "ethan"
     voice_aliases: dict[str, str] = field(default_factory=dict)  # other names for the model's voices (OpenAI's)
     system_prompt: str = "You are a helpful voice assistant."
@@ -152,6 +154,7 @@ class EngineConfig:
         _check(self.platform in PLATFORMS, "platform", f"must be one of {', '.join(PLATFORMS)}")
         _check(self.distributed in DISTRIBUTED, "distributed", f"must be one of {', '.join(DISTRIBUTED)}")
         _check(self.max_output_buffer_bytes >= 4096, "max_output_buffer_bytes", "must be >= 4096")
+        _check(self.max_wait_steps >= 1, "max_wait_steps", "must be >= 1")
         _check_fraction(self.gpu_memory_utilization, "gpu_memory_utilization")
         for alias, voice in self.voice_aliases.items():
             _check(isinstance(alias, str) and isinstance(voice, str), f"voice_aliases.{alias}",
@@ -220,7 +223,8 @@ def profile_path(opts: EngineOptions) -> Path:
 def engine_config(opts: EngineOptions, platform: str) -> EngineConfig:
     """The engine's config on `platform`: the profile, its platform entry, then the flags."""
     overrides = {"model": opts.model, "load_format": opts.load_format, "dtype": opts.dtype,
-                 "async_output": opts.async_output or None, "moe_backend": opts.moe_backend,
+                 "async_output": _off(opts.async_output), "first_packet_priority": _off(opts.first_packet_priority),
+                 "moe_backend": opts.moe_backend,
                  "attention": opts.attention, "compile": "off" if opts.enforce_eager else opts.compile,
                  "distributed": opts.distributed, "max_output_buffer_bytes": opts.max_output_buffer_bytes,
                  "gpu_memory_utilization": opts.gpu_memory_utilization}
@@ -228,6 +232,11 @@ def engine_config(opts: EngineOptions, platform: str) -> EngineConfig:
     if not opts.async_chunk:
         cfg = dataclasses.replace(cfg, connector=dataclasses.replace(cfg.connector, async_chunk=False))
     return cfg
+
+
+def _off(switch: bool) -> bool | None:
+    """An ablation flag's override: False when the flag turned the feature off, else the profile's value."""
+    return None if switch else False
 
 
 def stage_overrides(opts: EngineOptions) -> dict[str, dict]:

@@ -387,4 +387,4 @@ def _stage_stats(stage, admission_waiting: int) -> StageStats:
         return StageStats(stage.name, free_slots, slots, admission_waiting)
     return StageStats(stage.name, free_slots, slots, admission_waiting, stage.scheduler.num_running,
                       stage.num_waiting, list(stage.batch_size_counts), stage.busy_s, stage.device_wait_s,
-                      *stage.prefix_stats())
+                      *stage.prefix_stats(), *stage.scheduler.waits.snapshot())

@@ -50,6 +50,14 @@ class StageRequest:
     generator: Any = None  # torch.Generator when seeded
     constraint: Any = None  # pipeline.grammar.Constraint: the grammar its sampled tokens must follow
     error: str | None = None
+    num_first_packet_outputs: int = 1  # outputs here before the request's first packet can reach the client
+    num_steps: int = 0  # steps of this stage it took part in
+    num_waited_steps: int = 0  # steps of this stage it could have run in but was left out of, since its last
+
+    @property
+    def is_owed_first_packet(self) -> bool:
+        """Its first packet still waits on this stage's outputs (`pipeline/priority.py` serves it first)."""
+        return len(self.output_ids) < self.num_first_packet_outputs
 
     @property
     def num_tokens(self) -> int:

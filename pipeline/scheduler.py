@@ -3,7 +3,13 @@
 There is no prefill or decode phase on a request: each has `num_computed_tokens` catching up with
 its token count. A step is either a prefill batch (prompt chunks within `max_num_batched_tokens`)
 or a decode batch (one token per running request); when both are waiting they alternate, so a
-long prompt never stalls the decoders for more than one step.
+long prompt never stalls the decoders for more than one step, and that step is bounded by the budget.
+
+With a `Priority` (`pipeline/priority.py`, first packet first) every KV slot may hold a running request,
+more than a step's `max_num_seqs` rows where the memory plan gave the stage more slots: a new request is
+placed and prefilled at once instead of waiting for a slot, and each step takes the rows the policy ranks
+first (requests left out too long, then those still owed their first packet, then the longest waiting).
+Without one, at most `max_num_seqs` requests hold a slot and every runnable one is in each step.
 
 With a `PrefixReuse` a request is placed in the resident slot that holds the longest start of its
 prompt, and its prefill begins after it (`pipeline/prefix_cache.py`); an ended request's slot stays
@@ -21,6 +27,7 @@ import torch
 
 from pipeline.kv_cache import SlotKVCache
 from pipeline.prefix_cache import PrefixReuse
+from pipeline.priority import Priority, WaitCounts, in_arrival_order, ranked
 from pipeline.request import RequestStatus, StageRequest
 
 
@@ -43,13 +50,17 @@ class StepOutput:
 
 class Scheduler:
     def __init__(self, kv: SlotKVCache, max_num_seqs: int, max_num_batched_tokens: int, eos_ids: list[int],
-                 is_ready: Callable[[StageRequest], bool], reuse: PrefixReuse | None = None):
+                 is_ready: Callable[[StageRequest], bool], reuse: PrefixReuse | None = None,
+                 priority: Priority | None = None):
         self.kv = kv
         self.max_num_seqs = min(max_num_seqs, kv.num_slots)
         self.max_num_batched_tokens = max_num_batched_tokens
         self.eos_ids = set(eos_ids)
         self.is_ready = is_ready  # may the request take its next step (its inputs have arrived)?
         self.reuse = reuse  # None: every slot is freed when its request ends
+        self.priority = priority  # None: arrival order, at most max_num_seqs requests hold a slot
+        self.max_num_running = kv.num_slots if priority is not None else self.max_num_seqs  # requests with a slot
+        self.waits = WaitCounts()
         self.waiting: deque[StageRequest] = deque()
         self.running: list[StageRequest] = []
         self._last_was_prefill = False
@@ -77,16 +88,19 @@ class Scheduler:
         ready = [r for r in self.running if self.is_ready(r)]
         prefill = [r for r in ready if r.is_prefill]
         decode = [r for r in ready if not r.is_prefill]
-        if prefill and not (decode and self._last_was_prefill):
-            self._last_was_prefill = True
-            return self._prefill_batch(prefill)
-        self._last_was_prefill = False
-        return Batch(decode, [1] * len(decode), is_prefill=False) if decode else None
+        self._last_was_prefill = bool(prefill) and not (decode and self._last_was_prefill)
+        kind = prefill if self._last_was_prefill else decode
+        if not kind:
+            return None
+        batch = self._prefill_batch(kind) if self._last_was_prefill else self._decode_batch(kind)
+        runnable = ready + [r for r in self.waiting if self.is_ready(r)]
+        self.waits.account(runnable, batch.requests, len(kind) - len(batch.requests))
+        return batch
 
     def _admit(self) -> None:
         """Give slots to waiting requests whose first input is there, oldest first."""
         for req in list(self.waiting):
-            if len(self.running) >= self.max_num_seqs:
+            if len(self.running) >= self.max_num_running:
                 break
             if self.is_ready(req):
                 self.waiting.remove(req)
@@ -129,15 +143,20 @@ class Scheduler:
         return (slot, n) if n > 0 else None
 
     def _prefill_batch(self, reqs: list[StageRequest]) -> Batch:
-        chosen, counts, budget = [], [], self.max_num_batched_tokens
-        for req in reqs:
+        """Prompt chunks of the first-ranked requests within the token budget."""
+        counts, budget = {}, self.max_num_batched_tokens
+        for req in ranked(self.priority, reqs, _is_owed)[: self.max_num_seqs]:
             n = min(req.num_prompt_tokens - req.num_computed_tokens, budget)
             if n <= 0:
                 break
-            chosen.append(req)
-            counts.append(n)
+            counts[id(req)] = n
             budget -= n
-        return Batch(chosen, counts, is_prefill=True)
+        chosen = [r for r in reqs if id(r) in counts]
+        return Batch(chosen, [counts[id(r)] for r in chosen], is_prefill=True)
+
+    def _decode_batch(self, reqs: list[StageRequest]) -> Batch:
+        chosen = in_arrival_order(ranked(self.priority, reqs, _is_owed)[: self.max_num_seqs], reqs)
+        return Batch(chosen, [1] * len(chosen), is_prefill=False)
 
     def update(self, batch: Batch, outputs: list[StepOutput]) -> list[StageRequest]:
         """Apply a step's results; returns the requests that finished in it (slots already freed)."""
@@ -188,13 +207,25 @@ class Scheduler:
         req.slot = None
 
 
+def _is_owed(req: StageRequest) -> bool:
+    return req.is_owed_first_packet
+
+
+def _is_first_chunk(req: StageRequest) -> bool:
+    return req.state.num_chunks == 0
+
+
 class ChunkScheduler:
     """Code2Wav batching: no KV cache; a request runs whenever its next codec window is due
-    (its `state` is a `connector.CodecStream`), up to `max_num_seqs` windows per step."""
+    (its `state` is a `connector.CodecStream`), up to `max_num_seqs` windows per step. With a `Priority`,
+    first chunks go first, in a step of their own unless another window is overdue: a first chunk has no left
+    context, so alone it is a short step, where beside longer windows it would be padded to their length."""
 
-    def __init__(self, max_num_seqs: int):
+    def __init__(self, max_num_seqs: int, priority: Priority | None = None):
         self.max_num_seqs = max_num_seqs
+        self.priority = priority
         self.requests: list[StageRequest] = []
+        self.waits = WaitCounts()
 
     @property
     def num_unfinished(self) -> int:
@@ -211,12 +242,20 @@ class ChunkScheduler:
         self.requests.append(req)
 
     def schedule(self) -> Batch | None:
-        ready = [r for r in self.requests if r.state.is_ready()][: self.max_num_seqs]
+        ready = [r for r in self.requests if r.state.is_ready()]
         if not ready:
             return None
-        for r in ready:
+        chosen = self._pick(ready)
+        self.waits.account(ready, chosen, len(ready) - len(chosen))
+        for r in chosen:
             r.status = RequestStatus.RUNNING
-        return Batch(ready, [r.state.next_window()[1] for r in ready], is_prefill=False)
+        return Batch(chosen, [r.state.next_window()[1] for r in chosen], is_prefill=False)
+
+    def _pick(self, ready: list[StageRequest]) -> list[StageRequest]:
+        chosen = ranked(self.priority, ready, _is_first_chunk)[: self.max_num_seqs]
+        if self.priority is not None and not any(self.priority.is_overdue(r) for r in chosen):
+            chosen = [r for r in chosen if _is_first_chunk(r)] or chosen
+        return in_arrival_order(chosen, ready)
 
     def update(self, batch: Batch, outputs: list[StepOutput]) -> list[StageRequest]:
         finished = []

@@ -69,6 +69,9 @@ def test_precedence_cli_over_platform_over_profile():
     ({"stages": {"stage_id": 0}}, "stages"),
     ({"voice_aliases": {"alloy": 1}}, "voice_aliases.alloy"),
     ({"bogus": 1}, "bogus"),
+    ({"max_wait_steps": 0}, "max_wait_steps"),
+    ({"max_wait_steps": 2.5}, "max_wait_steps"),
+    ({"first_packet_priority": "yes"}, "first_packet_priority"),
     ({"gpu_memory_utilization": 0}, "gpu_memory_utilization"),
     ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
     ({"gpu_memory_utilization": "most"}, "gpu_memory_utilization"),
@@ -129,6 +132,18 @@ def test_the_global_fraction_comes_from_the_flag_over_the_profile():
     assert engine_config(opts, "cuda").gpu_memory_utilization == 0.9
     assert engine_config(dataclasses.replace(opts, gpu_memory_utilization=0.5), "cuda").gpu_memory_utilization == 0.5
     assert engine_config(EngineOptions(), "cpu").gpu_memory_utilization is None  # tiny: fixed sizing
+
+
+@pytest.mark.parametrize("switch", ["async_output", "first_packet_priority"])
+def test_an_ablation_flag_turns_its_feature_off_and_otherwise_leaves_the_profiles_value(tmp_path, switch):
+    from pipeline.api import EngineOptions
+    from pipeline.config import engine_config
+
+    assert getattr(engine_config(EngineOptions(), "cpu"), switch) is True
+    assert getattr(engine_config(EngineOptions(**{switch: False}), "cpu"), switch) is False
+    off = tmp_path / "off.yaml"
+    off.write_text((DEPLOY / "tiny.yaml").read_text() + f"{switch}: false\n")
+    assert getattr(engine_config(EngineOptions(deploy_config=str(off)), "cpu"), switch) is False
 
 
 def test_broken_yaml_names_the_file_line_and_column(tmp_path):

@@ -153,6 +153,11 @@ def test_metrics_and_structured_request_logs(secure_server):
     assert 'omnirt_errors_total{type="authentication_error"}' in text
     step_s = re.search(r'omnirt_stage_step_seconds_total\{part="host",stage="thinker"\} (\S+)', text)
     assert step_s and float(step_s.group(1)) > 0  # the request's steps were timed
+    for stage in ("thinker", "talker", "code2wav"):  # the request took its first step in each stage
+        first = re.search(rf'omnirt_stage_first_step_wait_steps_count\{{stage="{stage}"\}} (\S+)', text)
+        assert first and float(first.group(1)) >= 1, stage
+        assert f'omnirt_stage_max_wait_steps{{stage="{stage}"}}' in text
+        assert f'omnirt_stage_deferred_rows_total{{stage="{stage}"}}' in text
     lines = [json.loads(line) for line in secure_server.log.read_text().splitlines() if line.startswith("{")]
     done = [rec for rec in lines if rec.get("request_id") == rid]
     assert done and done[-1]["msg"] == "request finished" and done[-1]["ttfp_ms"] > 0 and done[-1]["rtf"] > 0

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, SummaryMetricFamily
 
 from app.audio.playback import PlaybackClock, pcm16_seconds
 from app.errors import error_type
@@ -123,6 +123,7 @@ class EngineCollector:
         yield _batch_histogram([st for st in stats.stages if st.batch_size_counts is not None])
         yield _step_seconds([st for st in stats.stages if st.busy_s is not None])
         yield from _prefix_reuse([st for st in stats.stages if st.prefill_tokens is not None and st.slots])
+        yield from _waits([st for st in stats.stages if st.first_steps is not None])
         refused = GaugeMetricFamily("omnirt_admission_refused", "Requests refused because a stage was full "
                                     "(since start)")
         refused.add_metric([], stats.admission_refused)
@@ -164,6 +165,21 @@ def _prefix_reuse(stages: list[StageStats]):
         resident.add_metric([st.name], st.resident_slots)
         held.add_metric([st.name], st.resident_bytes)
     yield from (tokens, resident, held)
+
+
+def _waits(stages: list[StageStats]):
+    """How long runnable requests waited for a step (the first-packet priority's effect, and its aging bound)."""
+    first = SummaryMetricFamily("omnirt_stage_first_step_wait_steps", "Steps of a stage a request could have run "
+                                "in before its first one there (a slot, or a place in a full step)", labels=["stage"])
+    longest = GaugeMetricFamily("omnirt_stage_max_wait_steps", "The most steps a runnable request waited between "
+                                "two of its steps (since start)", labels=["stage"])
+    deferred = CounterMetricFamily("omnirt_stage_deferred_rows", "Runnable requests holding a slot that a step had "
+                                   "no room for (rows or token budget)", labels=["stage"])
+    for st in stages:
+        first.add_metric([st.name], st.first_steps, st.first_wait_steps)
+        longest.add_metric([st.name], st.max_wait_steps)
+        deferred.add_metric([st.name], st.deferred_rows)
+    yield from (first, longest, deferred)
 
 
 class StatusCounter:

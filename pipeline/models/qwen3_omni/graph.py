@@ -22,6 +22,7 @@ from pipeline.models.qwen3_omni.prefix import TalkerPrefixes, ThinkerPrefixes
 from pipeline.models.qwen3_omni.prompt import PromptKey
 from pipeline.models.qwen3_omni.talker import NUM_ASSISTANT_PREFIX, TalkerState
 from pipeline.models.qwen3_omni.thinker import ThinkerInput
+from pipeline.priority import Priority
 from pipeline.request import Output, RequestStatus, StageRequest
 from pipeline.sampling import Sampler, SamplingParams
 from pipeline.scheduler import Batch, ChunkScheduler, Scheduler, StepOutput
@@ -33,7 +34,8 @@ from pipeline.stage import ARRunner
 def build_thinker(cfg, models) -> StageParts:
     th, sc = models.thinker, cfg.stage("thinker")
     reuse = ThinkerPrefixes(th.multimodal_ids) if sc.prefix_caching else None
-    return StageParts(Scheduler(th.kv, sc.max_num_seqs, sc.max_num_batched_tokens, th.eos_ids, lambda r: True, reuse),
+    return StageParts(Scheduler(th.kv, sc.max_num_seqs, sc.max_num_batched_tokens, th.eos_ids, lambda r: True, reuse,
+                                Priority.from_config(cfg)),
                       ARRunner(th, Sampler(th.vocab_size, th.eos_ids), GrammarMasks(models.grammars)))
 
 
@@ -49,7 +51,7 @@ def build_talker(cfg, models) -> StageParts:
     tk, sc, async_chunk = models.talker, cfg.stage("talker"), cfg.connector.async_chunk
     return StageParts(Scheduler(tk.kv, sc.max_num_seqs, sc.max_num_batched_tokens, tk.eos_ids,
                                 lambda r: _talker_may_step(tk, async_chunk, r),
-                                TalkerPrefixes() if sc.prefix_caching else None),
+                                TalkerPrefixes() if sc.prefix_caching else None, Priority.from_config(cfg)),
                       ARRunner(tk, Sampler(tk.vocab_size, tk.eos_ids, tk.suppress_ids)),
                       on_input=lambda r, rows: r.state.add(rows),
                       on_input_done=lambda stage, r: _thinker_done(tk, stage, r))
@@ -86,7 +88,8 @@ class Code2WavRunner:
 
 
 def build_code2wav(cfg, models) -> StageParts:
-    return StageParts(ChunkScheduler(cfg.stage("code2wav").max_num_seqs), Code2WavRunner(models.code2wav),
+    return StageParts(ChunkScheduler(cfg.stage("code2wav").max_num_seqs, Priority.from_config(cfg)),
+                      Code2WavRunner(models.code2wav),
                       on_input=lambda r, frame: r.state.frames.append(frame), on_input_done=_talker_done)
 
 
@@ -118,7 +121,20 @@ def new_requests(models, cfg, req, prompt, voice: str | None, params: dict[str, 
         codec = CodecStream.from_config(cfg.connector, req.initial_codec_chunk_frames)
         codec.wait_for_input = not cfg.connector.async_chunk
         out["code2wav"] = StageRequest(rid, params["talker"], codec)
+        _owe_first_chunk(out, codec)
     return out
+
+
+def _owe_first_chunk(reqs: dict[str, StageRequest], codec: CodecStream) -> None:
+    """The outputs each stage owes the first audio packet: its first chunk of F frames is Talker decode steps
+    0..F-1 (F + 1 sampled tokens, the prefill's included), and step k needs Thinker token k + 2. Without
+    async chunk the first packet waits for whole replies."""
+    if codec.wait_for_input:
+        for name in ("thinker", "talker"):
+            reqs[name].num_first_packet_outputs = reqs[name].sampling.max_tokens
+        return
+    reqs["thinker"].num_first_packet_outputs = codec.initial_frames + 2
+    reqs["talker"].num_first_packet_outputs = codec.initial_frames + 1
 
 
 def _generator(params: SamplingParams) -> torch.Generator | None:
