@@ -87,10 +87,7 @@ class AdaptivePacing:
         self.num_chunks += 1
 
     def _go(self, n: int, reason: str) -> int:
-        if len(self.reasons) == self.num_chunks:  # asked again before it went: the last decision stands
-            self.reasons.append(reason)
-        else:
-            self.reasons[-1] = reason
+        self.reasons[self.num_chunks:] = [reason]  # asked again before the chunk went: the newest decision stands
         return n
 
     def _reserve_s(self) -> float:
