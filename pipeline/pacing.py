@@ -70,10 +70,12 @@ class AdaptivePacing:
         None before the first chunk."""
         if num_pending == 0:
             return 0
-        take = min(num_pending, self.max_frames)
+        # a request may ask for a first chunk larger than the steady one (its initial_codec_chunk_frames)
+        cap = self.max_frames if lead_s is not None else max(self.max_frames, self.initial_frames)
+        take = min(num_pending, cap)
         if input_done:
             return self._go(take, "end")
-        if num_pending >= self.max_frames:
+        if num_pending >= cap:
             return self._go(take, "full")
         if lead_s is None:
             ok = num_pending >= self.initial_frames and self._first_lead_holds(num_pending)

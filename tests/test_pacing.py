@@ -144,3 +144,10 @@ def test_decisions_are_kept_for_the_log(caplog):
     assert pacing.reasons[0] == "first" and pacing.reasons[-1] == "end" and "due" in pacing.reasons
     assert len(pacing.reasons) == pacing.num_chunks
     assert "AdaptivePacing" in caplog.text and "least audio queued at a chunk" in caplog.text
+
+
+def test_a_requests_first_chunk_larger_than_the_steady_chunk_is_honoured():
+    """`initial_codec_chunk_frames` of a request may ask for more than `codec_chunk_frames`: the first chunk
+    holds that many, the later ones at most the steady size."""
+    sizes = play(AdaptivePacing(40, MAX_FRAMES, FRAME_S, MARGIN_S), FAST).chunk_sizes
+    assert sizes[0] == 40 and max(sizes[1:]) <= MAX_FRAMES
