@@ -31,6 +31,7 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
         model=args.model, deploy_config=str(args.deploy_config) if args.deploy_config else None,
         load_format=args.load_format, dtype=args.dtype, stage_overrides=dict(args.stage_overrides),
         moe_backend=args.moe_backend, attention=args.attention, compile=args.compile,
+        conv_backend=args.conv_backend,
         enforce_eager=args.enforce_eager,
         async_chunk=not args.no_async_chunk, async_output=not args.no_async_output,
         first_packet_priority=not args.no_first_packet_priority,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from app import __version__
 from app.transports.ice import check_address, parse_ice_servers
-from pipeline.api import ATTENTION, COMPILE, DISTRIBUTED, DTYPES, MOE_BACKENDS, PLATFORMS
+from pipeline.api import ATTENTION, COMPILE, CONV_BACKENDS, DISTRIBUTED, DTYPES, MOE_BACKENDS, PLATFORMS
 
 STAGES = ("thinker", "talker", "code2wav")  # --stage-overrides may name a stage instead of its id
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -126,6 +126,10 @@ def add_engine_args(s: argparse.ArgumentParser) -> None:
     g.add_argument("--compile", choices=COMPILE, default=None,
                    help="torch.compile the decode steps before their graphs are captured (default: the profile's, "
                         "else auto: in the stages whose graphs run; off: graphs of the uncompiled steps, an ablation)")
+    g.add_argument("--conv-backend", choices=CONV_BACKENDS, default=None,
+                   help="Code2Wav's convolutions: native (transformers' modules), gemm (matmuls over the taps, "
+                        "time-major) or channels_last (cuDNN NHWC); the same function (default: the profile's, "
+                        "else native)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs and no compilation in any stage (ablation)")
     g.add_argument("--no-async-chunk", action="store_true",

@@ -16,7 +16,15 @@ from typing import Any, Literal, NotRequired, Protocol, TypedDict
 import msgspec
 import numpy as np
 
-from pipeline.config import ATTENTION, COMPILE, DISTRIBUTED, DTYPES, MOE_BACKENDS, PLATFORMS  # noqa: F401 (the flags)
+from pipeline.config import (  # noqa: F401 (the flags)
+    ATTENTION,
+    COMPILE,
+    CONV_BACKENDS,
+    DISTRIBUTED,
+    DTYPES,
+    MOE_BACKENDS,
+    PLATFORMS,
+)
 
 
 class Part(TypedDict, total=False):
@@ -260,6 +268,7 @@ class EngineOptions:
     moe_backend: str | None = None
     attention: str | None = None
     compile: str | None = None
+    conv_backend: str | None = None
     enforce_eager: bool = False
     async_chunk: bool = True
     async_output: bool = True

@@ -30,6 +30,8 @@ AR_ONLY_KEYS = ("max_num_batched_tokens", "max_model_len", "prefix_caching", "de
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION = ("auto", "slots", "dense")
 COMPILE = ("auto", "on", "off")
+PACINGS = ("fixed", "adaptive")
+CONV_BACKENDS = ("native", "gemm", "channels_last")  # the vocoder's (pipeline/models/qwen3_omni/convolutions.py)
 MOE_BACKENDS = ("auto", "grouped_mm", "batched_mm", "eager", "triton")  # triton: pipeline/moe.py's fused kernels
 ROUTING = ("least_loaded", "round_robin")
 DISTRIBUTED = ("none", "ray")
@@ -64,6 +66,7 @@ class StageConfig:
     device_ipc: bool = True  # device tensors to/from its workers through shared device memory where the platform can
     ray_resources: dict[str, float] = field(default_factory=dict)  # per replica actor, e.g. {num_gpus: 1}
     prefix_caching: bool = True  # an ended request's KV stays resident for a prompt that starts the same way
+    compile: str | None = None  # this stage's torch.compile (auto | on | off); None: the engine's `compile`
 
     @property
     def name(self) -> str:
@@ -99,6 +102,8 @@ class StageConfig:
                f"lists {len(devices)} devices for num_replicas={self.num_replicas}; each replica takes one device "
                "(replicas share devices in turn when there are more replicas than devices)")
         _check(self.routing in ROUTING, f"{key}.routing", f"must be one of {', '.join(ROUTING)}")
+        _check(self.compile is None or self.compile in COMPILE, f"{key}.compile",
+               f"must be one of {', '.join(COMPILE)}")
         _check(all(k in ("num_cpus", "num_gpus", "memory") and isinstance(v, int | float) and v >= 0
                    for k, v in self.ray_resources.items()), f"{key}.ray_resources",
                "must map num_cpus / num_gpus / memory to numbers >= 0")
@@ -113,7 +118,9 @@ class ConnectorConfig:
     initial_codec_chunk_frames: int = 4
     codec_chunk_frames: int = 25
     codec_left_context_frames: int = 25
-    codec_chunk_ramp: bool = False  # see CodecStream.ramp
+    codec_chunk_ramp: bool = False  # fixed pacing: chunks of initial * 2**k frames up to codec_chunk_frames
+    codec_chunk_pacing: str = "fixed"  # fixed (the sizes above) | adaptive (to the Talker's pace): pipeline/pacing.py
+    codec_chunk_margin_ms: float = 160.0  # adaptive: audio a listener keeps queued when a chunk is decided
     async_chunk: bool = True
 
     def __post_init__(self):
@@ -121,6 +128,9 @@ class ConnectorConfig:
         _check(self.codec_chunk_frames >= 1, "connector.codec_chunk_frames", "must be >= 1")
         _check(self.codec_left_context_frames >= 1, "connector.codec_left_context_frames",
                "must be >= 1 (a chunk re-emits the previous chunk's withheld tail from its context)")
+        _check(self.codec_chunk_pacing in PACINGS, "connector.codec_chunk_pacing",
+               f"must be one of {', '.join(PACINGS)}")
+        _check(self.codec_chunk_margin_ms >= 0, "connector.codec_chunk_margin_ms", "must be >= 0")
 
 
 @dataclass(slots=True, frozen=True)
@@ -130,6 +140,7 @@ class EngineConfig:
     moe_backend: str = "auto"  # "auto" (grouped_mm where graphs run, else eager) | one of MOE_BACKENDS
     attention: str = "auto"  # "auto" (slots where graphs run and Triton imports, else dense) | "slots" | "dense"
     compile: str = "auto"  # torch.compile the decode steps: "auto" (where a stage's graphs run) | "on" | "off"
+    conv_backend: str = "native"  # Code2Wav's convolutions: one of CONV_BACKENDS (the same function re-expressed)
     dtype: str = "float32"
     platform: str = "cpu"
     distributed: str = "none"  # where out-of-process stage replicas run: "none" (local processes) | "ray" (actors)
@@ -151,6 +162,7 @@ class EngineConfig:
         _check(self.moe_backend in MOE_BACKENDS, "moe_backend", f"must be one of {', '.join(MOE_BACKENDS)}")
         _check(self.attention in ATTENTION, "attention", f"must be one of {', '.join(ATTENTION)}")
         _check(self.compile in COMPILE, "compile", f"must be one of {', '.join(COMPILE)}")
+        _check(self.conv_backend in CONV_BACKENDS, "conv_backend", f"must be one of {', '.join(CONV_BACKENDS)}")
         _check(self.platform in PLATFORMS, "platform", f"must be one of {', '.join(PLATFORMS)}")
         _check(self.distributed in DISTRIBUTED, "distributed", f"must be one of {', '.join(DISTRIBUTED)}")
         _check(self.max_output_buffer_bytes >= 4096, "max_output_buffer_bytes", "must be >= 4096")
@@ -184,10 +196,13 @@ class EngineConfig:
         return self.stages[STAGE_NAMES.index(name)]
 
     def compiles(self, name: str, graphs: bool) -> bool:
-        """Whether stage `name` compiles its decode steps, where the platform `graphs` or not."""
-        if self.compile == "auto":
-            return graphs and not self.stage(name).enforce_eager
-        return self.compile == "on"
+        """Whether stage `name` compiles its steps, where the platform `graphs` or not (the stage's own
+        setting over the engine's)."""
+        stage = self.stage(name)
+        mode = stage.compile or self.compile
+        if mode == "auto":
+            return graphs and not stage.enforce_eager
+        return mode == "on"
 
     def check_voices(self, voices: list[str]) -> None:
         """Every alias names a voice of the loaded model (known once it is loaded; a model without speech
@@ -226,6 +241,7 @@ def engine_config(opts: EngineOptions, platform: str) -> EngineConfig:
                  "async_output": _off(opts.async_output), "first_packet_priority": _off(opts.first_packet_priority),
                  "moe_backend": opts.moe_backend,
                  "attention": opts.attention, "compile": "off" if opts.enforce_eager else opts.compile,
+                 "conv_backend": opts.conv_backend,
                  "distributed": opts.distributed, "max_output_buffer_bytes": opts.max_output_buffer_bytes,
                  "gpu_memory_utilization": opts.gpu_memory_utilization}
     cfg = load_profile(profile_path(opts), platform, overrides, stage_overrides(opts))
@@ -244,7 +260,7 @@ def stage_overrides(opts: EngineOptions) -> dict[str, dict]:
     every stage over them."""
     out = {str(k): dict(v) for k, v in opts.stage_overrides.items()}
     for sid, name in enumerate(STAGE_NAMES):
-        forced = {"enforce_eager": True} if opts.enforce_eager else {}
+        forced = {"enforce_eager": True, "compile": "off"} if opts.enforce_eager else {}
         if not opts.prefix_caching and name in AR_STAGES:
             forced["prefix_caching"] = False
         if forced:
@@ -349,8 +365,9 @@ def _build(raw: dict[str, Any], stages: dict[int, dict[str, Any]]) -> EngineConf
     _check(isinstance(connector, dict), "connector", "must be a mapping of keys")
     if "async_chunk" in raw:
         connector["async_chunk"] = raw.pop("async_chunk")
-    if isinstance(raw.get("compile"), bool):  # YAML reads a bare on/off as a boolean
-        raw["compile"] = "on" if raw["compile"] else "off"
+    for entry in (raw, *stages.values()):
+        if isinstance(entry.get("compile"), bool):  # YAML reads a bare on/off as a boolean
+            entry["compile"] = "on" if entry["compile"] else "off"
     for sid, entry in stages.items():
         _check(0 <= sid < len(STAGE_NAMES), f"stages[{sid}].stage_id",
                f"must be 0..{len(STAGE_NAMES) - 1} ({', '.join(STAGE_NAMES)})")

@@ -17,7 +17,13 @@ from tests.test_parity import assert_greedy_parity, started_engine
 
 @pytest.fixture(scope="module")
 def compiled_engine(tiny_config):
-    with started_engine(dataclasses.replace(tiny_config, attention="slots", compile="on")) as eng:
+    """Every decode step compiled; Code2Wav's decoder not (compiling the whole vocoder takes minutes on the
+    CPU: tests/test_code2wav_fast.py has it once)."""
+    stages = list(tiny_config.stages)
+    stages[2] = dataclasses.replace(stages[2], compile="off")
+    cfg = dataclasses.replace(tiny_config, attention="slots", compile="on", stages=tuple(stages))
+    with started_engine(cfg) as eng:
+        assert not eng.models.code2wav.is_compiled
         yield eng
 
 
@@ -69,3 +75,30 @@ def test_compile_setting(tiny_config):
     assert build_config({**raw, "compile": True}, "cpu", {}, {}).compiles("talker", graphs=False)
     with pytest.raises(ProfileError, match="compile"):
         build_config({**raw, "compile": "sometimes"}, "cuda", {}, {})
+
+
+def test_a_stages_own_compile_setting_and_the_conv_backend(tiny_config):
+    """A stage's `compile` is over the engine's (YAML's bare off included); `--enforce-eager` turns every
+    stage's off whatever it says; `conv_backend` is checked against the formulations there are."""
+    from pipeline.api import EngineOptions
+    from pipeline.config import ProfileError, build_config, engine_config
+
+    raw = {"model": "tiny", "stages": [{"stage_id": 0, "enforce_eager": False}, {"stage_id": 2, "enforce_eager": False,
+                                                                                 "compile": False}]}
+    cfg = build_config(raw, "cuda", {}, {})
+    assert cfg.compiles("thinker", graphs=True) and not cfg.compiles("code2wav", graphs=True)
+    on = build_config(raw, "cuda", {}, {"2": {"compile": "on"}})
+    assert on.compiles("code2wav", graphs=False)
+    with pytest.raises(ProfileError, match=r"stages\[2\].compile must be one of auto, on, off"):
+        build_config(raw, "cuda", {}, {"2": {"compile": "maybe"}})
+    profile = "deploy/qwen3_omni_moe_1gpu.yaml"
+    served = engine_config(EngineOptions(model="qwen3-omni-30b-a3b", deploy_config=profile), "cuda")
+    assert served.compiles("code2wav", graphs=True) and not served.stage("code2wav").enforce_eager
+    assert served.connector.codec_chunk_pacing == "adaptive"
+    eager = engine_config(EngineOptions(model="qwen3-omni-30b-a3b", deploy_config=profile, enforce_eager=True,
+                                        stage_overrides={"2": {"compile": "on"}}), "cuda")
+    assert not any(eager.compiles(name, graphs=True) for name in ("thinker", "talker", "code2wav"))
+    gemm = engine_config(EngineOptions(deploy_config=profile, model="x", conv_backend="gemm"), "cuda")
+    assert gemm.conv_backend == "gemm"
+    with pytest.raises(ProfileError, match="conv_backend must be one of native, gemm, channels_last"):
+        build_config({**raw, "conv_backend": "winograd"}, "cuda", {}, {})

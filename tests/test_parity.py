@@ -265,7 +265,7 @@ def test_streaming_chunks_join_without_gap(engine):
     frames = rng.integers(0, 64, size=(61, 16)).tolist()
     full = engine.models.code2wav.decode_full(frames)
     for initial, chunk, ctx in [(4, 12, 72), (2, 5, 100), (1, 25, 25), (3, 7, 1)]:
-        stream = CodecStream(initial, chunk, ctx, frames=list(frames), input_done=True)
+        stream = CodecStream.fixed(initial, chunk, ctx, frames=list(frames), input_done=True)
         pieces = []
         while not stream.is_drained():
             window, n = stream.next_window()

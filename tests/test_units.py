@@ -157,7 +157,7 @@ def test_graph_safe_sampling_draws_from_the_same_distribution_as_the_warpers():
 
 
 def test_codec_stream_schedule():
-    s = CodecStream(initial_frames=2, chunk_frames=5, left_context_frames=3, ramp=False)
+    s = CodecStream.fixed(initial_frames=2, chunk_frames=5, left_context_frames=3, ramp=False)
     s.frames = [[i] * 16 for i in range(13)]
     sizes = []
     while s.is_ready():
@@ -171,7 +171,7 @@ def test_codec_stream_schedule():
 
 
 def test_codec_stream_ramp_doubles_up_to_the_chunk_size():
-    s = CodecStream(initial_frames=2, chunk_frames=12, left_context_frames=3, ramp=True)
+    s = CodecStream.fixed(initial_frames=2, chunk_frames=12, left_context_frames=3, ramp=True)
     s.frames = [[0] * 16] * 40
     sizes = []
     while s.is_ready():

@@ -45,21 +45,17 @@ def profile_connector(name: str):
     return load_profile(DEPLOY / name, "cpu").connector
 
 
-def chunking(name: str) -> tuple[int, int, int, bool]:
-    """A profile's (initial chunk, chunk, left context frames, ramp)."""
-    c = profile_connector(name)
-    return c.initial_codec_chunk_frames, c.codec_chunk_frames, c.codec_left_context_frames, c.codec_chunk_ramp
-
-
-CHUNKINGS = {chunking(p): p for p in reversed(REAL_PROFILES)}  # each distinct one, named by a profile using it
+CHUNKINGS = {profile_connector(p): p for p in reversed(REAL_PROFILES)}  # each distinct one, named by a profile using it
 
 
 @pytest.fixture(scope="module")
 def streaming_engine(tiny_config):
-    """The tiny model streamed as the single-GPU profile streams: 4, 8, 16, then 25-frame chunks, 25 of context."""
+    """The tiny model streamed with the single-GPU profile's chunk settings, on its fixed ramp (4, 8, 16, then
+    25-frame chunks, 25 of context): the profile's adaptive pacing would cut chunks by this machine's pace."""
     connector = profile_connector("qwen3_omni_moe_1gpu.yaml")
     assert (connector.codec_left_context_frames, connector.codec_chunk_frames, connector.codec_chunk_ramp) == (
         25, 25, True)
+    connector = dataclasses.replace(connector, codec_chunk_pacing="fixed")
     with started_engine(dataclasses.replace(tiny_config, connector=connector)) as eng:
         yield eng
 
@@ -129,10 +125,12 @@ def test_start_up_logs_a_context_short_of_the_receptive_field(tiny_config, caplo
     assert "25 frames of left context, the vocoder's receptive field is 152" in caplog.text
 
 
-def stream_offline(code2wav, frames: list[list[int]], initial: int, chunk: int, left_context: int,
-                   ramp: bool) -> np.ndarray:
-    """The reply's codes chunked as the engine chunks them, decoded window by window, joined."""
-    stream = CodecStream(initial, chunk, left_context, ramp, frames=list(frames), input_done=True)
+def stream_offline(code2wav, frames: list[list[int]], connector, left_context: int) -> np.ndarray:
+    """The reply's codes chunked as the engine chunks them once the Talker is done (the fixed sizes, or the
+    adaptive pacing's full chunks), decoded window by window, joined."""
+    connector = dataclasses.replace(connector, codec_left_context_frames=left_context)
+    stream = CodecStream.from_config(connector, 0.08)
+    stream.frames, stream.input_done = list(frames), True
     pieces = []
     while not stream.is_drained():
         window, n = stream.next_window()
@@ -141,15 +139,15 @@ def stream_offline(code2wav, frames: list[list[int]], initial: int, chunk: int, 
     return np.concatenate(pieces)
 
 
-@pytest.mark.parametrize("settings", list(CHUNKINGS), ids=list(CHUNKINGS.values()))
+@pytest.mark.parametrize("connector", list(CHUNKINGS), ids=list(CHUNKINGS.values()))
 def test_every_profiles_chunking_is_exact_with_the_receptive_field_and_bounded_with_its_own(
-        long_reply, reference_model, streaming_engine, settings):
+        long_reply, reference_model, streaming_engine, connector):
     ref, _, _ = long_reply
-    code2wav, (initial, chunk, left_context, ramp) = streaming_engine.models.code2wav, settings
+    code2wav = streaming_engine.models.code2wav
     full = one_shot(reference_model, ref.frames)
-    exact = stream_offline(code2wav, ref.frames, initial, chunk, code2wav.receptive_field_frames, ramp)
+    exact = stream_offline(code2wav, ref.frames, connector, code2wav.receptive_field_frames)
     assert len(exact) == len(full) and np.abs(exact - full).max() < 1e-5
-    approx = stream_offline(code2wav, ref.frames, initial, chunk, left_context, ramp)
+    approx = stream_offline(code2wav, ref.frames, connector, connector.codec_left_context_frames)
     assert np.abs(approx - full).max() < MAX_ABS_ERROR and snr_db(full, approx) > MIN_SNR_DB
 
 
@@ -169,9 +167,9 @@ def measure() -> None:
         full = one_shot(reference_model, ref.frames)
         print(f"{len(ref.frames)} frames, peak {np.abs(full).max():.3f}; receptive field "
               f"{code2wav.receptive_field_frames} frames")
-        for (initial, chunk, left_context, ramp), profile in CHUNKINGS.items():
-            for ctx in sorted({left_context, 72, code2wav.receptive_field_frames}):
-                out = stream_offline(code2wav, ref.frames, initial, chunk, ctx, ramp)
+        for connector, profile in CHUNKINGS.items():
+            for ctx in sorted({connector.codec_left_context_frames, 72, code2wav.receptive_field_frames}):
+                out = stream_offline(code2wav, ref.frames, connector, ctx)
                 print(f"{profile} chunks: context {ctx:3d}: max |error| {np.abs(out - full).max():.2e}, "
                       f"SNR {snr_db(full, out):.1f} dB")
 

@@ -1,39 +1,90 @@
-"""Code2Wav formulations at full size on the device, timed against the eager module as served.
+"""Code2Wav formulations timed against the eager module as served, and checked against eager float32.
 
-    python loadtest/gpu/c2w_variants.py [--shapes 16x50 64x50 1x50]
+    python loadtest/gpu/c2w_variants.py [--shapes 1x50 16x50 64x50] [--variants eager gemm ...] [--tiny]
 
-Variants of one released-size Code2Wav (random bf16 weights) through `Code2WavModel`'s decode step:
-`eager` (as served today), `benchmark` (cuDNN benchmark mode picks each convolution's algorithm),
-`compiled` (inductor over the whole step, one static shape per window size: the SnakeBeta
-activations and the transformer's glue fused) and `compiled+graphs` (the compiled step captured).
-Prints JSON lines: per variant and (batch, frames) the ms per decode call, the speed-up on eager, the
-max abs difference from eager, and the compile seconds.
+Variants of one Code2Wav (released size with random bf16 weights on the GPU; `--tiny`: the tiny model's
+size in float32, on the CPU too, to check the script) through the engine's own rewrites
+(`pipeline/models/qwen3_omni/convolutions.py`, `Code2WavModel`'s compiled decoder):
+`eager` (as served before), `benchmark` (cuDNN benchmark mode; CUDA only), `channels_last` (Conv1d as a
+height-1 Conv2d in NHWC), `gemm` (convolutions as matmuls over their taps, the transposed ones as a
+matmul and an overlap-add, time-major), `compiled` (inductor over the whole decoder, dynamic shapes as the
+engine compiles it), `compiled-autotune` (mode max-autotune-no-cudagraphs), their combinations, and
+`+graphs` (the step captured in a CUDA graph at each shape, as the engine captures its batch buckets).
+Prints JSON lines per variant and BATCHxFRAMES (windows of FRAMES frames, `--context` of them left
+context): ms per decode call, ms per new frame, the speed-up on eager, the max abs difference and the SNR
+against eager float32, and the seconds of the first call (compilation, autotuning).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
+import math
 import time
 
 import torch
 from transformers.models.qwen3_omni_moe import configuration_qwen3_omni_moe as cfgs
 from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as mods
 
-from pipeline.models.qwen3_omni.code2wav import precompute_snake
+from pipeline.models.qwen3_omni.code2wav import compiled_decoder, precompute_snake
+from pipeline.models.qwen3_omni.convolutions import use_conv_backend
 from pipeline.models.qwen3_omni.released import ARCHITECTURE
 
+# name -> (conv_backend, compile mode or None, captured in a graph)
+VARIANTS = {
+    "eager": ("native", None, False),
+    "benchmark": ("native", None, False),
+    "channels_last": ("channels_last", None, False),
+    "gemm": ("gemm", None, False),
+    "compiled": ("native", "default", False),
+    "compiled-autotune": ("native", "max-autotune-no-cudagraphs", False),
+    "compiled+channels_last": ("channels_last", "default", False),
+    "compiled+gemm": ("gemm", "default", False),
+    "compiled-autotune+gemm": ("gemm", "max-autotune-no-cudagraphs", False),
+    "compiled+graphs": ("native", "default", True),
+    "compiled+gemm+graphs": ("gemm", "default", True),
+    "compiled+channels_last+graphs": ("channels_last", "default", True),
+}
 
-def timed(fn, codes: torch.Tensor, n: int = 10) -> float:
-    fn(codes)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
+
+def base_module(tiny: bool, device: torch.device) -> torch.nn.Module:
+    """Code2Wav in float32 with random weights: the released architecture, or the tiny model's."""
+    if tiny:
+        from pipeline.models.loader import load_hf_model
+
+        return load_hf_model("tiny", "auto", torch.float32, torch.device("cpu"))[0].code2wav.to(device).eval()
+    torch.manual_seed(0)
+    with device:
+        module = mods.Qwen3OmniMoeCode2Wav(cfgs.Qwen3OmniMoeCode2WavConfig(**ARCHITECTURE["code2wav"]))
+    return module.eval()
+
+
+def variant(base: torch.nn.Module, name: str, dtype: torch.dtype):
+    """The decode function of variant `name` (before capture) over a copy of `base` in `dtype`."""
+    backend, mode, _ = VARIANTS[name]
+    module = copy.deepcopy(base).to(dtype)
+    precompute_snake(module)
+    use_conv_backend(module, backend)
+    if mode == "default":
+        return compiled_decoder(module)
+    if mode is not None:
+        return torch.compile(module, dynamic=True, mode=mode)
+    return module
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed_ms(fn, codes: torch.Tensor, n: int) -> float:
+    sync(codes.device)
+    started = time.perf_counter()
     for _ in range(n):
         fn(codes)
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / n
+    sync(codes.device)
+    return 1e3 * (time.perf_counter() - started) / n
 
 
 def graphed(fn, codes: torch.Tensor):
@@ -48,44 +99,55 @@ def graphed(fn, codes: torch.Tensor):
     return lambda c: (static.copy_(c), graph.replay(), out)[2]
 
 
+def snr_db(ref: torch.Tensor, out: torch.Tensor) -> float | None:
+    """None: identical."""
+    noise = float(((out.float() - ref) ** 2).sum())
+    return None if noise == 0 else round(10 * math.log10(float((ref**2).sum()) / noise), 1)
+
+
+def measure(fns: dict, shape: str, base: torch.nn.Module, args, device: torch.device) -> list[dict]:
+    batch, frames = map(int, shape.split("x"))
+    g = torch.Generator().manual_seed(batch * 1000 + frames)
+    codes = torch.randint(0, base.config.codebook_size, (batch, 16, frames), generator=g).to(device)
+    ref = base(codes)  # eager float32
+    rows, base_ms = [], None
+    for name, fn in fns.items():
+        torch.backends.cudnn.benchmark = name == "benchmark" or name.startswith("compiled")
+        started = time.perf_counter()
+        out = fn(codes)
+        sync(device)
+        first_s = time.perf_counter() - started
+        if VARIANTS[name][2]:
+            fn = graphed(fn, codes)
+            out = fn(codes)
+        ms = timed_ms(fn, codes, args.iters)
+        base_ms = base_ms or ms
+        diff = float((out.float() - ref).abs().max())
+        rows.append({"variant": name, "batch": batch, "frames": frames, "ms": round(ms, 2),
+                     "ms_per_frame": round(ms / (batch * (frames - args.context)), 4),
+                     "speedup": round(base_ms / ms, 2), "max_abs_diff": round(diff, 5),
+                     "snr_db": snr_db(ref, out), "first_call_s": round(first_s, 1)})
+    return rows
+
+
 @torch.inference_mode()
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--shapes", nargs="+", default=["16x50", "64x50", "1x50"], help="BATCHxFRAMES")
+    p.add_argument("--shapes", nargs="+", default=["1x50", "16x50", "64x50"], help="BATCHxFRAMES")
+    p.add_argument("--context", type=int, default=25, help="left-context frames of each window (not new audio)")
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--tiny", action="store_true", help="the tiny model's size in float32 (runs on the CPU)")
+    p.add_argument("--iters", type=int, default=10)
     args = p.parse_args()
-    device = torch.device("cuda")
-    module = mods.Qwen3OmniMoeCode2Wav(cfgs.Qwen3OmniMoeCode2WavConfig(**ARCHITECTURE["code2wav"]))
-    module = module.to(device, torch.bfloat16).eval()
-    precompute_snake(module)
-    compiled = torch.compile(module, dynamic=False)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.float32 if args.tiny or device.type == "cpu" else torch.bfloat16
+    names = [n for n in args.variants if device.type == "cuda" or not (n == "benchmark" or VARIANTS[n][2])]
+    base = base_module(args.tiny, device)
+    fns = {n: variant(base, n, dtype) for n in ["eager"] + [n for n in names if n != "eager"]}
     for shape in args.shapes:
-        b, f = map(int, shape.split("x"))
-        for row in variants(module, compiled, torch.randint(0, 2048, (b, 16, f), device=device)):
-            print(json.dumps({"batch": b, "frames": f, **row}), flush=True)
+        for row in measure(fns, shape, base, args, device):
+            print(json.dumps(row), flush=True)
 
-
-def variants(module, compiled, codes: torch.Tensor) -> list[dict]:
-    """Each variant on one batch of windows: ms per call, speed-up on eager, max abs diff, compile seconds."""
-    torch.backends.cudnn.benchmark = False
-    ref = module(codes)
-    runs = {"eager": module}
-    torch.backends.cudnn.benchmark = True
-    runs["benchmark"] = module
-    t = time.perf_counter()
-    compiled(codes)
-    torch.cuda.synchronize()
-    compile_s = time.perf_counter() - t
-    runs["compiled"] = compiled
-    runs["compiled+graphs"] = graphed(compiled, codes)
-    rows, base = [], None
-    for name, fn in runs.items():
-        torch.backends.cudnn.benchmark = name != "eager"
-        ms = timed(fn, codes)
-        base = base or ms
-        rows.append({"variant": name, "ms": round(ms, 2), "speedup": round(base / ms, 2),
-                     "max_abs_diff": round(float((fn(codes) - ref).abs().max()), 5),
-                     "compile_s": round(compile_s, 1) if name == "compiled" else 0.0})
-    return rows
 
 if __name__ == "__main__":
     main()

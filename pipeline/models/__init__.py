@@ -6,6 +6,7 @@ nor the Talker on its device, and captures only its own graphs."""
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -63,9 +64,13 @@ class OmniModels:
         log what that took against the memory plan's estimate."""
         device = self.platform.device(0)
         free_before, _ = self.platform.mem_get_info(device)
-        for model in (self.thinker, self.talker, self.code2wav):
+        for name, model in zip(STAGE_NAMES, (self.thinker, self.talker, self.code2wav), strict=True):
             if model is not None:
+                free, started = self.platform.mem_get_info(device)[0], time.perf_counter()
                 model.capture_graphs()
+                if self.platform.supports_graphs:
+                    log.info("%s: graphs captured in %.1f s, %.2f GiB of device memory", name,
+                             time.perf_counter() - started, (free - self.platform.mem_get_info(device)[0]) / 2**30)
         if self.plan is not None and self.platform.supports_graphs:
             log_capture(self.plan, free_before, self.platform.mem_get_info(device)[0])
 
@@ -151,7 +156,11 @@ def load_models(cfg: EngineConfig, platform: Platform, stages: tuple[str, ...] =
         cc, c2w_cfg = cfg.connector, cfg.stage("code2wav")
         code2wav = Code2WavModel(hf.code2wav, device, platform, c2w_cfg.enforce_eager, c2w_cfg.max_num_seqs,
                                  frame_buckets(cc.initial_codec_chunk_frames, cc.codec_chunk_frames,
-                                               cc.codec_left_context_frames))
+                                               cc.codec_left_context_frames), cfg.conv_backend,
+                                 cfg.compiles("code2wav", platform.supports_graphs))
+        log.info("code2wav: convolutions %s, compiled %s, graphs %s (batches up to %d)", cfg.conv_backend,
+                 "yes" if code2wav.is_compiled else "no",
+                 "on" if code2wav.graphs.enabled else "off", c2w_cfg.max_num_seqs)
         if cc.codec_left_context_frames < code2wav.receptive_field_frames:
             log.info("code2wav: %d frames of left context, the vocoder's receptive field is %d: streamed audio "
                      "approximates the one-shot decode (docs/architecture.md, Parity)",

@@ -20,7 +20,9 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
     Qwen3OmniMoeSnakeBeta,
 )
 
+from pipeline.compile import RECOMPILE_LIMIT
 from pipeline.cudagraph import GraphCache, batch_buckets
+from pipeline.models.qwen3_omni.convolutions import replace_modules, use_conv_backend
 from pipeline.platform import Platform
 
 
@@ -46,11 +48,17 @@ class PrecomputedSnakeBeta(torch.nn.Module):
 
 
 def precompute_snake(module: torch.nn.Module) -> None:
-    for name, child in module.named_children():
-        if isinstance(child, Qwen3OmniMoeSnakeBeta):
-            setattr(module, name, PrecomputedSnakeBeta(child))
-        else:
-            precompute_snake(child)
+    replace_modules(module, {Qwen3OmniMoeSnakeBeta: PrecomputedSnakeBeta})
+
+
+def samples_per_frame(c2w_config) -> int:
+    """Output samples per codec frame: the product of the upsampling rates (1920 for Qwen3-Omni)."""
+    return math.prod((*c2w_config.upsample_rates, *c2w_config.upsampling_ratios))
+
+
+def frame_seconds(c2w_config, sample_rate: int) -> float:
+    """Seconds of audio one codec frame decodes to (80 ms at Qwen3-Omni's 24 kHz)."""
+    return samples_per_frame(c2w_config) / sample_rate
 
 
 def receptive_field_frames(code2wav) -> int:
@@ -75,27 +83,45 @@ def frame_buckets(initial: int, chunk: int, left_context: int) -> list[int]:
     return sorted(sizes)
 
 
+def compiled_decoder(code2wav: torch.nn.Module) -> torch.nn.Module:
+    """The whole vocoder through inductor (SnakeBeta, the transformer's glue and the GEMM formulation's
+    overlap-adds fused), with dynamic shapes: one graph serves the (batch, frames) buckets (dynamo specialises
+    sizes of 1, so those compile once more)."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    return torch.compile(code2wav, dynamic=True)
+
+
 class Code2WavModel:
     def __init__(self, code2wav, device: torch.device, platform: Platform | None = None, enforce_eager: bool = True,
-                 max_batch: int = 1, frame_sizes: list[int] | None = None):
+                 max_batch: int = 1, frame_sizes: list[int] | None = None, conv_backend: str = "native",
+                 compile_step: bool = False):
+        """`conv_backend` re-expresses the convolutions (`convolutions.py`); `compile_step` compiles the decoder
+        (its compilation happens in the graphs' warm-ups, or on first use without graphs)."""
         self.code2wav = code2wav
         self.device = device
         self.num_quantizers = code2wav.config.num_quantizers
         self.samples_per_frame = int(code2wav.total_upsample)
         self.receptive_field_frames = receptive_field_frames(code2wav)
         precompute_snake(code2wav)
+        use_conv_backend(code2wav, conv_backend)
         with torch.inference_mode():
             one = torch.zeros(1, self.num_quantizers, 1, dtype=torch.long, device=device)
             self.tail = self.samples_per_frame - code2wav(one).shape[-1]
+        self.decoder = compiled_decoder(code2wav) if compile_step else code2wav
         self.graphs = GraphCache("code2wav", self._decode_step, platform or Platform("cpu", "cpu", "gloo", False),
-                                 not enforce_eager, batch_buckets(max_batch), frame_sizes or [])
+                                 not enforce_eager, batch_buckets(max_batch), frame_sizes or [], compile_step)
+
+    @property
+    def is_compiled(self) -> bool:
+        return self.decoder is not self.code2wav
 
     def capture_graphs(self) -> None:
+        """One graph per (batch bucket, frames bucket), with a progress bar; start-up logs their memory."""
         self.graphs.capture(lambda key: {"codes": torch.zeros(key[0], self.num_quantizers, key[1], dtype=torch.long,
                                                               device=self.device)})
 
     def _decode_step(self, _frames, codes: torch.Tensor) -> tuple[torch.Tensor]:
-        return (self.code2wav(codes)[:, 0],)
+        return (self.decoder(codes)[:, 0],)
 
     @torch.inference_mode()
     def decode(self, windows: list[CodecWindow]) -> list[np.ndarray]:

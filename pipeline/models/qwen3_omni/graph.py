@@ -6,8 +6,8 @@
 - **Talker**: starts once the Thinker has its prompt rows and first token (with async chunk; else
   once the Thinker is done); its prompt is the user turns plus a 9-position assistant prefix. Decode
   step k needs Thinker token k+2. Each step hands Code2Wav one frame of 16 codes.
-- **Code2Wav**: decodes frames in windows (`CodecStream`: a small first chunk, then a doubling ramp,
-  with left context) to 24 kHz PCM, streamed to the client.
+- **Code2Wav**: decodes frames in windows (`CodecStream`: a small first chunk, then chunks sized by the
+  profile's pacing, fixed or adaptive to the Talker's pace, with left context) to 24 kHz PCM, streamed.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import torch
 from pipeline.connector import CodecStream
 from pipeline.grammar import GrammarMasks
 from pipeline.graph import StageGraph, StageNode, StageParts
+from pipeline.models.qwen3_omni.code2wav import frame_seconds
 from pipeline.models.qwen3_omni.prefix import TalkerPrefixes, ThinkerPrefixes
 from pipeline.models.qwen3_omni.prompt import PromptKey
 from pipeline.models.qwen3_omni.talker import NUM_ASSISTANT_PREFIX, TalkerState
@@ -90,7 +91,7 @@ class Code2WavRunner:
 def build_code2wav(cfg, models) -> StageParts:
     return StageParts(ChunkScheduler(cfg.stage("code2wav").max_num_seqs, Priority.from_config(cfg)),
                       Code2WavRunner(models.code2wav),
-                      on_input=lambda r, frame: r.state.frames.append(frame), on_input_done=_talker_done)
+                      on_input=lambda r, frame: r.state.add(frame), on_input_done=_talker_done)
 
 
 def _talker_done(stage, req: StageRequest) -> None:
@@ -118,7 +119,8 @@ def new_requests(models, cfg, req, prompt, voice: str | None, params: dict[str, 
         talker = TalkerState(models.voices[voice], prompt.input_ids, prompt.audio_lengths, key=key)
         out["talker"] = StageRequest(rid, params["talker"], talker, RequestStatus.WAITING_FOR_INPUT,
                                      generator=_generator(params["talker"]))
-        codec = CodecStream.from_config(cfg.connector, req.initial_codec_chunk_frames)
+        frame_s = frame_seconds(models.hf.config.code2wav_config, models.output_sample_rate)
+        codec = CodecStream.from_config(cfg.connector, frame_s, req.initial_codec_chunk_frames, rid)
         codec.wait_for_input = not cfg.connector.async_chunk
         out["code2wav"] = StageRequest(rid, params["talker"], codec)
         _owe_first_chunk(out, codec)
@@ -133,8 +135,8 @@ def _owe_first_chunk(reqs: dict[str, StageRequest], codec: CodecStream) -> None:
         for name in ("thinker", "talker"):
             reqs[name].num_first_packet_outputs = reqs[name].sampling.max_tokens
         return
-    reqs["thinker"].num_first_packet_outputs = codec.initial_frames + 2
-    reqs["talker"].num_first_packet_outputs = codec.initial_frames + 1
+    reqs["thinker"].num_first_packet_outputs = codec.pacing.initial_frames + 2
+    reqs["talker"].num_first_packet_outputs = codec.pacing.initial_frames + 1
 
 
 def _generator(params: SamplingParams) -> torch.Generator | None:

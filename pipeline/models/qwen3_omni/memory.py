@@ -14,6 +14,7 @@ import torch
 
 from pipeline.config import EngineConfig, StageConfig
 from pipeline.memory import StageMemory
+from pipeline.models.qwen3_omni.code2wav import samples_per_frame
 
 ACTIVATION_ROWS = 32  # hidden-size rows one prefill token keeps live in a decoder layer: above what Qwen3-Omni's
 # layers hold at once (q/k/v, the MoE's top-8 expansion, residuals: ~24)
@@ -50,7 +51,7 @@ def _costs(hc, name: str, sc: StageConfig, cfg: EngineConfig, elt: int, speech: 
         slot = _slot_bytes(tkc.text_config, sc.max_model_len, elt) + tkc.text_config.hidden_size * elt
         return slot, predictor, _ar_workspace(tkc.text_config, sc, elt)
     c2w, cc = hc.code2wav_config, cfg.connector
-    samples = sc.max_num_seqs * (cc.codec_chunk_frames + cc.codec_left_context_frames) * _samples_per_frame(c2w)
+    samples = sc.max_num_seqs * (cc.codec_chunk_frames + cc.codec_left_context_frames) * samples_per_frame(c2w)
     return 0, 0, samples * (c2w.decoder_dim >> len(c2w.upsample_rates)) * VOCODER_ROWS * elt
 
 
@@ -70,11 +71,6 @@ def _ar_workspace(stack_config, sc: StageConfig, elt: int) -> int:
     return prefill + logits + dense
 
 
-def _samples_per_frame(c2w) -> int:
-    n = 1
-    for r in (*c2w.upsample_rates, *c2w.upsampling_ratios):
-        n *= r
-    return n
 
 
 def _device_bytes(module: torch.nn.Module) -> int:

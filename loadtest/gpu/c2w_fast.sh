@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# GPU call (issue 14, items 1 and 3): one H200, full-size dummy weights, 1-GPU profile. PARTS picks what runs,
+# in this order (default: all):
+#   variants  c2w_variants.py at full size, every variant at batch 1/16/64 of 25 new + 25 context frames
+#             -> $OUT/c2w-variants.jsonl;
+#   bench     `omnirt bench` at prompt 160, c=1 and c=64, one server per row of ROWS (default: fast c2w-eager
+#             fixed-ramp): `fast` the profile as shipped (graphs of the compiled Code2Wav, adaptive pacing),
+#             `fast-gemm` / `fast-channels-last` its convolutions re-expressed, `c2w-no-compile` its compilation
+#             off, `c2w-eager` its graphs and compilation off (the fast path off, as before), `fixed-ramp` the
+#             doubling ramp instead of adaptive pacing; server logs at info: start-up's Code2Wav graph memory,
+#             each reply's chunk decisions. A command may run 600 s: split PARTS / ROWS over calls.
+source loadtest/gpu/common.sh
+export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor
+PARTS=${PARTS:-variants bench}
+has() { [[ " $PARTS " == *" $1 "* ]]; }
+C2W_EAGER='{"2":{"enforce_eager":true}}'  # no spaces: the serve args below split on them
+C2W_NO_COMPILE='{"2":{"compile":"off"}}'
+FIXED_RAMP=$(mktemp --suffix .yaml)
+sed 's/codec_chunk_pacing: adaptive/codec_chunk_pacing: fixed/' deploy/qwen3_omni_moe_1gpu.yaml > "$FIXED_RAMP"
+
+row() {  # row NAME [serve args...]: c=1 and c=64 against a server of its own, with its chunk/graph log lines
+  local name=$1; shift
+  PT_LIMIT=${PT_LIMIT:-240} point "$name" "1 64" --log-level info "$@"
+  grep -E "code2wav: (graphs captured|convolutions)|graphs captured on" "$OUT/server-$name.log" | sed "s/^/$name /"
+  grep -c "least audio queued" "$OUT/server-$name.log" | sed "s/^/$name replies logged: /"
+}
+
+if has variants; then
+  timeout ${C2W_LIMIT:-300} python3 loadtest/gpu/c2w_variants.py --shapes ${C2W_SHAPES:-1x50 16x50 64x50} \
+    > "$OUT/c2w-variants.jsonl" 2> "$OUT/c2w-variants.log"
+  echo "c2w_variants rc=$?"; cat "$OUT/c2w-variants.jsonl"; grep -E "Error" "$OUT/c2w-variants.log" | tail -3
+fi
+declare -A SERVE=([fast]="" [fast-gemm]="--conv-backend gemm" [fast-channels-last]="--conv-backend channels_last"
+                  [c2w-no-compile]="--stage-overrides $C2W_NO_COMPILE" [c2w-eager]="--stage-overrides $C2W_EAGER"
+                  [fixed-ramp]="--deploy-config $FIXED_RAMP")
+if has bench; then
+  for name in ${ROWS:-fast c2w-eager fixed-ramp}; do
+    # shellcheck disable=SC2086  # the serve args split on spaces
+    row "$name" ${SERVE[$name]}
+  done
+fi
