@@ -212,7 +212,7 @@ def _is_owed(req: StageRequest) -> bool:
 
 
 def _is_first_chunk(req: StageRequest) -> bool:
-    return req.state.num_chunks == 0
+    return req.state.num_emitted == 0
 
 
 class ChunkScheduler:

@@ -11,6 +11,7 @@ import torch
 
 from pipeline.api import OmniRequest, collect_reply
 from pipeline.connector import CodecStream
+from pipeline.pacing import FixedChunks
 from pipeline.kv_cache import SlotKVCache
 from pipeline.priority import Priority
 from pipeline.request import StageRequest
@@ -129,8 +130,8 @@ def test_without_aging_a_saturating_stream_starves_the_running_replies():
 
 def _codec_req(rid: str, num_frames: int, is_first: bool) -> StageRequest:
     """A stream with a window due: its first chunk of 2 frames (and last: the input is done), or a steady one."""
-    st = CodecStream(initial_frames=2, chunk_frames=4, left_context_frames=2, frames=[[0] * 16] * num_frames,
-                     num_emitted=0 if is_first else 2, num_chunks=0 if is_first else 1, input_done=is_first)
+    st = CodecStream(2, FixedChunks(2, 4, num_chunks=0 if is_first else 1), frames=[[0] * 16] * num_frames,
+                     num_emitted=0 if is_first else 2, input_done=is_first)
     return StageRequest(rid, SamplingParams(), st)
 
 
