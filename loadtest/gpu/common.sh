@@ -1,7 +1,10 @@
 # Sourced by the GPU scripts: install the carried wheels, keep NVLink multicast off, helpers.
 set -u
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  || { echo "wheel install failed"; exit 1; }
+# once per call (scripts run one after another share it); each call starts with `rm -rf /tmp/site`
+if [ ! -f /tmp/site/.installed ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && touch /tmp/site/.installed || { echo "wheel install failed"; exit 1; }
+fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 OMNIRT_CACHE=/tmp/omnirt-cache
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}
@@ -16,6 +19,8 @@ start_server() {  # start_server NAME [serve args...]: background server on :809
   local t0=$(date +%s)
   until python3 -c "import httpx,sys; sys.exit(httpx.get('http://127.0.0.1:8091/health',timeout=2).status_code!=200)" 2>/dev/null; do
     kill -0 $SERVER_PID 2>/dev/null || { echo "server $name died"; tail -30 "$OUT/server-$name.log"; return 1; }
+    (( $(date +%s) - t0 < ${START_LIMIT:-600} )) || { echo "server $name not ready in ${START_LIMIT:-600} s";
+      tail -5 "$OUT/server-$name.log"; stop_server; return 1; }
     sleep 2
   done
   echo "server $name ready after $(( $(date +%s) - t0 )) s"
