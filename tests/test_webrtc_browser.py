@@ -1,6 +1,7 @@
 """Headless Chromium (the Debian package) opens the voice demo, talks through a fake microphone that plays
-a spoken WAV, hears the agent and sees the transcript of what it said: the page's own WebRTC stack against
-the server, on loopback."""
+a spoken WAV, hears the agent and sees the transcript of what it said, and runs the page's demo tools: the
+page's own WebRTC stack against the server, on loopback. The tests other than the tools' load the page with
+`?tools=off`, so that a call the tiny model might make by itself never changes their turns."""
 
 from __future__ import annotations
 
@@ -39,9 +40,10 @@ def mic_wav(tmp_path, tail_silence_s: float):
 
 
 @contextlib.asynccontextmanager
-async def demo_page(server, tmp_path, tail_silence_s: float, responses: list | None = None):
-    """The demo page in a fresh headless Chromium whose microphone plays speech; yields (page, console).
-    `responses`: every response the page receives is appended (from its first request on)."""
+async def demo_page(server, tmp_path, tail_silence_s: float, responses: list | None = None,
+                    query: str = "?tools=off"):
+    """The demo page (`/` + `query`) in a fresh headless Chromium whose microphone plays speech; yields
+    (page, console). `responses`: every response the page receives is appended (from its first request on)."""
     if shutil.which(CHROMIUM) is None:
         pytest.skip("chromium is not installed (make sysdeps)")
     from playwright.async_api import async_playwright
@@ -57,7 +59,7 @@ async def demo_page(server, tmp_path, tail_silence_s: float, responses: list | N
             page.on("console", lambda m: console.append(m.text))
             if responses is not None:
                 page.on("response", lambda r: responses.append(r))
-            await page.goto(server.url + "/")
+            await page.goto(server.url + "/" + query)
             await page.wait_for_function("document.querySelectorAll('#voice option').length > 0")
             yield page, console
         finally:
@@ -123,6 +125,42 @@ async def test_browser_user_interrupts_by_talking(server, tmp_path):
     # the interrupted answer shows only what was heard: the server's truncated transcript, a prefix of all it sent
     assert shown.strip() == first["heard"].strip() and first["transcript"].startswith(first["heard"])
     assert row[1].endswith(" ms") and row[2] == "—" and row[5] == "interrupted"
+
+
+async def test_browser_runs_a_forced_tool_call(server, tmp_path):
+    """`?tool_choice=roll_dice` makes the user's turn a call: the page rolls the dice, shows the call and its
+    result, sends the result (the server takes it) and asks for the reply, which comes."""
+    async with demo_page(server, tmp_path, tail_silence_s=120, query="?tool_choice=roll_dice") as (page, console):
+        assert await page.is_checked("#tools") and await page.input_value("#tool-choice") == "roll_dice"
+        await page.click("#talk")
+        await page.wait_for_function("demo.calls.size && [...demo.calls.values()].every((c) => c.accepted)",
+                                     timeout=120_000)
+        await page.wait_for_function("demo.turns.some((t) => t.afterTools && t.doneAt !== null)", timeout=180_000)
+        await page.wait_for_function("[...demo.userTurns.values()][0]?.transcript != null", timeout=60_000)
+        turns = await page.evaluate("demo.turns.map((t) => ({...t, el: null, row: null, "
+                                    "calls: t.calls.map((c) => ({...c, el: null}))}))")
+        shown = await page.eval_on_selector_all("#transcript li.tool", "ls => ls.map((l) => [...l.querySelectorAll("
+                                                "'.call, .result')].map((c) => c.textContent))")
+        agents = await page.eval_on_selector_all("#transcript li.agent .text", "ls => ls.map((l) => l.textContent)")
+        user_transcript = await page.evaluate("[...demo.userTurns.values()][0].transcript")
+        user_text = await page.inner_text("#transcript li.user .text")
+        rows = await page.eval_on_selector_all("#metrics tbody tr", "rs => rs.map((r) => r.innerText.split('\\t'))")
+        await page.screenshot(path=str(ARTIFACTS / "webrtc-demo-tools.png"), full_page=True)
+        await page.click("#talk")
+    first, reply = turns[0], next(t for t in turns if t["afterTools"])
+    assert first["status"] == "completed" and not first["spoke"] and first["calls"] and not first["transcript"]
+    assert len(shown) == len(first["calls"])  # the call-only reply has no agent line: its tool lines stand for it
+    for call, (what, result) in zip(first["calls"], shown):
+        args, out = json.loads(call["arguments"]), json.loads(result)
+        assert call["name"] == "roll_dice" and what == f"roll_dice({call['arguments']})" and result == call["output"]
+        assert 2 <= args["sides"] <= 100 and 1 <= args["count"] <= 10  # the grammar kept to the schema
+        assert len(out["rolls"]) == args["count"] and all(1 <= r <= args["sides"] for r in out["rolls"])
+        assert out["total"] == sum(out["rolls"]) and call["sent"] and call["accepted"]
+    assert reply["status"] in ("completed", "incomplete")
+    assert rows[0][1:5] == ["—"] * 4 and rows[0][5] == "completed (roll_dice)"
+    assert agents == [t["transcript"] for t in turns if t["spoke"]]
+    assert user_text.strip() == (user_transcript.strip() or "(nothing heard)")
+    assert not [m for m in console if "error" in m.lower()], console
 
 
 DEMO_KEYS = {"demo": "sk-demo-key-0001", "backend": "sk-backend-key-0002"}
