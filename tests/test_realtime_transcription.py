@@ -16,6 +16,7 @@ from app.realtime.config import SessionConfig, apply_session_update, initial_con
 from app.realtime.events import ProtocolError
 from app.realtime.session import RealtimeLimits, RealtimeSession
 from app.realtime.transcription import INSTRUCTION, MAX_PENDING, TranscriptionConfig, transcription_messages
+from tests.conftest import until
 from tests.realtime_helpers import espeak_utterance
 
 VOICES = ("chelsie", "ethan")
@@ -239,11 +240,8 @@ async def test_closing_mid_transcription_leaks_nothing_and_sends_nothing_after(e
 
 async def _settle(engine) -> None:
     """Until the engine has no request left and every slot free (a guard against a hang, not a bound)."""
-    deadline = time.monotonic() + 30
-    while (engine.num_active_requests or engine.num_free_slots() != engine.num_slots()) and \
-            time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
-    assert engine.num_active_requests == 0 and engine.num_free_slots() == engine.num_slots()
+    await until(lambda: engine.num_active_requests == 0 and engine.num_free_slots() == engine.num_slots(),
+                "every slot free, no request left")
 
 
 async def test_a_burst_of_commits_beyond_the_queue_fails_at_once(engine):

@@ -198,7 +198,7 @@ async def test_outbox_is_bounded_and_drops_a_cancelled_responses_audio():
     await asyncio.sleep(0.05)
     assert not blocked.done()  # full: the producer waits
     assert await box.drop_audio("r1") == 15
-    await asyncio.wait_for(blocked, 1)
+    await asyncio.wait_for(blocked, 30)
     await box.put({"type": "response.output_audio.delta", "response_id": "r1", "delta": "late"})
     await box.close()
     out = []
@@ -218,9 +218,9 @@ async def test_outbox_bounds_the_bytes_of_queued_audio():
     await asyncio.sleep(0.05)
     assert not blocked.done()
     assert (await box.get())["type"] == "response.output_audio.delta"  # 800 left: room again
-    await asyncio.wait_for(blocked, 1)
+    await asyncio.wait_for(blocked, 30)
     assert await box.drop_audio("r1") == 2
-    await asyncio.wait_for(box.put(dict(delta)), 1)
+    await asyncio.wait_for(box.put(dict(delta)), 30)
 
 
 async def test_a_refused_request_leaves_no_stream_behind(engine):
