@@ -22,6 +22,7 @@ from app.realtime.input_buffer import BufferFull, InputBuffer, TurnEnded, TurnSt
 from app.realtime.outbox import Outbox
 from app.realtime.session import RealtimeLimits, RealtimeSession
 from pipeline.api import OmniRequest, RequestError
+from tests.conftest import until
 from tests.realtime_helpers import LEAD_S, espeak_utterance
 
 VOICES = ["chelsie", "ethan"]
@@ -166,10 +167,7 @@ async def test_barge_in_through_an_audio_sink(engine, tmp_path):
         "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Talk for a long time."}]}})
     await session.handle_event({"type": "response.create", "response": {
         "max_output_tokens": 30, "talker_sampling": {"min_tokens": 2000, "max_tokens": 2000}}})
-    for _ in range(600):
-        if len(sink.pcm) > 24000:
-            break
-        await asyncio.sleep(0.05)
+    await until(lambda: len(sink.pcm) > 24000, "a second of the answer")
     await session.append_audio(samples[::2].copy(), 12000)  # any rate: 12 kHz here
     await session.response.wait()
     steps = engine.stage("talker").num_steps, engine.stage("code2wav").num_steps

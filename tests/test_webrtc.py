@@ -327,16 +327,16 @@ async def test_a_stalled_session_drops_old_microphone_audio_and_still_takes_turn
 
         server_call.session.append_audio = stalled
         await speak(call, samples, played)
-        await asyncio.sleep(1.5)  # more silence: the backlog's newest 0.5 s hold no speech
         mic = server_call.mic
+        stall_samples = len(samples) * VAD_RATE // 24000 + int(1.5 * VAD_RATE)
+        # 1.5 s more of silence, however long it takes to come: the backlog's newest 0.5 s hold no speech
+        await until(lambda: mic.num_dropped_samples >= stall_samples - mic.max_samples - VAD_RATE // 10,
+                    "the stale audio dropped")
         assert mic.num_samples <= mic.max_samples == VAD_RATE // 2
         num_stalled = len(taken)
         gate.set()
-        while len(taken) <= num_stalled + 5:  # the backlog taken, and live audio flowing again
-            await asyncio.sleep(0.05)
+        await until(lambda: len(taken) > num_stalled + 5, "the backlog taken, and live audio flowing again")
         assert max(taken[num_stalled:]) <= mic.max_samples  # never more than the bound at once
-        stall_samples = len(samples) * VAD_RATE // 24000 + int(1.5 * VAD_RATE)
-        assert mic.num_dropped_samples >= stall_samples - mic.max_samples - VAD_RATE // 10
         metrics = (await httpx.AsyncClient(transport=httpx.ASGITransport(app=app)).get("http://omnirt/metrics")).text
         dropped_s = float(re.search(r"^omnirt_webrtc_input_dropped_seconds_total (\S+)$", metrics, re.M).group(1))
         assert dropped_s == pytest.approx(mic.num_dropped_samples / VAD_RATE)
