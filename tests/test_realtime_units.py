@@ -205,6 +205,20 @@ async def test_outbox_is_bounded_and_drops_a_cancelled_responses_audio():
     assert out == ["response.text.delta", "response.done"]  # beta names; no audio after the drop
 
 
+async def test_outbox_drops_a_waiting_event_no_longer_wanted():
+    """A put waiting for room can be overtaken (an item's deletion): it checks `wanted` when its turn comes."""
+    box, forgotten = Outbox(max_events=1, beta=False), False
+    await box.put({"type": "response.output_text.delta", "delta": "x"})  # full
+    waiting = asyncio.create_task(box.put({"type": "late"}, wanted=lambda: not forgotten))
+    await asyncio.sleep(0.05)
+    forgotten = True
+    assert (await box.get())["type"] == "response.output_text.delta"  # room: the waiting put goes on, and drops
+    await asyncio.wait_for(waiting, 30)
+    await box.put({"type": "conversation.item.deleted"})
+    await box.close()
+    assert (await box.get())["type"] == "conversation.item.deleted" and await box.get() is None
+
+
 async def test_outbox_bounds_the_bytes_of_queued_audio():
     """Audio deltas are ~100 KB each: the outbox also stops the producer at `max_audio_bytes` of them."""
     box = Outbox(max_events=512, beta=False, max_audio_bytes=1000)

@@ -199,8 +199,9 @@ class Transcriber:
                                                "param": exc.param})
 
     async def _emit(self, kind: str, job: _Job, **fields: Any) -> None:
+        """Nothing about a deleted item follows its `conversation.item.deleted`, even an event already on its way."""
         await self.outbox.put({"type": f"{EVENT}.{kind}", "event_id": new_id("event"), "item_id": job.item.id,
-                               "content_index": 0, **fields})
+                               "content_index": 0, **fields}, wanted=lambda: not job.is_forgotten)
 
 
 def _max_tokens(audio: np.ndarray, engine: EngineClient) -> int:
