@@ -190,10 +190,10 @@ async def test_session_limit_and_unknown_model_close_at_connect(limited):
 async def test_idle_timeout(limited):
     async with websockets.connect(ws_url(limited)) as ws:
         await recv_type(ws, "session.created")
-        err = await recv(ws, timeout=15)
+        err = await recv(ws, timeout=HANG_GUARD_S)  # at the 5 s idle timeout; the guard only ends a hang
         assert err["type"] == "error" and err["error"]["code"] == "session_idle_timeout"
         with pytest.raises(websockets.ConnectionClosed) as closed:
-            await recv(ws, timeout=10)
+            await recv(ws, timeout=HANG_GUARD_S)
         assert closed.value.rcvd.code == 1000
 
 
