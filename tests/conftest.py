@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import subprocess
@@ -31,6 +32,26 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.module.__name__.rpartition(".")[2] in FAST_MODULES:
             item.add_marker(pytest.mark.fast)
+
+
+HANG_GUARD_S = 120.0  # how long a wait for a condition may take before the test calls it a hang
+
+
+def wait_for(predicate, what: str, timeout_s: float = HANG_GUARD_S, poll_s: float = 0.1) -> None:
+    """Poll until `predicate()`. The deadline guards against a hang only: it never bounds how fast the
+    condition comes (a loaded 2-core machine may take long)."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"never: {what}"
+        time.sleep(poll_s)
+
+
+async def until(predicate, what: str, timeout_s: float = HANG_GUARD_S, poll_s: float = 0.05) -> None:
+    """`wait_for` for a test on an event loop: polls without blocking the loop."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"never: {what}"
+        await asyncio.sleep(poll_s)
 
 
 def free_port() -> int:
@@ -102,8 +123,8 @@ class ServerProcess:
                 total += float(value)
         return total
 
-    def wait_idle(self, timeout: float = 20.0) -> dict:
-        """Poll until every stage has all its slots free again."""
+    def wait_idle(self, timeout: float = HANG_GUARD_S) -> dict:
+        """Poll until every stage has all its slots free again (or the hang guard ends it); returns /health."""
         deadline = time.time() + timeout
         while True:
             h = self.health()

@@ -9,14 +9,13 @@ import asyncio
 import json
 import os
 import signal
-import time
 
 import httpx
 import pytest
 import websockets
 
 from loadtest.webrtc_client import connect
-from tests.conftest import ServerProcess
+from tests.conftest import ServerProcess, wait_for
 from tests.realtime_helpers import ask, key_subprotocols, recv, recv_type, until_done, ws_url
 
 KEYS = {"plain": "sk-plain-0001", "pair": "sk-pair-0002", "rpm": "sk-rpm-0003"}
@@ -39,13 +38,6 @@ def workers_server(tmp_path_factory):
     yield srv
     srv.stop()
 
-
-def wait_for(predicate, what: str, timeout_s: float = 60.0) -> None:
-    """Poll until `predicate()` (the timeout only guards against a hang)."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"never: {what}"
-        time.sleep(0.2)
 
 
 def bearer(key_id: str) -> dict[str, str]:

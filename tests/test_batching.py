@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from pipeline.api import AudioChunk, OmniRequest, collect_reply
+from tests.conftest import until
 
 
 async def run(engine, rid: str, text: str, audio: bool):
@@ -47,11 +48,8 @@ async def test_abort_frees_every_stage(engine):
         if isinstance(ev, AudioChunk):
             break
     await events.aclose()  # the consumer went away: the engine aborts in all stages
-    for _ in range(100):
-        if engine.num_free_slots() == engine.num_slots() and engine.num_active_requests == 0:
-            break
-        await asyncio.sleep(0.05)
-    assert engine.num_free_slots() == engine.num_slots()
+    await until(lambda: engine.num_free_slots() == engine.num_slots() and engine.num_active_requests == 0,
+                "every slot free, no request left")
     assert all(not s.requests for s in engine.stages)
 
 
@@ -62,11 +60,8 @@ async def test_one_token_reply_has_no_speech_and_frees_slots(engine):
                       thinker_sampling={"max_tokens": 1})
     reply = await collect_reply(await engine.submit(req))
     assert reply.finished.finish_reason == "length" and reply.pcm16 == b""
-    for _ in range(50):
-        if engine.num_free_slots() == engine.num_slots():
-            break
-        await asyncio.sleep(0.05)
-    assert engine.num_free_slots() == engine.num_slots() and not any(s.requests for s in engine.stages)
+    await until(lambda: engine.num_free_slots() == engine.num_slots(), "every slot free")
+    assert not any(s.requests for s in engine.stages)
 
 
 def test_audio_of_requests_that_prefill_together_is_encoded_in_one_batch(engine):

@@ -25,6 +25,7 @@ from pipeline.api import (
     collect_reply,
     start_engine,
 )
+from tests.conftest import until
 
 ROOT = Path(__file__).resolve().parents[1]
 KINDS = ["inproc", "core"]
@@ -50,15 +51,13 @@ def client(request, clients):
     return clients[request.param]
 
 
-async def wait_idle(client, timeout_s: float = 20.0) -> None:
+async def wait_idle(client) -> None:
     """Until every slot is free again (the core's stats arrive every 0.2 s)."""
-    for _ in range(int(timeout_s / 0.05)):
+    def idle() -> bool:
         stats = client.stats()
-        if client.num_active_requests == 0 and stats.active_requests == 0 and \
-                all(s.free_slots == s.slots for s in stats.stages):
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"not idle: {client.stats()}")
+        return client.num_active_requests == 0 and stats.active_requests == 0 and \
+            all(s.free_slots == s.slots for s in stats.stages)
+    await until(idle, "every slot free, no request left")
 
 
 # ---- the same behaviour through both clients ------------------------------------------------------------

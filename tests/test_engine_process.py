@@ -5,10 +5,10 @@ an error and stops the server with a non-zero exit, never a hang."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -16,7 +16,7 @@ import psutil
 import pytest
 import websockets
 
-from tests.conftest import ROOT, ServerProcess
+from tests.conftest import ROOT, ServerProcess, wait_for
 from tests.realtime_helpers import ask, recv, recv_type, ws_url
 from tests.sse_client import audio_body, stream_chat
 
@@ -33,10 +33,25 @@ def core_of(srv: ServerProcess) -> psutil.Process:
     return core
 
 
-def wait_gone(procs: list[psutil.Process], timeout_s: float = 30.0) -> list[psutil.Process]:
+def wait_gone(procs: list[psutil.Process], timeout_s: float = 120.0) -> list[psutil.Process]:
     """The processes still alive after `timeout_s` (a liveness wait, not a latency bound)."""
     _, alive = psutil.wait_procs(procs, timeout=timeout_s)
     return alive
+
+
+def rings_of(procs: list[psutil.Process]) -> set[str]:
+    """The shared-memory rings these processes map: this server's own, whatever other runs on the machine
+    create in /dev/shm meanwhile."""
+    names = set()
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            names |= {Path(m.path).name for m in p.memory_maps() if m.path.startswith(f"{SHM}/psm_")}
+    return names
+
+
+def wait_unlinked(rings: set[str]) -> None:
+    """Until none of `rings` is left in /dev/shm (the last process to close one may unlink it a little later)."""
+    wait_for(lambda: not rings & set(os.listdir(SHM)), f"the rings unlinked: {rings & set(os.listdir(SHM))}")
 
 
 def server(tmp_path: Path, *args: str) -> ServerProcess:
@@ -46,7 +61,6 @@ def server(tmp_path: Path, *args: str) -> ServerProcess:
 
 def test_sigterm_stops_every_process_of_a_replicated_server(tmp_path):
     """API process, engine core and five replica workers: SIGTERM ends them all, sockets and rings gone."""
-    shm_before = set(os.listdir(SHM))
     srv = server(tmp_path, "--deploy-config", str(ROOT / "deploy/qwen3_omni_moe_multi_replicas.yaml"),
                  "--stage-overrides", json.dumps({"1": {"num_replicas": 2}}))
     try:
@@ -55,11 +69,13 @@ def test_sigterm_stops_every_process_of_a_replicated_server(tmp_path):
         assert len(workers) == 4 and set(workers) <= {p.pid for p in procs}
         assert len(list(tmp_path.glob("omnirt-core-*"))) == 1
         assert stream_chat(srv.url, audio_body(8, frames=12)).is_complete
+        rings = rings_of([psutil.Process(srv.proc.pid), *procs])
+        assert rings  # the workers' rings: what must be gone afterwards
         srv.proc.send_signal(signal.SIGTERM)
         assert srv.proc.wait(timeout=60) in (0, -signal.SIGTERM)
         assert wait_gone(procs) == []
         assert list(tmp_path.glob("omnirt-core-*")) == []  # the IPC sockets are gone
-        assert {n for n in set(os.listdir(SHM)) - shm_before if n.startswith("psm_")} == set()
+        wait_unlinked(rings)
     finally:
         srv.stop()
 
@@ -70,7 +86,7 @@ def test_killed_api_process_takes_the_core_with_it(tmp_path):
         procs = descendants(srv.proc.pid)
         assert procs
         srv.proc.kill()
-        srv.proc.wait(timeout=10)
+        srv.proc.wait(timeout=60)
         assert wait_gone(procs) == []  # the core notices its parent is gone and stops
     finally:
         srv.stop()
@@ -83,10 +99,7 @@ def test_core_killed_mid_stream_ends_streams_and_stops_the_server(tmp_path):
     try:
         with ThreadPoolExecutor(2) as pool:
             streams = [pool.submit(stream_chat, srv.url, audio_body(60, frames=4000)) for _ in range(2)]
-            for _ in range(600):
-                if srv.health()["active_requests"] == 2:
-                    break
-                time.sleep(0.05)
+            wait_for(lambda: srv.health()["active_requests"] == 2, "both requests running", poll_s=0.05)
             core_of(srv).kill()
             results = [s.result(timeout=60) for s in streams]
         for r in results:
@@ -104,7 +117,6 @@ async def test_core_killed_with_workers_and_a_realtime_session(tmp_path):
     """kill -9 of the core of a replicated server: the Realtime response fails naming the engine, the session
     gets an `error` event and a close, the workers (the core's children) stop by themselves, the server exits
     non-zero, and no IPC socket or shared-memory ring is left."""
-    shm_before = set(os.listdir(SHM))
     srv = server(tmp_path, "--deploy-config", str(ROOT / "deploy/qwen3_omni_moe_multi_replicas.yaml"))
     try:
         procs = descendants(srv.proc.pid)
@@ -112,6 +124,8 @@ async def test_core_killed_with_workers_and_a_realtime_session(tmp_path):
         await recv_type(ws, "session.created")
         await ask(ws, "Hello!", max_output_tokens=40, talker_sampling={"min_tokens": 4000, "max_tokens": 4000})
         await recv_type(ws, "response.output_audio.delta", timeout=120)
+        rings = rings_of([psutil.Process(srv.proc.pid), *procs])
+        assert rings
         core_of(srv).kill()
         events = []
         with pytest.raises(websockets.ConnectionClosed):
@@ -123,6 +137,6 @@ async def test_core_killed_with_workers_and_a_realtime_session(tmp_path):
         assert await asyncio.to_thread(srv.proc.wait, 60) not in (0, -signal.SIGTERM)
         assert await asyncio.to_thread(wait_gone, procs) == []
         assert list(tmp_path.glob("omnirt-core-*")) == []
-        assert {n for n in set(os.listdir(SHM)) - shm_before if n.startswith("psm_")} == set()
+        await asyncio.to_thread(wait_unlinked, rings)
     finally:
         srv.stop()

@@ -12,7 +12,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import openai
@@ -20,7 +19,7 @@ import pytest
 import websockets
 
 from loadtest.webrtc_client import connect
-from tests.conftest import ROOT, ServerProcess
+from tests.conftest import ROOT, ServerProcess, wait_for
 from tests.realtime_helpers import key_subprotocols, mint_secret, recv, recv_type, ws_url
 
 KEYS = {"backend": "sk-backend-0001", "rpm": "sk-rpm-0002", "busy": "sk-busy-0003", "sessions": "sk-sessions-0004",
@@ -53,13 +52,6 @@ def bearer(key_id: str) -> dict[str, str]:
 def models(srv: ServerProcess, headers: dict[str, str]) -> httpx.Response:
     return httpx.get(f"{srv.url}/v1/models", headers=headers, timeout=30)
 
-
-def wait_for(predicate, what: str, timeout_s: float = 30.0) -> None:
-    """Poll until `predicate()` (the timeout only guards against a hang)."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"never: {what}"
-        time.sleep(0.1)
 
 
 async def refused_session(url: str, **kw) -> dict:

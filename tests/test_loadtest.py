@@ -17,18 +17,20 @@ from tests.conftest import ROOT, ServerProcess
 
 
 def test_locust_headless_short_run(server, tmp_path):
+    """Counts that hold however slow the machine: the stop phase (`--stop-timeout`, a hang guard) lets each
+    user finish the task it is in, so the first chat request and the first turn always complete."""
     prefix = tmp_path / "lt"
     run = subprocess.run(
         [sys.executable, "-m", "locust", "-f", str(ROOT / "loadtest" / "locustfile.py"), "--headless",
-         "--host", server.url, "-u", "2", "-r", "2", "-t", "20s", "--stop-timeout", "60", "--csv", str(prefix),
+         "--host", server.url, "-u", "2", "-r", "2", "-t", "20s", "--stop-timeout", "180", "--csv", str(prefix),
          "--raw-samples", str(prefix), "--only-summary"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120, env={**os.environ, "OMNIRT_LOADTEST_MAX_TOKENS": "8"})
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "OMNIRT_LOADTEST_MAX_TOKENS": "8"})
     out = run.stdout + run.stderr
     assert run.returncode == 0 and "skipping RealtimeUser" not in out, out[-3000:]
     summary = json.loads((tmp_path / "lt_summary.json").read_text())
     assert not {k: v for k, v in summary.items() if v["failures"]}, summary
     chat = summary["POST POST /v1/chat/completions (stream, audio)"]
-    assert chat["count"] >= 2
+    assert chat["count"] >= 1
     for name in ("chat time_to_first_audio", "chat end_to_end", "chat audio_gap", "chat rtf_x1000",
                  "realtime turn_latency", "realtime first_audio_after_speech_stopped", "realtime audio_gap"):
         assert summary[f"audio {name}"]["count"] >= 1, name

@@ -11,7 +11,7 @@ import openai
 import pytest
 import websockets
 
-from tests.conftest import ServerProcess
+from tests.conftest import HANG_GUARD_S, ServerProcess
 from tests.realtime_helpers import collect_until, recv, recv_type, until_done, ws_url
 
 
@@ -175,7 +175,7 @@ async def test_session_limit_and_unknown_model_close_at_connect(limited):
             with pytest.raises(websockets.ConnectionClosed) as closed:
                 await recv(c)
             assert closed.value.rcvd.code == 1013
-    for _ in range(50):  # the two sessions' slots come back once they close
+    for _ in range(int(HANG_GUARD_S / 0.1)):  # the two sessions' slots come back once they close
         try:
             async with websockets.connect(ws_url(limited)) as d:
                 if (await recv(d))["type"] == "session.created":
@@ -190,10 +190,10 @@ async def test_session_limit_and_unknown_model_close_at_connect(limited):
 async def test_idle_timeout(limited):
     async with websockets.connect(ws_url(limited)) as ws:
         await recv_type(ws, "session.created")
-        err = await recv(ws, timeout=15)
+        err = await recv(ws, timeout=HANG_GUARD_S)  # at the 5 s idle timeout; the guard only ends a hang
         assert err["type"] == "error" and err["error"]["code"] == "session_idle_timeout"
         with pytest.raises(websockets.ConnectionClosed) as closed:
-            await recv(ws, timeout=10)
+            await recv(ws, timeout=HANG_GUARD_S)
         assert closed.value.rcvd.code == 1000
 
 

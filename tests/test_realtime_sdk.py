@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import time
 
 import httpx
 import numpy as np
@@ -216,7 +215,6 @@ async def test_barge_in_cancels_mid_answer(client, utterance, server):
         await conn.response.create(response=LONG_AUDIO)
         first = await collect_until(conn, lambda e: e.type == "response.output_audio.delta")
         long_id = first[-1].response_id
-        t0 = time.monotonic()
         for chunk in b64_chunks(samples, 200):
             await conn.input_audio_buffer.append(audio=chunk)
         events = await collect_until(conn, lambda e: is_done(e) and e.response.id != long_id, timeout=180)
@@ -234,7 +232,6 @@ async def test_barge_in_cancels_mid_answer(client, utterance, server):
                and e.response_id == long_id)
     assert sent < 24000 * 60
     assert events[-1].response.status in ("completed", "incomplete")  # the new turn's answer
-    assert time.monotonic() - t0 < 120
     h = server.wait_idle()
     assert h["free_slots"] == h["slots"]
 

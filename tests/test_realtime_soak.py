@@ -27,7 +27,7 @@ from app.realtime.input_buffer import InputBuffer
 from app.realtime.response import Response
 from app.realtime.session import RealtimeSession
 from app.server import ServerSettings, create_app
-from tests.conftest import ServerProcess
+from tests.conftest import ServerProcess, until, wait_for
 from tests.realtime_helpers import ask, b64_chunks, espeak_utterance, lost_audio, recv_type, until_done, ws_url
 from tests.soak_helpers import RssSampler, check_plateau, report
 from tests.sse_client import pcm_samples_for_frames
@@ -78,7 +78,7 @@ async def _turn(ws, kind: str, n: int, speech: list[str]) -> None:
         await ws.send(json.dumps({"type": "response.create", "response": options}))
 
 
-async def _session(url: str, kind: str, n: int, speech: list[str], tally: Tally, until: float) -> None:
+async def _session(url: str, kind: str, n: int, speech: list[str], tally: Tally, end_at: float) -> None:
     async with websockets.connect(url, max_size=None) as ws:
         await recv_type(ws, "session.created")
         await ws.send(json.dumps({"type": "session.update", "session": {
@@ -88,14 +88,14 @@ async def _session(url: str, kind: str, n: int, speech: list[str], tally: Tally,
         for t in range(TURNS_PER_SESSION):
             await _turn(ws, kind, n + t, speech)
             tally.check(kind, await until_done(ws, TURN_TIMEOUT_S))
-            if time.monotonic() > until:
+            if time.monotonic() > end_at:
                 return
 
 
-async def _client(url: str, i: int, speech: list[str], tally: Tally, until: float) -> None:
+async def _client(url: str, i: int, speech: list[str], tally: Tally, end_at: float) -> None:
     n = 0
-    while time.monotonic() < until:
-        await _session(url, KINDS[(i + n) % len(KINDS)], i + n, speech, tally, until)
+    while time.monotonic() < end_at:
+        await _session(url, KINDS[(i + n) % len(KINDS)], i + n, speech, tally, end_at)
         n += 1
 
 
@@ -115,10 +115,8 @@ async def test_realtime_soak(speech):
             await asyncio.gather(*(_client(ws_url(srv), i, speech, tally, started + DURATION_S)
                                    for i in range(NUM_CLIENTS)))
         elapsed = time.monotonic() - started
-        h = await asyncio.to_thread(srv.wait_idle, 60)
-        deadline = time.monotonic() + 30
-        while srv.metric("omnirt_sessions_active", transport="websocket") and time.monotonic() < deadline:
-            await asyncio.sleep(0.2)
+        h = await asyncio.to_thread(srv.wait_idle)
+        await until(lambda: srv.metric("omnirt_sessions_active", transport="websocket") == 0, "every session closed")
         summary = {"clients": NUM_CLIENTS, "duration_s": round(elapsed, 1), "sessions": tally.sessions,
                    "turns": dict(tally.turns), "responses": dict(tally.statuses), "audio_deltas": tally.audio_deltas,
                    "audio_s": round(tally.audio_samples / 24000, 1), "lost": len(tally.lost),
@@ -165,9 +163,7 @@ def test_no_session_outlives_its_connection(engine, speech):
                                                                       "talker_sampling": {"max_tokens": 8}}})
                 while ws.receive_json()["type"] != "response.done":
                     pass
-        deadline = time.monotonic() + 10
-        while app.state.realtime.sessions and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for(lambda: not app.state.realtime.sessions, "every session gone", poll_s=0.05)
     gc.collect()
     kinds = (RealtimeSession, InputBuffer, Response)
     alive = collections.Counter(type(o).__name__ for o in gc.get_objects() if type(o) in kinds)

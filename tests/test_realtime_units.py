@@ -22,6 +22,7 @@ from app.realtime.input_buffer import BufferFull, InputBuffer, TurnEnded, TurnSt
 from app.realtime.outbox import Outbox
 from app.realtime.session import RealtimeLimits, RealtimeSession
 from pipeline.api import OmniRequest, RequestError
+from tests.conftest import until
 from tests.realtime_helpers import LEAD_S, espeak_utterance
 
 VOICES = ["chelsie", "ethan"]
@@ -166,10 +167,7 @@ async def test_barge_in_through_an_audio_sink(engine, tmp_path):
         "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Talk for a long time."}]}})
     await session.handle_event({"type": "response.create", "response": {
         "max_output_tokens": 30, "talker_sampling": {"min_tokens": 2000, "max_tokens": 2000}}})
-    for _ in range(600):
-        if len(sink.pcm) > 24000:
-            break
-        await asyncio.sleep(0.05)
+    await until(lambda: len(sink.pcm) > 24000, "a second of the answer")
     await session.append_audio(samples[::2].copy(), 12000)  # any rate: 12 kHz here
     await session.response.wait()
     steps = engine.stage("talker").num_steps, engine.stage("code2wav").num_steps
@@ -198,13 +196,27 @@ async def test_outbox_is_bounded_and_drops_a_cancelled_responses_audio():
     await asyncio.sleep(0.05)
     assert not blocked.done()  # full: the producer waits
     assert await box.drop_audio("r1") == 15
-    await asyncio.wait_for(blocked, 1)
+    await asyncio.wait_for(blocked, 30)
     await box.put({"type": "response.output_audio.delta", "response_id": "r1", "delta": "late"})
     await box.close()
     out = []
     while (ev := await box.get()) is not None:
         out.append(ev["type"])
     assert out == ["response.text.delta", "response.done"]  # beta names; no audio after the drop
+
+
+async def test_outbox_drops_a_waiting_event_no_longer_wanted():
+    """A put waiting for room can be overtaken (an item's deletion): it checks `wanted` when its turn comes."""
+    box, forgotten = Outbox(max_events=1, beta=False), False
+    await box.put({"type": "response.output_text.delta", "delta": "x"})  # full
+    waiting = asyncio.create_task(box.put({"type": "late"}, wanted=lambda: not forgotten))
+    await asyncio.sleep(0.05)
+    forgotten = True
+    assert (await box.get())["type"] == "response.output_text.delta"  # room: the waiting put goes on, and drops
+    await asyncio.wait_for(waiting, 30)
+    await box.put({"type": "conversation.item.deleted"})
+    await box.close()
+    assert (await box.get())["type"] == "conversation.item.deleted" and await box.get() is None
 
 
 async def test_outbox_bounds_the_bytes_of_queued_audio():
@@ -218,9 +230,9 @@ async def test_outbox_bounds_the_bytes_of_queued_audio():
     await asyncio.sleep(0.05)
     assert not blocked.done()
     assert (await box.get())["type"] == "response.output_audio.delta"  # 800 left: room again
-    await asyncio.wait_for(blocked, 1)
+    await asyncio.wait_for(blocked, 30)
     assert await box.drop_audio("r1") == 2
-    await asyncio.wait_for(box.put(dict(delta)), 1)
+    await asyncio.wait_for(box.put(dict(delta)), 30)
 
 
 async def test_a_refused_request_leaves_no_stream_behind(engine):

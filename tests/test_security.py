@@ -3,11 +3,9 @@ default, /metrics and structured request logs (chat requests and Realtime sessio
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
 import re
-import time
 
 import httpx
 import numpy as np
@@ -25,7 +23,7 @@ from app.errors import APIError
 from app.ops.keys import KeyRing
 from app.ops.security import AccessCheck, authenticate
 from app.realtime.client_secrets import SecretStore
-from tests.conftest import ServerProcess
+from tests.conftest import ServerProcess, until
 from tests.realtime_helpers import ask, recv_type, ws_url
 
 KEY = "sk-omnirt-test"
@@ -173,10 +171,7 @@ async def test_realtime_sessions_in_metrics_and_logs(secure_server):
         assert srv.metric("omnirt_sessions_active", transport="websocket") == 1
         await ask(ws, "Hi", max_output_tokens=3, talker_sampling={"max_tokens": 12})
         response_id = (await recv_type(ws, "response.done"))["response"]["id"]
-    deadline = time.monotonic() + 10
-    while srv.metric("omnirt_sessions_active", transport="websocket") and time.monotonic() < deadline:
-        await asyncio.sleep(0.1)
-    assert srv.metric("omnirt_sessions_active", transport="websocket") == 0
+    await until(lambda: srv.metric("omnirt_sessions_active", transport="websocket") == 0, "the session closed")
     assert srv.metric("omnirt_sessions_total", transport="websocket", state="closed") == closed_before + 1
     assert srv.metric("omnirt_requests_total", endpoint="realtime") >= 1
     lines = [json.loads(line) for line in srv.log.read_text().splitlines() if line.startswith("{")]

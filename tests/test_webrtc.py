@@ -17,9 +17,9 @@ from aiortc import RTCConfiguration, RTCPeerConnection
 from app.audio.vad import VAD_RATE
 from app.server import ServerSettings, create_app
 from app.transports.ice import IceSettings
-from app.transports.webrtc import CLOSE_STEP_TIMEOUT_S, MEDIA_TIMEOUT_S, Call
+from app.transports.webrtc import CLOSE_STEP_TIMEOUT_S, Call
 from loadtest.webrtc_client import RealtimeCall, connect
-from tests.conftest import ROOT, ServerProcess
+from tests.conftest import ROOT, ServerProcess, until
 from tests.realtime_helpers import LEAD_S, espeak_utterance
 
 LONG_ANSWER = {"max_output_tokens": 16, "talker_sampling": {"min_tokens": 300, "max_tokens": 300}}  # 24 s of audio
@@ -35,8 +35,21 @@ def of_type(kind: str, **fields):
     return lambda ev: ev["type"] == kind and all(ev.get(k) == v for k, v in fields.items())
 
 
+FRAME_S = 0.020  # one Opus frame
+
+
 def frames_between(call: RealtimeCall, t0: float, t1: float) -> list:
     return [f for f in call.frames if t0 <= f.arrival_s <= t1]
+
+
+def loud_ms(frames: list) -> float:
+    return sum(f.num_samples for f in frames if f.peak > SILENT_PEAK) * 1000 / 48000
+
+
+def never_ahead_of_real_time(frames: list, t_before: float) -> bool:
+    """The server's track paces itself: its frame k goes out no sooner than its start + k x 20 ms, and it
+    started after `t_before`. A bound a loaded machine cannot break (it only delays frames)."""
+    return all(i <= (f.arrival_s - t_before) / FRAME_S + 1 for i, f in enumerate(frames))
 
 
 async def arrival(call: RealtimeCall, predicate, timeout: float = 120.0) -> tuple[dict, float]:
@@ -45,12 +58,12 @@ async def arrival(call: RealtimeCall, predicate, timeout: float = 120.0) -> tupl
     return ev, time.monotonic()
 
 
-async def is_dropped(base_url: str, location: str, after_s: float = 1.5) -> bool:
-    """Whether the server dropped the call within `after_s` (then there is no call to hang up: 404;
-    a 200 means it was still there, and this probe hung it up)."""
-    await asyncio.sleep(after_s)
+async def is_dropped(srv: ServerProcess, location: str) -> bool:
+    """Whether the server dropped the call by itself: once it counts no WebRTC session (however long that
+    takes), there is no call to hang up (404; a 200 would mean it was still there, and this probe hung it up)."""
+    await until(lambda: srv.metric("omnirt_sessions_active", transport="webrtc") == 0, "the call dropped")
     async with httpx.AsyncClient(timeout=10) as http:
-        return (await http.post(f"{base_url}{location}/hangup")).status_code == 404
+        return (await http.post(f"{srv.url}{location}/hangup")).status_code == 404
 
 
 async def long_answer(call: RealtimeCall) -> tuple[dict, float]:
@@ -62,7 +75,11 @@ async def long_answer(call: RealtimeCall) -> tuple[dict, float]:
 
 
 async def test_voice_turn_paced_audio_and_transcript(server, utterance):
+    """A spoken turn answered on the media track: 20 ms Opus frames, never ahead of real time, carrying sound;
+    the gaps between them and the playout's wall time against the audio's are printed (figures: a loaded
+    machine moves them; `omnirt bench realtime --transport webrtc` measures underruns)."""
     samples, speech_s = utterance
+    t_before = time.monotonic()
     call = await connect(server.url)
     try:
         created = await call.wait_for(of_type("session.created"), 30)
@@ -72,6 +89,9 @@ async def test_voice_turn_paced_audio_and_transcript(server, utterance):
         started, t_first = await arrival(call, of_type("output_audio_buffer.started"))
         done = await call.wait_for(of_type("response.done"))
         stopped, t_last = await arrival(call, of_type("output_audio_buffer.stopped"), 60)
+        audio_ms = stopped["omnirt_playback"]["audio_ms"]
+        # speech-codec output, not silence: once its frames are in, most of the reply's audio carries sound
+        await until(lambda: loud_ms(call.frames) > 0.5 * audio_ms, "the reply's audio received")
     finally:
         await call.close()
     types = call.types()
@@ -84,46 +104,53 @@ async def test_voice_turn_paced_audio_and_transcript(server, utterance):
     assert transcript and transcript == response["output"][0]["content"][0]["transcript"]
     assert "response.output_audio.delta" not in types  # the audio went out on the media track
     assert types.index("response.done") < types.index("output_audio_buffer.stopped")
+    assert {(f.sample_rate, f.num_samples) for f in call.frames} == {(48000, 960)}  # 20 ms Opus frames
+    assert never_ahead_of_real_time(call.frames, t_before)
+    assert audio_ms > 1000
     playing = frames_between(call, t_first, t_last)
     gaps_ms = np.diff([f.arrival_s for f in playing]) * 1000
-    assert {(f.sample_rate, f.num_samples) for f in playing} == {(48000, 960)}  # 20 ms Opus frames
-    assert 17 <= np.median(gaps_ms) <= 23, np.percentile(gaps_ms, [5, 50, 95])
-    heard_ms = sum(f.num_samples for f in playing if f.peak > SILENT_PEAK) * 1000 / 48000
-    audio_ms = stopped["omnirt_playback"]["audio_ms"]
-    assert audio_ms > 1000 and heard_ms > 0.5 * audio_ms  # speech-codec output, not silence
-    # played in real time: the wall time between started and stopped is the audio's duration
-    assert abs((t_last - t_first) * 1000 - audio_ms) < max(500, 0.1 * audio_ms), (t_last - t_first, audio_ms)
     print(f"\nwebrtc turn: {len(playing)} frames, gap p50 {np.median(gaps_ms):.2f} ms p95 "
-          f"{np.percentile(gaps_ms, 95):.2f} ms, first audio {1000 * (t_first - t_user_end):.0f} ms after "
-          f"speech_stopped, {audio_ms} ms of audio, underruns {stopped['omnirt_playback']['num_underruns']}")
+          f"{np.percentile(gaps_ms, 95):.2f} ms, played in {1000 * (t_last - t_first):.0f} ms for {audio_ms} ms "
+          f"of audio, first audio {1000 * (t_first - t_user_end):.0f} ms after speech_stopped, underruns "
+          f"{stopped['omnirt_playback']['num_underruns']}")
     assert server.wait_idle()["active_requests"] == 0
 
 
 async def test_barge_in_stops_the_audio(server, utterance):
+    """The user talks over a 24 s answer: it is cancelled, truncated at what was played (no more than the
+    wall time since it was asked for: the track is paced), and the stream goes on silent. The session asks
+    for no response to the user's turn, so that nothing but the cut answer could sound."""
     samples, _ = utterance
     call = await connect(server.url)
     try:
         await call.wait_for(of_type("session.created"), 30)
+        call.send({"type": "session.update", "session": {"type": "realtime", "audio": {"input": {
+            "turn_detection": {"type": "server_vad", "create_response": False}}}}})
+        await call.wait_for(of_type("session.updated"), 30)
+        t_asked = time.monotonic()
         started, t_started = await long_answer(call)
         await asyncio.sleep(1.0)
         await call.say(samples)  # 1 s of silence, then the user talks over the agent
-        cleared, t_cleared = await arrival(call, of_type("output_audio_buffer.cleared"), 30)
-        done = await call.wait_for(of_type("response.done"), 30)
-        truncated = await call.wait_for(of_type("conversation.item.truncated"), 5)
-        await asyncio.sleep(1.3)
+        cleared, t_cleared = await arrival(call, of_type("output_audio_buffer.cleared"))
+        done = await call.wait_for(of_type("response.done"))
+        truncated = await call.wait_for(of_type("conversation.item.truncated"))
+        num_heard = sum(f.peak > SILENT_PEAK for f in call.frames)
+        await call.wait_for(of_type("input_audio_buffer.speech_stopped"))  # the user has finished talking
+        since = len(call.frames)  # the user's whole utterance after the clear: what was in flight is in
+        await until(lambda: len(call.frames) >= since + 50, "a second of the stream after the user's turn")
     finally:
         await call.close()
     assert done["response"]["status"] == "cancelled"
     assert done["response"]["status_details"]["reason"] == "turn_detected"
     assert cleared["response_id"] == started["response_id"] == done["response"]["id"]
-    # the truncation point is what the track sent: the time it played here, give or take the jitter buffer
-    played_ms = (t_cleared - t_started) * 1000
     assert truncated["item_id"] == done["response"]["output"][0]["id"]
-    assert abs(truncated["audio_end_ms"] - played_ms) < 400, (truncated["audio_end_ms"], played_ms)
-    before = frames_between(call, t_started + 0.2, t_cleared - 0.1)
-    after = frames_between(call, t_cleared + 0.3, t_cleared + 1.3)  # the user is still talking: no new answer yet
-    assert sum(f.peak > SILENT_PEAK for f in before) > 0.5 * len(before)
-    assert len(after) > 35 and max(f.peak for f in after) <= SILENT_PEAK, [f.peak for f in after]
+    # the truncation point is what the track sent, and a paced track cannot have sent more than the wall time
+    assert 0 < truncated["audio_end_ms"] <= (t_cleared - t_asked) * 1000 + 2 * FRAME_S * 1000, truncated
+    assert num_heard > 0  # the user heard the answer before cutting in
+    assert call.types().count("response.created") == 1  # no answer to the user's turn
+    assert max(f.peak for f in call.frames[since:]) <= SILENT_PEAK, [f.peak for f in call.frames[since:]]
+    print(f"\nbarge-in: truncated at {truncated['audio_end_ms']} ms, {1000 * (t_cleared - t_started):.0f} ms "
+          f"after the client saw output_audio_buffer.started")
 
 
 async def test_client_hangs_up_mid_answer_frees_every_stage(server):
@@ -133,7 +160,7 @@ async def test_client_hangs_up_mid_answer_frees_every_stage(server):
     await call.close()  # like a closed tab: the peer connection goes away mid-answer
     h = server.wait_idle()
     assert h["active_requests"] == 0 and h["free_slots"] == h["slots"]
-    assert await is_dropped(server.url, call.location)
+    assert await is_dropped(server, call.location)
 
 
 async def test_client_that_vanishes_is_dropped(server):
@@ -143,7 +170,7 @@ async def test_client_that_vanishes_is_dropped(server):
                                                 stdout=asyncio.subprocess.PIPE)
     location = (await asyncio.wait_for(proc.stdout.readline(), 90)).decode().strip()
     assert await asyncio.wait_for(proc.wait(), 10) == -signal.SIGKILL and location.startswith("/v1/realtime/calls/")
-    assert await is_dropped(server.url, location, after_s=MEDIA_TIMEOUT_S + 2)
+    assert await is_dropped(server, location)  # by the media timeout: no hangup came
     h = server.wait_idle()
     assert h["active_requests"] == 0 and h["free_slots"] == h["slots"]
 
@@ -158,9 +185,7 @@ async def test_hangup_endpoint_and_beta_path(server):
             assert r.status_code == 200
             r = await http.post(f"{server.url}{call.location}/hangup")
             assert r.status_code == 404 and r.json()["error"]["code"] == "call_not_found"
-        deadline = time.monotonic() + 10
-        while call.pc.connectionState not in ("closed", "failed") and time.monotonic() < deadline:
-            await asyncio.sleep(0.1)
+        await until(lambda: call.pc.connectionState in ("closed", "failed"), "the call to end")
         assert call.channel.readyState == "closed"
     finally:
         await call.close()
@@ -210,14 +235,14 @@ async def test_call_that_never_connects_is_closed(one_session_server):
         r = await http.post(f"{one_session_server.url}/v1/realtime/calls", content=pc.localDescription.sdp,
                             headers={"Content-Type": "application/sdp"})
         assert r.status_code == 201
-        await asyncio.sleep(6.5)
+        call_id = r.headers["location"].rsplit("/", 1)[-1]
+        await until(lambda: f"webrtc {call_id}: closing (not connected after 5 s)" in
+                    one_session_server.log.read_text(), "the connect timeout")
         assert (await http.post(f"{one_session_server.url}{r.headers['location']}/hangup")).status_code == 404
-    call_id = r.headers["location"].rsplit("/", 1)[-1]
-    assert f"webrtc {call_id}: closing (not connected after 5 s)" in one_session_server.log.read_text()
     call = await connect(one_session_server.url)  # its session slot (the only one) is free again
     await call.wait_for(of_type("session.created"), 30)
     await call.close()
-    assert await is_dropped(one_session_server.url, call.location)
+    assert await is_dropped(one_session_server, call.location)
 
 
 async def test_a_closing_step_that_never_ends_does_not_hold_up_the_close(caplog):
@@ -255,9 +280,10 @@ async def test_no_task_or_track_outlives_a_call(engine):
         else:
             await app.state.webrtc.close_all()
             await call.close()
-        await asyncio.wait_for(server_call.closing, 10)
+        await asyncio.wait_for(server_call.closing, 60)
         ended.append(server_call)
-    await asyncio.sleep(1.0)
+    await until(lambda: all(t.done() for c in ended for t in [*c.tasks, c.writer, c.session.response.task]),
+                "every task of the ended calls done")
     for c in ended:
         assert c.track.readyState == "ended" and c.pc.connectionState == "closed"
         assert all(t.done() for t in [*c.tasks, c.writer]) and c.session.response.task.done()
@@ -301,16 +327,16 @@ async def test_a_stalled_session_drops_old_microphone_audio_and_still_takes_turn
 
         server_call.session.append_audio = stalled
         await speak(call, samples, played)
-        await asyncio.sleep(1.5)  # more silence: the backlog's newest 0.5 s hold no speech
         mic = server_call.mic
+        stall_samples = len(samples) * VAD_RATE // 24000 + int(1.5 * VAD_RATE)
+        # 1.5 s more of silence, however long it takes to come: the backlog's newest 0.5 s hold no speech
+        await until(lambda: mic.num_dropped_samples >= stall_samples - mic.max_samples - VAD_RATE // 10,
+                    "the stale audio dropped")
         assert mic.num_samples <= mic.max_samples == VAD_RATE // 2
         num_stalled = len(taken)
         gate.set()
-        while len(taken) <= num_stalled + 5:  # the backlog taken, and live audio flowing again
-            await asyncio.sleep(0.05)
+        await until(lambda: len(taken) > num_stalled + 5, "the backlog taken, and live audio flowing again")
         assert max(taken[num_stalled:]) <= mic.max_samples  # never more than the bound at once
-        stall_samples = len(samples) * VAD_RATE // 24000 + int(1.5 * VAD_RATE)
-        assert mic.num_dropped_samples >= stall_samples - mic.max_samples - VAD_RATE // 10
         metrics = (await httpx.AsyncClient(transport=httpx.ASGITransport(app=app)).get("http://omnirt/metrics")).text
         dropped_s = float(re.search(r"^omnirt_webrtc_input_dropped_seconds_total (\S+)$", metrics, re.M).group(1))
         assert dropped_s == pytest.approx(mic.num_dropped_samples / VAD_RATE)
@@ -338,10 +364,7 @@ async def test_too_many_calls_then_shutdown_closes_the_call(one_session_server):
         await long_answer(call)
         await asyncio.to_thread(srv.stop)  # SIGTERM mid-answer
         assert srv.proc.returncode in (0, -15)  # uvicorn re-raises SIGTERM once shut down
-        deadline = time.monotonic() + 10
-        while call.channel.readyState != "closed" and time.monotonic() < deadline:
-            await asyncio.sleep(0.1)
-        assert call.channel.readyState == "closed"
+        await until(lambda: call.channel.readyState == "closed", "the data channel to close")
     finally:
         await call.close()
     log = srv.log.read_text()

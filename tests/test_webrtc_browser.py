@@ -1,17 +1,16 @@
 """Headless Chromium (the Debian package) opens the voice demo, talks through a fake microphone that plays
-a spoken WAV, hears the agent and sees the transcript of what it said: the page's own WebRTC stack against
-the server, on loopback."""
+a spoken WAV, hears the agent and sees the transcript of what it said, and runs the page's demo tools: the
+page's own WebRTC stack against the server, on loopback. The tests other than the tools' load the page with
+`?tools=off`, so that a call the tiny model might make by itself never changes their turns."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
 import http.server
 import json
 import shutil
 import threading
-import time
 
 import httpx
 import numpy as np
@@ -19,7 +18,7 @@ import pytest
 import soundfile
 
 from app.audio.resample import resample
-from tests.conftest import ARTIFACTS, ServerProcess
+from tests.conftest import ARTIFACTS, ServerProcess, until
 from tests.realtime_helpers import espeak_utterance
 
 CHROMIUM = "/usr/bin/chromium"
@@ -39,9 +38,10 @@ def mic_wav(tmp_path, tail_silence_s: float):
 
 
 @contextlib.asynccontextmanager
-async def demo_page(server, tmp_path, tail_silence_s: float, responses: list | None = None):
-    """The demo page in a fresh headless Chromium whose microphone plays speech; yields (page, console).
-    `responses`: every response the page receives is appended (from its first request on)."""
+async def demo_page(server, tmp_path, tail_silence_s: float, responses: list | None = None,
+                    query: str = "?tools=off"):
+    """The demo page (`/` + `query`) in a fresh headless Chromium whose microphone plays speech; yields
+    (page, console). `responses`: every response the page receives is appended (from its first request on)."""
     if shutil.which(CHROMIUM) is None:
         pytest.skip("chromium is not installed (make sysdeps)")
     from playwright.async_api import async_playwright
@@ -57,7 +57,7 @@ async def demo_page(server, tmp_path, tail_silence_s: float, responses: list | N
             page.on("console", lambda m: console.append(m.text))
             if responses is not None:
                 page.on("response", lambda r: responses.append(r))
-            await page.goto(server.url + "/")
+            await page.goto(server.url + "/" + query)
             await page.wait_for_function("document.querySelectorAll('#voice option').length > 0")
             yield page, console
         finally:
@@ -111,10 +111,10 @@ async def test_browser_user_interrupts_by_talking(server, tmp_path):
         await page.click("#talk")
         await page.wait_for_function("demo.turns.length && demo.turns[0].heardAt !== null", timeout=90_000)
         await page.wait_for_function("demo.turns[0].status === 'interrupted'", timeout=60_000)
-        await page.wait_for_function("demo.agentLevel < 0.002", timeout=5_000)  # the agent went quiet
+        await page.wait_for_function("demo.agentLevel < 0.002", timeout=60_000)  # the agent went quiet
         assert await page.eval_on_selector("#transcript li.agent", "li => li.classList.contains('cancelled')")
         await page.wait_for_function("demo.turns.length >= 2", timeout=60_000)  # the interrupting turn is answered
-        await page.wait_for_function("demo.turns[0].heard !== null", timeout=10_000)  # the item as the server cut it
+        await page.wait_for_function("demo.turns[0].heard !== null", timeout=60_000)  # the item as the server cut it
         await page.screenshot(path=str(ARTIFACTS / "webrtc-demo-barge-in.png"), full_page=True)
         first = await page.evaluate("({...demo.turns[0], el: null, row: null})")
         shown = await page.inner_text("#transcript li.agent .text")
@@ -123,6 +123,42 @@ async def test_browser_user_interrupts_by_talking(server, tmp_path):
     # the interrupted answer shows only what was heard: the server's truncated transcript, a prefix of all it sent
     assert shown.strip() == first["heard"].strip() and first["transcript"].startswith(first["heard"])
     assert row[1].endswith(" ms") and row[2] == "—" and row[5] == "interrupted"
+
+
+async def test_browser_runs_a_forced_tool_call(server, tmp_path):
+    """`?tool_choice=roll_dice` makes the user's turn a call: the page rolls the dice, shows the call and its
+    result, sends the result (the server takes it) and asks for the reply, which comes."""
+    async with demo_page(server, tmp_path, tail_silence_s=120, query="?tool_choice=roll_dice") as (page, console):
+        assert await page.is_checked("#tools") and await page.input_value("#tool-choice") == "roll_dice"
+        await page.click("#talk")
+        await page.wait_for_function("demo.calls.size && [...demo.calls.values()].every((c) => c.accepted)",
+                                     timeout=120_000)
+        await page.wait_for_function("demo.turns.some((t) => t.afterTools && t.doneAt !== null)", timeout=180_000)
+        await page.wait_for_function("[...demo.userTurns.values()][0]?.transcript != null", timeout=60_000)
+        turns = await page.evaluate("demo.turns.map((t) => ({...t, el: null, row: null, "
+                                    "calls: t.calls.map((c) => ({...c, el: null}))}))")
+        shown = await page.eval_on_selector_all("#transcript li.tool", "ls => ls.map((l) => [...l.querySelectorAll("
+                                                "'.call, .result')].map((c) => c.textContent))")
+        agents = await page.eval_on_selector_all("#transcript li.agent .text", "ls => ls.map((l) => l.textContent)")
+        user_transcript = await page.evaluate("[...demo.userTurns.values()][0].transcript")
+        user_text = await page.inner_text("#transcript li.user .text")
+        rows = await page.eval_on_selector_all("#metrics tbody tr", "rs => rs.map((r) => r.innerText.split('\\t'))")
+        await page.screenshot(path=str(ARTIFACTS / "webrtc-demo-tools.png"), full_page=True)
+        await page.click("#talk")
+    first, reply = turns[0], next(t for t in turns if t["afterTools"])
+    assert first["status"] == "completed" and not first["spoke"] and first["calls"] and not first["transcript"]
+    assert len(shown) == len(first["calls"])  # the call-only reply has no agent line: its tool lines stand for it
+    for call, (what, result) in zip(first["calls"], shown):
+        args, out = json.loads(call["arguments"]), json.loads(result)
+        assert call["name"] == "roll_dice" and what == f"roll_dice({call['arguments']})" and result == call["output"]
+        assert 2 <= args["sides"] <= 100 and 1 <= args["count"] <= 10  # the grammar kept to the schema
+        assert len(out["rolls"]) == args["count"] and all(1 <= r <= args["sides"] for r in out["rolls"])
+        assert out["total"] == sum(out["rolls"]) and call["sent"] and call["accepted"]
+    assert reply["status"] in ("completed", "incomplete")
+    assert rows[0][1:5] == ["—"] * 4 and rows[0][5] == "completed (roll_dice)"
+    assert agents == [t["transcript"] for t in turns if t["spoke"]]
+    assert user_text.strip() == (user_transcript.strip() or "(nothing heard)")
+    assert not [m for m in console if "error" in m.lower()], console
 
 
 DEMO_KEYS = {"demo": "sk-demo-key-0001", "backend": "sk-backend-key-0002"}
@@ -184,10 +220,8 @@ async def test_demo_with_keys_on_never_holds_a_key(keyed_demo_server, tmp_path):
         for r in responses:  # every byte the page was sent or sent itself: no key
             seen = json.dumps(await r.request.all_headers()) + (r.request.post_data or "") + await _body(r)
             assert not [k for k in DEMO_KEYS.values() if k in seen], r.url
-    deadline = time.monotonic() + 30  # a guard against a hang, not a bound: the call ends when its peer goes
-    while srv.metric("omnirt_key_active", key="demo", kind="sessions") and time.monotonic() < deadline:
-        await asyncio.sleep(0.2)
-    assert srv.metric("omnirt_key_active", key="demo", kind="sessions") == 0
+    # the call ends when its peer goes (however long that takes)
+    await until(lambda: srv.metric("omnirt_key_active", key="demo", kind="sessions") == 0, "the demo's call ended")
     assert evil == {"ws": "closed 1006", "secret": "blocked"}, evil
     log = srv.log.read_text()
     evil_origin = evil_url.rstrip("/")

@@ -34,7 +34,7 @@ async def test_paced_frames_bounded_buffer_and_playback_events():
     assert elapsed >= 0.5, elapsed  # paced: 29 sleeps of 20 ms (the first frame goes at once)
     assert [f.pts for f in sent] == list(range(0, 30 * FRAME_SAMPLES, FRAME_SAMPLES))
     assert {(f.samples, f.sample_rate, f.layout.name, f.format.name) for f in sent} == {(960, 48000, "mono", "s16")}
-    await asyncio.wait_for(writer, 1)  # room was made
+    await asyncio.wait_for(writer, 30)  # room was made
     assert [e["type"] for e in events] == ["output_audio_buffer.started"] and events[0]["response_id"] == "resp_1"
     track.response_done("resp_1")
     while not any(e["type"] == "output_audio_buffer.stopped" for e in events):
@@ -58,7 +58,7 @@ async def test_clear_drops_queued_and_late_audio_and_underruns_are_counted():
     await asyncio.sleep(0.05)
     await frames(track, 5)
     track.clear()  # barge-in
-    await asyncio.wait_for(writer, 1)  # the waiting writer gives up
+    await asyncio.wait_for(writer, 30)  # the waiting writer gives up
     await track.write("resp_1", "item_1", tone(0.5))  # a late write of the cleared response is ignored
     assert track.num_buffered_samples == 0
     assert all(not f.to_ndarray().any() for f in await frames(track, 3))

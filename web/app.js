@@ -10,10 +10,11 @@ const LEVEL_HEARD = 0.01; // RMS above which agent audio counts as heard
 
 // `window.demo` is the page's state; the browser test reads it too. `phase` is the call's:
 // idle -> mic (asking for the microphone) -> calling (the offer is out) -> call (answered) -> idle.
-// `userTurns`: the user's turns by item id, each with its transcript once the server sent it.
+// `userTurns`: the user's turns by item id, each with its transcript once the server sent it. `calls`: the
+// tool calls the page ran, by call id; `toolRounds`: how many replies in a row were calls.
 const demo = window.demo = { auth: "none", iceServers: [], phase: "idle", ended: null, pc: null, channel: null,
   mic: null, callUrl: null, audio: null, turns: [], byResponse: new Map(), userTurn: null, lastSpeechStop: null,
-  userTurns: new Map(), model: null, maxAgentLevel: 0, agentLevel: 0 };
+  userTurns: new Map(), calls: new Map(), toolRounds: 0, model: null, maxAgentLevel: 0, agentLevel: 0 };
 
 // ---- the model, voices and access ------------------------------------------------------------------------
 
@@ -44,10 +45,104 @@ function sendVoice() {
   send({ type: "session.update", session: { type: "realtime", audio: { output: { voice: $("voice").value } } } });
 }
 
-// At the start of a call: the voice, and transcripts of what the user says (written by the model itself).
+// At the start of a call: the voice, transcripts of what the user says (written by the model itself), the tools.
 function sendSettings() {
-  send({ type: "session.update", session: { type: "realtime", audio: {
+  send({ type: "session.update", session: { type: "realtime", ...toolSettings(), audio: {
     input: { transcription: { model: demo.model } }, output: { voice: $("voice").value } } } });
+}
+
+// ---- demo tools: defined and run in the page ------------------------------------------------------------
+// The server streams a call as a `function_call` item; the page runs it when the item is done and, once the
+// response is done, sends each result (a `function_call_output` item) and asks for the reply (`response.create`).
+
+const MAX_TOOL_ROUNDS = 3; // replies in a row that may be calls; the one after them may not (tool_choice "none")
+const TOOLS = {
+  get_time: {
+    description: "The current date and time on the user's device, in its time zone or another one",
+    parameters: { type: "object", additionalProperties: false, properties: { timezone: { type: "string",
+      maxLength: 64, description: "an IANA time zone such as Europe/Paris; the device's own when absent" } } },
+    run({ timezone }) {
+      const zone = timezone || Intl.DateTimeFormat().resolvedOptions().timeZone, now = new Date();
+      // an unknown zone throws a RangeError: the model gets it as the result's error
+      const time = now.toLocaleString("en-GB", { timeZone: zone, dateStyle: "full", timeStyle: "long" });
+      return { time, timezone: zone, iso: now.toISOString() };
+    },
+  },
+  roll_dice: {
+    description: "Roll dice: each roll and their total",
+    parameters: { type: "object", additionalProperties: false, required: ["sides", "count"], properties: {
+      sides: { type: "integer", minimum: 2, maximum: 100, description: "faces of each die" },
+      count: { type: "integer", minimum: 1, maximum: 10, description: "how many dice" } } },
+    run({ sides, count }) {
+      const whole = (x, lo, hi) => Number.isInteger(x) && x >= lo && x <= hi;
+      if (!whole(sides, 2, 100) || !whole(count, 1, 10)) throw new Error("sides: 2 to 100, count: 1 to 10");
+      const rolls = Array.from(crypto.getRandomValues(new Uint32Array(count)), (x) => 1 + (x % sides));
+      return { rolls, total: rolls.reduce((a, b) => a + b, 0) };
+    },
+  },
+};
+
+// `?tools=off` starts with the tools off, `?tool_choice=auto|required|NAME` picks the choice (a named tool
+// forces a call to it: the tiny model's random weights rarely call one by themselves).
+function readToolParams() {
+  const params = new URLSearchParams(location.search);
+  $("tools").checked = params.get("tools") !== "off";
+  const choice = params.get("tool_choice") || "auto";
+  $("tool-choice").value = choice;
+  if ($("tool-choice").value !== choice) { $("tool-choice").value = "auto"; error(`unknown tool_choice ${choice}`); }
+  $("tool-choice").disabled = !$("tools").checked;
+}
+
+function toolSettings() {
+  if (!$("tools").checked) return { tools: [], tool_choice: "auto" };
+  const choice = $("tool-choice").value;
+  const tools = Object.entries(TOOLS).map(([name, { description, parameters }]) =>
+    ({ type: "function", name, description, parameters }));
+  return { tools, tool_choice: TOOLS[choice] ? { type: "function", name: choice } : choice };
+}
+
+for (const id of ["tools", "tool-choice"]) {
+  $(id).addEventListener("change", () => {
+    $("tool-choice").disabled = !$("tools").checked;
+    send({ type: "session.update", session: { type: "realtime", ...toolSettings() } });
+  });
+}
+
+// A call the model made: run now and shown with its result; sent back when its response is done.
+function runTool(turn, item) {
+  const call = { callId: item.call_id, name: item.name, arguments: item.arguments, sent: false, accepted: false,
+    output: JSON.stringify(toolResult(item.name, item.arguments)), el: line("tool", "Tool", "") };
+  const [what, result] = ["call", "result"].map((kind) => Object.assign(document.createElement("code"),
+    { className: kind }));
+  what.textContent = `${call.name}(${call.arguments})`;
+  result.textContent = call.output;
+  call.el.text.replaceChildren(what, " → ", result);
+  turn.calls.push(call);
+  demo.calls.set(call.callId, call);
+}
+
+function toolResult(name, args) {
+  if (!TOOLS[name]) return { error: `no tool named ${name}` };
+  try {
+    return TOOLS[name].run(JSON.parse(args || "{}"));
+  } catch (e) {
+    return { error: e.message };
+  }
+}
+
+// OpenAI's flow: every result as a function_call_output item, then one response.create for the reply. Not
+// after a cancelled response: the user talked over it, and their new turn gets the answer.
+function sendResults(turn, response) {
+  if (!turn.calls.length) { demo.toolRounds = 0; return; }
+  if (!turn.transcript) turn.el.li.remove(); // the reply was only calls: its tool lines stand for it
+  if (response.status !== "completed") return;
+  for (const call of turn.calls) {
+    send({ type: "conversation.item.create", item: { type: "function_call_output", call_id: call.callId,
+      output: call.output } });
+    call.sent = true;
+  }
+  demo.toolRounds += 1;
+  send({ type: "response.create", response: { tool_choice: demo.toolRounds < MAX_TOOL_ROUNDS ? "auto" : "none" } });
 }
 
 // ---- the call -----------------------------------------------------------------------------------------
@@ -165,6 +260,7 @@ function onEvent(ev) {
       demo.userTurn.startMs = ev.audio_start_ms;
       demo.userTurn.transcript = null; // until the server's transcript comes
       demo.userTurns.set(ev.item_id, demo.userTurn);
+      demo.toolRounds = 0;
       break;
     case "input_audio_buffer.speech_stopped": { // until its transcript comes: how long the user spoke
       demo.lastSpeechStop = performance.now();
@@ -223,10 +319,18 @@ function onEvent(ev) {
       break;
     }
     case "response.output_item.added":
-      if (turn) turn.itemId = ev.item.id;
+      if (turn && ev.item.type === "message") turn.itemId = ev.item.id;
       break;
+    case "response.output_item.done":
+      if (turn && ev.item.type === "function_call" && ev.item.status === "completed") runTool(turn, ev.item);
+      break;
+    case "conversation.item.done": { // the server took a result the page sent
+      const call = ev.item.type === "function_call_output" && demo.calls.get(ev.item.call_id);
+      if (call) call.accepted = true;
+      break;
+    }
     case "response.done":
-      if (turn) finishTurn(turn, ev.response);
+      if (turn) { finishTurn(turn, ev.response); sendResults(turn, ev.response); }
       break;
     case "error":
       error(`${ev.error.code || ev.error.type}: ${ev.error.message}`);
@@ -239,7 +343,8 @@ function startTurn(responseId) {
   const turn = { n: demo.turns.length + 1, responseId, itemId: null, transcript: "", heard: null,
     createdAt: performance.now(),
     since: demo.lastSpeechStop ?? performance.now(), doneAt: null, heardAt: null, audioMs: null, underruns: null,
-    status: "in progress", playing: false, el: line("agent", "Agent", "") };
+    status: "in progress", playing: false, calls: [], spoke: true, afterTools: demo.toolRounds > 0,
+    el: line("agent", "Agent", "") };
   demo.lastSpeechStop = null;
   demo.turns.push(turn);
   demo.byResponse.set(responseId, turn);
@@ -248,6 +353,7 @@ function startTurn(responseId) {
 function finishTurn(turn, response) {
   turn.doneAt = performance.now();
   if (turn.status !== "interrupted") turn.status = response.status;
+  turn.spoke = response.output.some((o) => o.type === "message"); // a reply of calls only has no audio
   if (response.status === "cancelled") turn.el.li.classList.add("cancelled");
 }
 
@@ -272,13 +378,15 @@ function line(kind, who, text) {
 
 function row(turn) {
   turn.row = turn.row || $("metrics").tBodies[0].insertRow();
-  const ms = (x) => (x == null ? "…" : `${Math.round(x)} ms`);
-  const cut = turn.status === "interrupted"; // only part of the audio was played: no RTF, no underrun count
+  const ms = (x) => (!turn.spoke ? "—" : x == null ? "…" : `${Math.round(x)} ms`);
+  // only part of the audio was played (no RTF, no underrun count), or none was (a reply of tool calls only)
+  const cut = turn.status === "interrupted" || !turn.spoke;
   const rtf = cut ? "—"
     : turn.doneAt && turn.audioMs ? ((turn.doneAt - turn.createdAt) / turn.audioMs).toFixed(2) : "…";
-  const cells = [turn.n, ms(turn.heardAt && turn.heardAt - turn.since), rtf,
-    turn.audioMs == null ? "…" : `${(turn.audioMs / 1000).toFixed(1)} s`, cut ? "—" : turn.underruns ?? "…",
-    turn.status];
+  const audio = !turn.spoke ? "—" : turn.audioMs == null ? "…" : `${(turn.audioMs / 1000).toFixed(1)} s`;
+  const calls = turn.calls.length ? ` (${turn.calls.map((c) => c.name).join(", ")})` : "";
+  const cells = [turn.n, ms(turn.heardAt && turn.heardAt - turn.since), rtf, audio, cut ? "—" : turn.underruns ?? "…",
+    turn.status + calls];
   turn.row.replaceChildren(...cells.map((c) => Object.assign(document.createElement("td"), { textContent: c })));
 }
 
@@ -301,4 +409,5 @@ function showStatus() {
 
 function error(text) { $("errors").textContent = text; }
 
+readToolParams();
 loadConfig().catch(fail);

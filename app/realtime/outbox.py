@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from app.realtime.events import AUDIO_DELTA, to_beta
@@ -24,10 +25,13 @@ class Outbox:
         self._dropped: set[str] = set()
         self._closed = False
 
-    async def put(self, event: dict[str, Any]) -> None:
+    async def put(self, event: dict[str, Any], wanted: Callable[[], bool] | None = None) -> None:
+        """Queue `event` (waiting for room); dropped if `wanted()` is false by the time its turn comes, since
+        a put may wait while later events (an item's deletion) go ahead."""
         async with self._cond:
             await self._cond.wait_for(lambda: self._has_room or self._closed)
-            if self._closed or (event["type"] == AUDIO_DELTA and event.get("response_id") in self._dropped):
+            if self._closed or (event["type"] == AUDIO_DELTA and event.get("response_id") in self._dropped) or \
+                    (wanted is not None and not wanted()):
                 return
             self._events.append(event)
             self._audio_bytes += _audio_size(event)

@@ -28,14 +28,12 @@ from app.realtime.config import ResponseOptions, format_object
 from app.realtime.conversation import Content, Item, item_object
 from app.realtime.events import ProtocolError, error_event, new_id
 from app.realtime.outbox import Outbox
+from app.realtime.submit import submit
 from pipeline.api import (
     AudioChunk,
     EngineClient,
-    EngineDeadError,
-    EngineOverloaded,
     Finished,
     OmniRequest,
-    RequestError,
     TextDelta,
     ToolCallDelta,
 )
@@ -134,16 +132,9 @@ class Response:
         await self._emit("response.created", response=self.object())
         started = time.monotonic()
         try:
-            events = await self.engine.submit(self._request(messages))
-        except RequestError as exc:
-            return await self._fail(ProtocolError(str(exc), exc.code, exc.param))
-        except EngineOverloaded as exc:  # a session is admitted at connect; each response again here
-            if self.metrics is not None:
-                self.metrics.requests.labels("realtime", "rejected").inc()
-            return await self._fail(ProtocolError(f"the server is at capacity: {exc}", "rate_limit_exceeded",
-                                                  error_type="server_error"))
-        except EngineDeadError as exc:
-            return await self._fail(ProtocolError(str(exc), "engine_unavailable", error_type="server_error"))
+            events = await submit(self.engine, self._request(messages), self.metrics, "realtime")
+        except ProtocolError as exc:
+            return await self._fail(exc)
         except Exception:
             log.exception("response %s: the engine refused it", self.id, extra=self._ids)
             return await self._fail(ProtocolError("the response could not start", "internal_error",

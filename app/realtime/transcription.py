@@ -31,7 +31,8 @@ from app.ops.metrics import Metrics
 from app.realtime.conversation import Item
 from app.realtime.events import ProtocolError, check_fields, new_id, require
 from app.realtime.outbox import Outbox
-from pipeline.api import EngineClient, EngineDeadError, EngineOverloaded, Finished, OmniRequest, RequestError, TextDelta
+from app.realtime.submit import submit
+from pipeline.api import EngineClient, Finished, OmniRequest, TextDelta
 
 if TYPE_CHECKING:
     from app.realtime.response import Response
@@ -163,16 +164,9 @@ class Transcriber:
                           cache_salt=self.log_ids.get("key_id"))  # the instruction's KV is shared like a reply's
         started = time.monotonic()
         try:
-            events = await self.engine.submit(req)
-        except RequestError as exc:
-            return await self._failed(job, ProtocolError(str(exc), exc.code, exc.param))
-        except EngineOverloaded as exc:
-            if self.metrics is not None:
-                self.metrics.requests.labels("realtime_transcription", "rejected").inc()
-            return await self._failed(job, ProtocolError(f"the server is at capacity: {exc}", "rate_limit_exceeded",
-                                                         error_type="server_error"))
-        except EngineDeadError as exc:
-            return await self._failed(job, ProtocolError(str(exc), "engine_unavailable", error_type="server_error"))
+            events = await submit(self.engine, req, self.metrics, "realtime_transcription")
+        except ProtocolError as exc:
+            return await self._failed(job, exc)
         if self.metrics is not None:
             events = self.metrics.observe(events, "realtime_transcription", started,
                                           {"request_id": job.request_id, **self.log_ids})
@@ -205,8 +199,9 @@ class Transcriber:
                                                "param": exc.param})
 
     async def _emit(self, kind: str, job: _Job, **fields: Any) -> None:
+        """Nothing about a deleted item follows its `conversation.item.deleted`, even an event already on its way."""
         await self.outbox.put({"type": f"{EVENT}.{kind}", "event_id": new_id("event"), "item_id": job.item.id,
-                               "content_index": 0, **fields})
+                               "content_index": 0, **fields}, wanted=lambda: not job.is_forgotten)
 
 
 def _max_tokens(audio: np.ndarray, engine: EngineClient) -> int:
