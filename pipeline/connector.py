@@ -118,10 +118,6 @@ class CodecStream:
         return CodecWindow(self.frames[start - ctx:end], ctx, is_first=start == 0), end - start
 
     def _log_end(self) -> None:
-        pacing = self.pacing
-        why = f", why: {','.join(pacing.reasons)}, pace {pacing.gap_s or 0:.3f} s/frame" if isinstance(
-            pacing, AdaptivePacing) else ""
         lead = "-" if self.min_lead_s is None else f"{self.min_lead_s * 1000:.0f} ms"
-        log.info("code2wav %s: %d frames in chunks of %s (%s pacing%s); least audio queued at a chunk: %s",
-                 self.name, self.num_emitted, ",".join(map(str, self.chunk_sizes)),
-                 type(pacing).__name__, why, lead)
+        log.info("code2wav %s: %d frames in chunks of %s (%s); least audio queued at a chunk: %s", self.name,
+                 self.num_emitted, ",".join(map(str, self.chunk_sizes)), self.pacing.describe(), lead)

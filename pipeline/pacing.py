@@ -44,6 +44,9 @@ class FixedChunks:
     def on_sent(self, decided_at: float, now: float, num_frames: int) -> None:
         self.num_chunks += 1
 
+    def describe(self) -> str:
+        return "fixed pacing, ramp" if self.ramp else "fixed pacing"
+
 
 @dataclass(slots=True)
 class AdaptivePacing:
@@ -87,6 +90,10 @@ class AdaptivePacing:
     def on_sent(self, decided_at: float, now: float, num_frames: int) -> None:
         self.decode_s = max(self.decode_s, now - decided_at)
         self.num_chunks += 1
+
+    def describe(self) -> str:
+        """The decisions, for the log line at a reply's end."""
+        return f"adaptive pacing: {','.join(self.reasons)}; pace {self.gap_s or 0:.3f} s/frame"
 
     def _go(self, n: int, reason: str) -> int:
         self.reasons[self.num_chunks:] = [reason]  # asked again before the chunk went: the newest decision stands

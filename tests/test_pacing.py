@@ -143,7 +143,7 @@ def test_decisions_are_kept_for_the_log(caplog):
         play(pacing, FAST)
     assert pacing.reasons[0] == "first" and pacing.reasons[-1] == "end" and "due" in pacing.reasons
     assert len(pacing.reasons) == pacing.num_chunks
-    assert "AdaptivePacing" in caplog.text and "least audio queued at a chunk" in caplog.text
+    assert "adaptive pacing: first,due," in caplog.text and "least audio queued at a chunk" in caplog.text
 
 
 def test_a_requests_first_chunk_larger_than_the_steady_chunk_is_honoured():
