@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # GPU call (issue 14, items 1 and 3): one H200, full-size dummy weights, 1-GPU profile. PARTS picks what runs,
 # in this order (default: all):
-#   variants  c2w_variants.py at full size, every variant at batch 1/16/64 of 25 new + 25 context frames
+#   variants  c2w_variants.py at full size, every variant (or C2W_VARIANTS) at batch 1/16/64 (or C2W_SHAPES) of 25 new + 25 context frames
 #             -> $OUT/c2w-variants.jsonl;
 #   bench     `omnirt bench` at prompt 160, c=1 and c=64, one server per row of ROWS (default: fast c2w-eager
 #             fixed-ramp): `fast` the profile as shipped (graphs of the compiled Code2Wav, adaptive pacing),
 #             `fast-gemm` / `fast-channels-last` its convolutions re-expressed, `c2w-no-compile` its compilation
 #             off, `c2w-eager` its graphs and compilation off (the fast path off, as before), `fixed-ramp` the
-#             doubling ramp instead of adaptive pacing; server logs at info: start-up's Code2Wav graph memory,
+#             doubling ramp instead of adaptive pacing, `no-priority` first-packet priority off, `before` all
+#             three off (the profile before this work); server logs at info: start-up's Code2Wav graph memory,
 #             each reply's chunk decisions. A command may run 600 s: split PARTS / ROWS over calls.
 source loadtest/gpu/common.sh
 export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor
@@ -26,13 +27,16 @@ row() {  # row NAME [serve args...]: c=1 and c=64 against a server of its own, w
 }
 
 if has variants; then
+  # shellcheck disable=SC2086  # the lists split on spaces
   timeout ${C2W_LIMIT:-300} python3 loadtest/gpu/c2w_variants.py --shapes ${C2W_SHAPES:-1x50 16x50 64x50} \
+    ${C2W_VARIANTS:+--variants $C2W_VARIANTS} \
     > "$OUT/c2w-variants.jsonl" 2> "$OUT/c2w-variants.log"
   echo "c2w_variants rc=$?"; cat "$OUT/c2w-variants.jsonl"; grep -E "Error" "$OUT/c2w-variants.log" | tail -3
 fi
 declare -A SERVE=([fast]="" [fast-gemm]="--conv-backend gemm" [fast-channels-last]="--conv-backend channels_last"
                   [c2w-no-compile]="--stage-overrides $C2W_NO_COMPILE" [c2w-eager]="--stage-overrides $C2W_EAGER"
-                  [fixed-ramp]="--deploy-config $FIXED_RAMP")
+                  [fixed-ramp]="--deploy-config $FIXED_RAMP" [no-priority]="--no-first-packet-priority"
+                  [before]="--stage-overrides $C2W_EAGER --deploy-config $FIXED_RAMP --no-first-packet-priority")
 if has bench; then
   for name in ${ROWS:-fast c2w-eager fixed-ramp}; do
     # shellcheck disable=SC2086  # the serve args split on spaces
