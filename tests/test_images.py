@@ -5,6 +5,7 @@ chunks that cut through an image, and prefix reuse keyed by the image's pixels."
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 
@@ -106,16 +107,44 @@ def chunked(tiny_config):
 PICTURE = [{"role": "system", "content": "You are a helpful assistant."}, _user(image(128, 160, 5), "Describe it.")]
 
 
+@contextlib.contextmanager
+def prompt_logits(engine):
+    """The Thinker's logits at the end of each request's prompt, by request id, as its prefill computed them."""
+    model, seen = engine.stage("thinker").runner.model, {}
+    run = model.run
+
+    def tapped(batch):
+        outs = run(batch)
+        for r, o in zip(batch.requests, outs):
+            if o.logits is not None:
+                seen.setdefault(r.request_id, o.logits.float().cpu())
+        return outs
+
+    model.run = tapped
+    try:
+        yield seen
+    finally:
+        del model.run  # the class's own method again
+
+
 async def test_an_image_prompt_answers_as_generate_in_text_and_speech(chunked, reference_model):
     """Greedy text tokens, all 16 codebooks of every frame and the waveform are generate()'s: the vision encoder's
     rows, the deepstack rows added after the first decoder layers, the image's rope positions in the Thinker and
     in the Talker (whose prompt rows at the image come from the tapped layer). The prompt is prefilled in chunks
-    of 16 tokens, two of which cut through the image's 20 placeholders."""
+    of 16 tokens, two of which cut through the image's 20 placeholders. The prompt's logits equal the Thinker's
+    forward to float rounding: the tiny model's deepstack rows are too small to change a greedy token, not
+    those logits (leaving them out moves them by 0.07)."""
     prompt = chunked.models.encoder.encode(PICTURE)
     assert prompt.image_spans and (prompt.image_spans[0][1] - prompt.image_spans[0][0]) == 20
     ref = reference_generate(reference_model, prompt)
-    out = await engine_generate(chunked, "image-parity", PICTURE)
+    with prompt_logits(chunked) as logits:
+        out = await engine_generate(chunked, "image-parity", PICTURE)
     assert_same_reply(chunked, ref, out)
+    ids = torch.tensor([prompt.input_ids])
+    with torch.inference_mode():
+        forward = reference_model.thinker(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                          pixel_values=prompt.pixel_values, image_grid_thw=prompt.image_grid_thw)
+    torch.testing.assert_close(logits["image-parity"], forward.logits[0, -1].float(), atol=2e-6, rtol=0)
     other = [PICTURE[0], _user(image(128, 160, 6), "Describe it.")]  # another picture, the same ids
     assert reference_generate(reference_model, chunked.models.encoder.encode(other)).tokens != ref.tokens
 
