@@ -129,9 +129,20 @@ def test_tools_and_tool_messages_reach_the_template(encoder):
     assert "<|im_start|>user\n<tool_response>\n{\"temperature\": 21}\n</tool_response><|im_end|>" in text
 
 
+def test_a_system_message_of_text_parts_renders_with_tools_as_its_string(encoder):
+    """The released template's `tools` branch adds '\\n\\n' to the system message (a list there fails in
+    Jinja): text parts go in as their joined text, the prompt of the same message sent as a string."""
+    parts = [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}]
+    as_parts = encoder.encode([{"role": "system", "content": parts}, _user("hi")], tools=TOOLS).input_ids
+    as_string = encoder.encode([{"role": "system", "content": "Be brief."}, _user("hi")], tools=TOOLS).input_ids
+    assert as_parts == as_string
+    assert "Be brief.\n\n# Tools" in encoder.tokenizer.decode(as_parts)
+
+
 def test_messages_the_template_cannot_render_are_a_request_error(encoder):
-    """The released template's `tools` branch adds '\\n\\n' to the system message: a list there fails in Jinja."""
-    messages = [{"role": "system", "content": [{"type": "text", "text": "Be brief."}]}, _user("hi")]
+    """A system message with audio in it has no string form for the `tools` branch."""
+    audio = {"type": "audio", "audio": np.zeros(RATE // 2, dtype=np.float32)}
+    messages = [{"role": "system", "content": [{"type": "text", "text": "Be brief."}, audio]}, _user("hi")]
     with pytest.raises(RequestError, match="chat template cannot render") as err:
         encoder.encode(messages, tools=TOOLS)
     assert err.value.param == "messages"

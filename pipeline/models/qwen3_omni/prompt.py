@@ -151,6 +151,8 @@ class PromptEncoder:
                  {**m, "content": [{"type": p["type"]} if p["type"] in ("audio", "image") else p
                                    for p in m["content"]]}
                  for m in messages]
+        if tools:
+            plain = _text_system_as_string(plain)
         try:
             return self.tokenizer.apply_chat_template(plain, tools=tools, chat_template=self.chat_template,
                                                       tokenize=False, add_generation_prompt=True)
@@ -190,6 +192,17 @@ def _expand(text: str, token: str, counts: list[int], what: str) -> str:
         raise RequestError(f"the model's chat template wrote {len(pieces) - 1} {what} placeholders for the "
                            f"{len(counts)} {what} parts of these messages", "messages")
     return pieces[0] + "".join(token * n + rest for n, rest in zip(counts, pieces[1:]))
+
+
+def _text_system_as_string(messages: list[Message]) -> list[Message]:
+    """The released template's `tools` branch writes the system message as a string (`content + '\\n\\n'`): a
+    system message of text parts alone (as OpenAI's clients may send it) goes in as their text, joined."""
+    first = messages[0]
+    if first["role"] != "system" or isinstance(first["content"], str):
+        return messages
+    if any(p["type"] != "text" for p in first["content"]):
+        return messages
+    return [{**first, "content": "".join(p["text"] for p in first["content"])}, *messages[1:]]
 
 
 def chat_template(path: Path, tokenizer) -> str:
