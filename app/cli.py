@@ -109,6 +109,7 @@ def ready_line(args: argparse.Namespace, port: int, info) -> str:
 
 
 def server_settings(args: argparse.Namespace, system_prompt: str | None) -> ServerSettings:
+    from app.images import ImageLimits
     from app.realtime.session import RealtimeLimits
     from app.server import ServerSettings
 
@@ -120,6 +121,7 @@ def server_settings(args: argparse.Namespace, system_prompt: str | None) -> Serv
     return ServerSettings(
         model_names=(args.served_model_name or args.model,), system_prompt=system_prompt,
         max_body_bytes=args.max_body_bytes, max_audio_s=args.max_audio_seconds, api_keys=tuple(args.api_key),
+        images=ImageLimits(args.max_image_bytes, args.max_image_pixels, args.max_images),
         api_keys_file=args.api_keys_file, demo_key_id=args.demo_key_id,
         cors_origins=tuple(o.strip() for o in args.cors_origins.split(",") if o.strip()),
         slow_client_timeout_s=args.slow_client_timeout, shutdown_timeout_s=args.shutdown_timeout,

@@ -222,6 +222,12 @@ def add_reliability_args(s: argparse.ArgumentParser) -> None:
     g.add_argument("--max-body-bytes", type=number(int, 1024), default=32 * 2**20, help="largest HTTP request body")
     g.add_argument("--max-audio-seconds", type=number(float, 0, above=True), default=300.0,
                    help="longest input audio per request")
+    g.add_argument("--max-image-bytes", type=number(int, 1024), default=10 * 2**20,
+                   help="largest input image (encoded, before base64), chat and Realtime")
+    g.add_argument("--max-image-pixels", type=number(int, 64), default=4096 * 4096,
+                   help="most pixels (width x height) of an input image, read from its header before decoding")
+    g.add_argument("--max-images", type=number(int, 0), default=8,
+                   help="most images per chat request and per Realtime conversation")
     g.add_argument("--max-output-buffer-bytes", type=number(int, 4096), default=None,
                    help="unread output a request may hold before it is aborted (default: the profile's, 8 MiB)")
     g.add_argument("--slow-client-timeout", type=number(float, 0, above=True), default=30.0,

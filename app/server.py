@@ -8,7 +8,7 @@ import importlib.util
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from fastapi import FastAPI
@@ -18,6 +18,7 @@ from fastapi.staticfiles import StaticFiles
 from app import __version__, demo
 from app.chat import routes as chat
 from app.errors import install_error_handlers
+from app.images import ImageLimits
 from app.ops import metrics, security, shared
 from app.ops.keys import KeyRing
 from app.ops.lifecycle import Lifecycle
@@ -43,6 +44,7 @@ class ServerSettings:
     system_prompt: str | None = None
     max_body_bytes: int = 32 * 2**20
     max_audio_s: float = 300.0
+    images: ImageLimits = field(default_factory=ImageLimits)  # chat requests' and Realtime conversations' images
     realtime: RealtimeLimits = field(default_factory=RealtimeLimits)
     ice: IceSettings = field(default_factory=IceSettings)  # WebRTC candidates: host addresses, NAT, STUN/TURN
     webrtc_connect_timeout_s: float = 30.0
@@ -132,7 +134,7 @@ def create_app(engine: EngineClient, settings: ServerSettings, worker: WorkerCon
     app.include_router(chat.router)
     app.include_router(client_secrets.router)
     demo.install(app, settings.demo_key_id, settings.ice.servers)
-    websocket.install(app, settings.realtime)
+    websocket.install(app, replace(settings.realtime, images=settings.images))
     if importlib.util.find_spec("aiortc") is not None:  # the `webrtc` extra
         from app.transports import webrtc
 

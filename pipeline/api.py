@@ -28,9 +28,10 @@ from pipeline.config import (  # noqa: F401 (the flags)
 
 
 class Part(TypedDict, total=False):
-    type: str  # "text" | "audio"
+    type: str  # "text" | "audio" | "image"
     text: str
     audio: np.ndarray  # float32 mono at EngineInfo.input_sample_rate
+    image: np.ndarray  # uint8 RGB [height, width, 3] (alpha composited on white), only in user messages
 
 
 class ToolCall(TypedDict):
@@ -49,7 +50,7 @@ class OmniRequest(msgspec.Struct, tag=True):
     """What a client asks of the engine."""
 
     request_id: str
-    messages: list[dict]  # Message dicts; audio parts hold numpy arrays
+    messages: list[dict]  # Message dicts; audio and image parts hold numpy arrays
     modalities: tuple[str, ...] = ("text",)
     voice: str | None = None
     thinker_sampling: dict[str, Any] = msgspec.field(default_factory=dict)  # overrides of the profile defaults

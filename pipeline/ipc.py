@@ -2,7 +2,8 @@
 
 Both directions are closed unions of msgspec structs encoded as msgpack (as vLLM's EngineCore
 client does): no pickled objects cross per request or per step. Audio in request messages
-(float32 numpy arrays) travels as a msgpack extension of raw little-endian bytes.
+(float32 numpy arrays) travels as a msgpack extension of raw little-endian bytes, images (uint8 RGB arrays) as
+one of their height, width and pixels.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import numpy as np
 from pipeline.api import AudioChunk, EngineInfo, EngineStats, Finished, OmniRequest, TextDelta, ToolCallDelta
 
 FLOAT32_AUDIO = 1  # msgpack extension code: a 1-D float32 array
+RGB_IMAGE = 2  # msgpack extension code: a uint8 [height, width, 3] array, after its height and width (2 x uint32)
 
 
 class Abort(msgspec.Struct, tag=True):
@@ -76,12 +78,17 @@ def num_bytes(item) -> int:
 def _enc_hook(obj):
     if isinstance(obj, np.ndarray) and obj.ndim == 1:
         return msgspec.msgpack.Ext(FLOAT32_AUDIO, obj.astype("<f4", copy=False).tobytes())
+    if isinstance(obj, np.ndarray) and obj.dtype == np.uint8 and obj.ndim == 3 and obj.shape[2] == 3:
+        return msgspec.msgpack.Ext(RGB_IMAGE, np.asarray(obj.shape[:2], "<u4").tobytes() + obj.tobytes())
     raise TypeError(f"cannot send {type(obj).__name__} to the engine core")
 
 
 def _ext_hook(code: int, data: memoryview):
     if code == FLOAT32_AUDIO:
         return np.frombuffer(data, dtype="<f4").copy()
+    if code == RGB_IMAGE:
+        height, width = np.frombuffer(data[:8], dtype="<u4")
+        return np.frombuffer(data[8:], dtype=np.uint8).reshape(int(height), int(width), 3).copy()
     raise ValueError(f"unknown msgpack extension {code}")
 
 

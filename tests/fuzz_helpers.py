@@ -1,12 +1,16 @@
-"""What the fuzz tests share: hypothesis strategies for junk values and for Realtime `session` objects
-(`session.update`, client secrets), and a server profile that keeps every valid request cheap (short
-contexts, few tokens)."""
+"""What the fuzz tests share: hypothesis strategies for junk values, images (data URLs good and bad) and for
+Realtime `session` objects (`session.update`, client secrets), and a server profile that keeps every valid
+request cheap (short contexts, few tokens)."""
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 
+import numpy as np
 from hypothesis import strategies as st
+from PIL import Image
 
 CHEAP = json.dumps({"0": {"max_model_len": 160, "default_sampling_params": {"max_tokens": 8}},
                     "1": {"max_model_len": 192, "default_sampling_params": {"max_tokens": 16}}})
@@ -57,3 +61,29 @@ session = opt({}, optional={
     "temperature": sometimes_junk(st.floats(allow_nan=True, allow_infinity=True)),
     "max_output_tokens": sometimes_junk(small_ints | st.just("inf")), "tools": sometimes_junk(tools),
     "tool_choice": sometimes_junk(tool_choice)})
+
+
+def data_url(image: Image.Image, fmt: str = "PNG", media_type: str | None = None) -> str:
+    buf = io.BytesIO()
+    image.save(buf, fmt)
+    return f"data:{media_type or 'image/' + fmt.lower()};base64,{base64.b64encode(buf.getvalue()).decode()}"
+
+
+def _truncated(url: str) -> str:
+    head, data = url.split(",", 1)
+    return f"{head},{base64.b64encode(base64.b64decode(data)[:-40]).decode()}"
+
+
+_PICTURE = Image.fromarray(np.arange(24 * 40 * 3, dtype=np.uint8).reshape(24, 40, 3))
+_GOOD_PNG = data_url(_PICTURE)
+# valid images in each format, then each way an image is refused: fetched URLs, not base64, not a data URL, a type
+# the processor does not read, truncated data, a header past the pixel limit, bytes that are no image
+IMAGE_URLS = [
+    _GOOD_PNG, data_url(_PICTURE, "JPEG"), data_url(_PICTURE, "WEBP"), data_url(_PICTURE.convert("RGBA"), "GIF"),
+    "https://example.com/cat.png", "http://127.0.0.1/x.jpg", "data:image/png,rawbytes", "data:image/png;base64,@@@",
+    "data:text/plain;base64,aGVsbG8=", data_url(_PICTURE, "BMP", "image/bmp"), data_url(_PICTURE, "BMP", "image/png"),
+    _truncated(data_url(_PICTURE.resize((400, 240)), "JPEG")), data_url(Image.new("1", (5000, 4000))),  # 20 Mpx
+    "data:image/jpeg;base64,aGVsbG8=", "", "cat.png",
+]
+image_url = st.sampled_from(IMAGE_URLS) | st.text(max_size=12)
+details = st.sampled_from(["auto", "low", "high", "ultra", ""])

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from app.audio.pcm import encode_wav
 from tests.conftest import ServerProcess
-from tests.fuzz_helpers import CHEAP, junk, opt, session, small_ints, sometimes_junk
+from tests.fuzz_helpers import CHEAP, details, image_url, junk, opt, session, small_ints, sometimes_junk
 
 NUM_CASES = int(os.environ.get("OMNIRT_FUZZ_CASES", "1500"))
 NUM_SCHEMA_CASES = int(os.environ.get("OMNIRT_SCHEMA_CASES", "300"))
@@ -39,6 +39,9 @@ audio_part = st.fixed_dictionaries({"type": st.just("input_audio"), "input_audio
     "data": st.sampled_from([WAV, "", "@@@", "UklGRg=="]) | st.binary(max_size=48).map(lambda b: base64.b64encode(
         b).decode()), "format": st.sampled_from(["wav", "flac", "mp3", "pcm16"]) | st.text(max_size=4)})})
 text_part = st.fixed_dictionaries({"type": st.just("text"), "text": sometimes_junk(st.text(max_size=40))})
+image_part = st.fixed_dictionaries({"type": st.just("image_url"), "image_url": sometimes_junk(opt(
+    {"url": sometimes_junk(image_url)}, optional={"detail": sometimes_junk(details)}))})
+parts = st.lists(sometimes_junk(text_part | audio_part | image_part), max_size=3)
 schema = st.sampled_from([
     {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"]},
     {"type": "object", "properties": {"n": {"type": "integer", "minimum": 3, "maximum": 1}}},  # empty range
@@ -61,7 +64,7 @@ call_function = st.fixed_dictionaries({"name": st.sampled_from(["get_weather", "
 tool_call = st.fixed_dictionaries({"id": st.just("call_1"), "type": st.just("function"), "function": call_function})
 message = sometimes_junk(st.fixed_dictionaries(
     {"role": st.sampled_from(["user"] * 4 + ["system", "developer", "assistant", "tool", "robot"]),
-     "content": st.none() | st.text(max_size=60) | st.lists(sometimes_junk(text_part | audio_part), max_size=3)},
+     "content": st.none() | st.text(max_size=60) | parts},
     optional={"audio": junk, "name": st.text(max_size=5), "tool_calls": sometimes_junk(st.lists(tool_call, max_size=2)),
               "tool_call_id": st.text(max_size=6)}))
 chat_body = st.fixed_dictionaries(

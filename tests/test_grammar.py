@@ -88,8 +88,7 @@ def test_tools_render_as_the_released_template(tokenizer):
     from pipeline.models.qwen3_omni import released
 
     path = ensure_tiny_model()
-    encoder = PromptEncoder.from_checkpoint(path, tokenizer, Qwen3OmniMoeConfig.from_pretrained(path)
-                                            .thinker_config.audio_config)
+    encoder = PromptEncoder.from_checkpoint(path, tokenizer, Qwen3OmniMoeConfig.from_pretrained(path).thinker_config)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"},
                 {"role": "assistant", "content": "Checking.", "tool_calls": [
                     {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'},

@@ -52,6 +52,8 @@ def reference_generate(hf, prompt, thinker_tokens: int = THINKER_TOKENS, talker_
         kw = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
         if prompt.input_features is not None:
             kw.update(input_features=prompt.input_features, feature_attention_mask=prompt.feature_mask)
+        if prompt.pixel_values is not None:
+            kw.update(pixel_values=prompt.pixel_values, image_grid_thw=prompt.image_grid_thw)
         if min_talker_tokens:
             kw["talker_min_new_tokens"] = min_talker_tokens
         seqs, wav = hf.generate(**kw, speaker="ethan", return_audio=True, thinker_max_new_tokens=thinker_tokens,

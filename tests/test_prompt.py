@@ -78,8 +78,8 @@ def processor(checkpoint):
 
 
 def _encoder(path) -> PromptEncoder:
-    audio_config = Qwen3OmniMoeConfig.from_pretrained(path).thinker_config.audio_config
-    return PromptEncoder.from_checkpoint(path, AutoTokenizer.from_pretrained(path), audio_config)
+    thinker_config = Qwen3OmniMoeConfig.from_pretrained(path).thinker_config
+    return PromptEncoder.from_checkpoint(path, AutoTokenizer.from_pretrained(path), thinker_config)
 
 
 @pytest.fixture(scope="module")
@@ -167,7 +167,8 @@ def test_a_checkpoints_own_template_and_feature_extractor_are_the_ones_used(chec
         "{% else %}{% for p in m['content'] %}<|audio_start|><|audio_pad|><|audio_end|>{% endfor %}{% endif %}"
         "<|im_end|>\n{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    WhisperFeatureExtractor(**{**released.FEATURE_EXTRACTOR, "hop_length": 320}).save_pretrained(path)
+    features = WhisperFeatureExtractor(**{**released.FEATURE_EXTRACTOR, "hop_length": 320}).to_dict()
+    (path / "preprocessor_config.json").write_text(json.dumps({**features, **released.IMAGE_PROCESSOR}))
     enc = _encoder(path)
     prompt = enc.encode([{"role": "user", "content": "hi"}])
     assert enc.tokenizer.decode(prompt.input_ids) == "<|im_start|>user\nsaid: hi<|im_end|>\n<|im_start|>assistant\n"

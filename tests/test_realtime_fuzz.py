@@ -30,6 +30,8 @@ from app.realtime.transcription import OPENAI_MODELS
 from tests.conftest import ServerProcess
 from tests.fuzz_helpers import (
     CHEAP,
+    details,
+    image_url,
     junk,
     modalities,
     opt,
@@ -53,8 +55,10 @@ TALLY: collections.Counter = collections.Counter()
 b64 = st.binary(max_size=960).map(lambda b: base64.b64encode(b).decode())  # odd lengths are not PCM16
 audio = b64 | st.sampled_from(["", "@@@", "A", "AAA=", "==", "UklGRg=="])
 item_ids = st.sampled_from(["a", "b", "c", "root", ""]) | st.text(max_size=6)
-part = opt({"type": st.sampled_from(["input_text", "input_audio", "text", "audio", "output_text", "bogus"])},
-           optional={"text": sometimes_junk(text), "audio": sometimes_junk(audio), "transcript": st.text(max_size=9)})
+part = opt({"type": st.sampled_from(["input_text", "input_audio", "input_image", "text", "audio", "output_text",
+                                     "bogus"])},
+           optional={"text": sometimes_junk(text), "audio": sometimes_junk(audio), "transcript": st.text(max_size=9),
+                     "image_url": sometimes_junk(image_url), "detail": sometimes_junk(details)})
 message_item = opt({"type": sometimes_junk(st.just("message")),
                     "role": sometimes_junk(st.sampled_from(["user", "user", "assistant", "system", "tool"])),
                     "content": sometimes_junk(st.lists(sometimes_junk(part), max_size=3))},

@@ -15,6 +15,7 @@ from app.audio.pcm import AudioFormatError
 from app.audio.resample import resample
 from app.errors import APIError
 from app.fields import FieldError, FieldRule, rule
+from app.images import DETAILS, ImageError, ImageLimits, decode_data_url
 from app.tools import FUNCTION_NAME
 
 NO_LIST, NO_MAP = (None, []), (None, {})  # an unserved field at one of these asks for nothing
@@ -32,10 +33,16 @@ class InputAudio(_Open):
     format: str = "wav"
 
 
+class ImageURL(_Open):
+    url: str  # a data URL: the server fetches nothing
+    detail: str = "auto"  # one of DETAILS (checked with the part, for an error naming it): accepted, no effect
+
+
 class ContentPart(_Open):
-    type: Literal["text", "input_audio"]
+    type: Literal["text", "input_audio", "image_url"]
     text: str | None = None
     input_audio: InputAudio | None = None
+    image_url: ImageURL | None = None
 
 
 class FunctionDef(_Open):
@@ -146,15 +153,18 @@ def check_fields(model: _Open, where: str = "") -> None:
                 check_fields(item, ".".join(str(p) for p in (where, name, key) if p not in ("", None)))
 
 
-def to_engine_messages(messages: list[ChatMessage], input_rate: int, max_audio_s: float) -> list[dict]:
-    """OpenAI messages -> engine messages; audio parts decoded and resampled to the Thinker's rate."""
+def to_engine_messages(messages: list[ChatMessage], input_rate: int, max_audio_s: float,
+                       images: ImageLimits) -> list[dict]:
+    """OpenAI messages -> engine messages; audio parts decoded and resampled to the Thinker's rate, images decoded
+    to RGB pixels (at most `images.max_images`, in user messages only)."""
+    _check_images(messages, images)
     out = []
     for i, m in enumerate(messages):
         role = "system" if m.role == "developer" else m.role
         if m.content is None or isinstance(m.content, str):
             msg = {"role": role, "content": m.content or ""}
         else:
-            msg = {"role": role, "content": [_part(p, f"messages.{i}.content.{j}", input_rate, max_audio_s)
+            msg = {"role": role, "content": [_part(p, f"messages.{i}.content.{j}", input_rate, max_audio_s, images)
                                               for j, p in enumerate(m.content)]}
         if m.tool_calls:
             msg["tool_calls"] = engine_tool_calls(m.tool_calls, f"messages.{i}.tool_calls")
@@ -173,11 +183,25 @@ def engine_tool_calls(calls: list[ToolCallItem], where: str) -> list[dict]:
     return [{"name": c.function.name, "arguments": c.function.arguments} for c in calls]
 
 
-def _part(p: ContentPart, where: str, input_rate: int, max_audio_s: float) -> dict:
+def _check_images(messages: list[ChatMessage], limits: ImageLimits) -> None:
+    where = [(f"messages.{i}.content.{j}", m.role) for i, m in enumerate(messages) if isinstance(m.content, list)
+             for j, p in enumerate(m.content) if p.type == "image_url"]
+    for param, role in where:
+        if role != "user":
+            raise APIError(400, f"a {role} message cannot hold an image (only user messages can)", param,
+                           "invalid_value")
+    if len(where) > limits.max_images:
+        raise APIError(400, f"the request holds {len(where)} images, more than the limit of {limits.max_images}",
+                       where[limits.max_images][0], "too_many_images")
+
+
+def _part(p: ContentPart, where: str, input_rate: int, max_audio_s: float, images: ImageLimits) -> dict:
     if p.type == "text":
         if p.text is None:
             raise APIError(400, f"{where}.text is required for a text part", f"{where}.text", "invalid_value")
         return {"type": "text", "text": p.text}
+    if p.type == "image_url":
+        return _image_part(p, where, images)
     if p.input_audio is None:
         raise APIError(400, f"{where}.input_audio is required", f"{where}.input_audio", "invalid_value")
     fmt = p.input_audio.format
@@ -197,3 +221,16 @@ def _part(p: ContentPart, where: str, input_rate: int, max_audio_s: float) -> di
     except AudioFormatError as exc:
         raise APIError(400, f"input_audio.data: {exc}", f"{where}.input_audio.data", "invalid_audio") from exc
     return {"type": "audio", "audio": resample(samples, rate, input_rate)}
+
+
+def _image_part(p: ContentPart, where: str, limits: ImageLimits) -> dict:
+    if p.image_url is None:
+        raise APIError(400, f"{where}.image_url is required for an image_url part", f"{where}.image_url",
+                       "invalid_value")
+    if p.image_url.detail not in DETAILS:
+        raise APIError(400, f"image_url.detail must be one of {', '.join(DETAILS)}", f"{where}.image_url.detail",
+                       "invalid_value")
+    try:
+        return {"type": "image", "image": decode_data_url(p.image_url.url, limits)}
+    except ImageError as exc:
+        raise APIError(400, exc.message, f"{where}.image_url.url", exc.code) from exc

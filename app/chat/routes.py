@@ -54,8 +54,9 @@ async def _engine_request(body: ChatRequest, request: Request) -> OmniRequest:
     tools = body.tools or []
     tool_choice = check_tools(tools, body.tool_choice)
     response_format = engine_response_format(body.response_format)
+    # decoding audio files and images is not the event loop's work
     messages = await asyncio.to_thread(to_engine_messages, body.messages, server.engine.info().input_sample_rate,
-                                       server.max_audio_s)  # decoding audio files is not the event loop's work
+                                       server.max_audio_s, server.settings.images)
     if server.system_prompt and not any(m["role"] == "system" for m in messages):
         messages.insert(0, {"role": "system", "content": server.system_prompt})
     return OmniRequest(

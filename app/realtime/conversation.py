@@ -3,8 +3,8 @@ Thinker gets on each response (earlier user audio and assistant text included). 
 leave the oldest messages out of a response's prompt (the session's `truncation`), later histories start
 after them too: the cut stays put until the conversation overflows again, so the prompt's start is stable.
 
-User audio is kept at the Thinker's input rate (float32). Assistant audio is not kept: the Thinker
-is fed the assistant's transcript, which is also what a truncation cuts.
+User audio is kept at the Thinker's input rate (float32), user images as RGB pixels. Assistant audio is not
+kept: the Thinker is fed the assistant's transcript, which is also what a truncation cuts.
 """
 
 from __future__ import annotations
@@ -20,23 +20,26 @@ from app.audio.pcm import AudioFormatError
 from app.audio.resample import resample
 from app.audio.wire import AudioFormat, decode
 from app.fields import rule
+from app.images import DETAILS, ImageError, ImageLimits, decode_data_url
 from app.realtime.events import ProtocolError, check_fields, new_id, require
 
-_ROLES = {"user": ("input_text", "input_audio"), "system": ("input_text",),
+_ROLES = {"user": ("input_text", "input_audio", "input_image"), "system": ("input_text",),
           "assistant": ("output_text", "output_audio", "text", "audio")}
 _BETA_TYPES = {"output_text": "text", "output_audio": "audio"}
 _GA_TYPES = {"text": "output_text", "audio": "output_audio"}
 ITEM_FIELDS = rule(("type", "role", "content", "id", "call_id", "name", "arguments", "output"),
                    ignored=("object", "status"))  # status: an item sent back
-CONTENT_FIELDS = rule(("type", "text", "audio", "transcript"))
+CONTENT_FIELDS = rule(("type", "text", "audio", "transcript", "image_url", "detail"))
 
 
 @dataclass(slots=True)
 class Content:
-    type: str  # input_text | input_audio | output_text | output_audio
+    type: str  # input_text | input_audio | input_image | output_text | output_audio
     text: str | None = None
     transcript: str | None = None
     audio: np.ndarray | None = None  # user audio at the Thinker's input rate
+    image: np.ndarray | None = None  # a user image: RGB uint8 [height, width, 3]
+    detail: str = "auto"  # an image's (accepted, echoed)
     audio_ms: int = 0  # assistant audio delivered so far
 
     @property
@@ -79,6 +82,14 @@ class Conversation:
             index = self.items.index(self.get(previous_item_id, "previous_item_id")) + 1
         self.items.insert(index, item)
         return self.items[index - 1].id if index else None
+
+    def check_images(self, item: Item, max_images: int) -> None:
+        """The conversation is every response's prompt: it holds at most `max_images` images."""
+        held = sum(c.image is not None for i in self.items for c in i.content)
+        new = sum(c.image is not None for c in item.content)
+        if new and held + new > max_images:
+            raise ProtocolError(f"the conversation would hold {held + new} images, more than the limit of "
+                                f"{max_images}; delete an item with an image first", "too_many_images", "item.content")
 
     def get(self, item_id: str, param: str = "item_id") -> Item:
         for item in self.items:
@@ -143,14 +154,20 @@ def _message(item: Item) -> dict[str, Any] | None:
     if item.role == "assistant":
         text = "".join(c.spoken_text for c in item.content)
         return {"role": "assistant", "content": text} if text else None
-    parts = [{"type": "audio", "audio": c.audio} if c.type == "input_audio" else
-             {"type": "text", "text": c.text or ""} for c in item.content
-             if c.type != "input_audio" or (c.audio is not None and c.audio.size)]
+    parts = [_part(c) for c in item.content if c.type != "input_audio" or (c.audio is not None and c.audio.size)]
     return {"role": item.role, "content": parts} if parts else None
 
 
+def _part(c: Content) -> dict[str, Any]:
+    if c.type == "input_audio":
+        return {"type": "audio", "audio": c.audio}
+    if c.type == "input_image":
+        return {"type": "image", "image": c.image}
+    return {"type": "text", "text": c.text or ""}
+
+
 def item_object(item: Item, beta: bool) -> dict[str, Any]:
-    """The wire shape of an item (audio bytes are never echoed back)."""
+    """The wire shape of an item (audio and image bytes are never echoed back)."""
     if item.type == "function_call":
         return {"id": item.id, "object": "realtime.item", "type": "function_call", "status": item.status,
                 "name": item.name, "call_id": item.call_id, "arguments": item.arguments}
@@ -162,14 +179,17 @@ def item_object(item: Item, beta: bool) -> dict[str, Any]:
         kind = _BETA_TYPES.get(c.type, c.type) if beta else c.type
         if c.type in ("input_text", "output_text"):
             content.append({"type": kind, "text": c.text})
+        elif c.type == "input_image":
+            content.append({"type": kind, "detail": c.detail})
         else:
             content.append({"type": kind, "transcript": c.transcript})
     return {"id": item.id, "object": "realtime.item", "type": "message", "role": item.role, "status": item.status,
             "content": content}
 
 
-def parse_item(obj: dict[str, Any], input_format: AudioFormat, audio_rate: int) -> Item:
-    """`conversation.item.create`'s `item` -> an Item (audio decoded and resampled to `audio_rate`)."""
+def parse_item(obj: dict[str, Any], input_format: AudioFormat, audio_rate: int, images: ImageLimits) -> Item:
+    """`conversation.item.create`'s `item` -> an Item (audio decoded and resampled to `audio_rate`, images decoded
+    within `images`' limits)."""
     check_fields(ITEM_FIELDS, obj, "item")
     kind = require(obj, "type", (str,), "item", "message")
     if kind in ("function_call", "function_call_output"):
@@ -185,7 +205,7 @@ def parse_item(obj: dict[str, Any], input_format: AudioFormat, audio_rate: int) 
     parts = require(obj, "content", (list,), "item")
     if not parts:
         raise ProtocolError("item.content must be a non-empty list", "invalid_value", "item.content")
-    return Item(item_id, role, [_content(p, role, f"item.content.{i}", input_format, audio_rate)
+    return Item(item_id, role, [_content(p, role, f"item.content.{i}", input_format, audio_rate, images)
                                 for i, p in enumerate(parts)])
 
 
@@ -221,7 +241,7 @@ def _item_id(obj: dict[str, Any]) -> str:
     return item_id
 
 
-def _content(part: Any, role: str, where: str, fmt: AudioFormat, audio_rate: int) -> Content:
+def _content(part: Any, role: str, where: str, fmt: AudioFormat, audio_rate: int, images: ImageLimits) -> Content:
     if not isinstance(part, dict):
         raise ProtocolError(f"`{where}` must be an object", "invalid_type", where)
     check_fields(CONTENT_FIELDS, part, where)
@@ -233,6 +253,8 @@ def _content(part: Any, role: str, where: str, fmt: AudioFormat, audio_rate: int
         return Content(kind, text=require(part, "text", (str,), where, ""))
     if kind == "output_audio":
         return Content(kind, transcript=require(part, "transcript", (str,), where, ""))
+    if kind == "input_image":
+        return _image(part, where, images)
     data = require(part, "audio", (str,), where)
     if data is None:
         raise ProtocolError(f"`{where}.audio` is required", "missing_required_parameter", f"{where}.audio")
@@ -251,3 +273,18 @@ def decode_audio_b64(data: str, fmt: AudioFormat, param: str) -> np.ndarray:
     except AudioFormatError as exc:
         raise ProtocolError(f"audio does not match the session's format {fmt.name}: {exc}", "invalid_audio_format",
                             param) from exc
+
+
+def _image(part: dict[str, Any], where: str, limits: ImageLimits) -> Content:
+    """GA's `{"type": "input_image", "image_url": "data:image/...;base64,...", "detail"}`."""
+    url = require(part, "image_url", (str,), where)
+    if url is None:
+        raise ProtocolError(f"`{where}.image_url` is required (a data URL)", "missing_required_parameter",
+                            f"{where}.image_url")
+    detail = require(part, "detail", (str,), where, "auto")
+    if detail not in DETAILS:
+        raise ProtocolError(f"`{where}.detail` must be one of {', '.join(DETAILS)}", "invalid_value", f"{where}.detail")
+    try:
+        return Content("input_image", image=decode_data_url(url, limits), detail=detail)
+    except ImageError as exc:
+        raise ProtocolError(exc.message, exc.code, f"{where}.image_url") from exc

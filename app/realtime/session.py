@@ -28,13 +28,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from app.audio.resample import resample
 from app.audio.vad import VAD_RATE, VadBatcher
+from app.images import ImageLimits
 from app.ops.limits import TokenBucket
 from app.ops.metrics import Metrics
 from app.realtime.config import (
@@ -67,6 +68,7 @@ class RealtimeLimits:
     max_audio_rate: float = 4.0  # input audio may come this many times faster than real time, sustained,
     audio_burst_s: float = 30.0  # after a burst of this many seconds of audio ahead of real time
     send_timeout_s: float = 30.0  # one server event the client does not take within this ends the session
+    images: ImageLimits = field(default_factory=ImageLimits)  # the server's (`ServerSettings.images`)
 
     def __post_init__(self):
         assert self.max_sessions >= 1 and self.max_event_bytes >= 1024 and self.max_input_buffer_s > 0
@@ -222,7 +224,10 @@ class RealtimeSession:
     # ---- conversation ---------------------------------------------------------------------------------
 
     async def _item_create(self, ev: dict) -> None:
-        item = parse_item(ev["item"], self.config.input_format, self.engine.info().input_sample_rate)
+        """Images and audio decode in a worker thread, not on the event loop."""
+        item = await asyncio.to_thread(parse_item, ev["item"], self.config.input_format,
+                                       self.engine.info().input_sample_rate, self.limits.images)
+        self.conversation.check_images(item, self.limits.images.max_images)
         await self._item_added(item, self.conversation.add(item, ev.get("previous_item_id")))
 
     async def _item_added(self, item: Item, previous: str | None) -> None:

@@ -25,7 +25,10 @@ PENALTY = 1.05  # the Talker's repetition penalty, both sides
 
 
 def prompts() -> list[list[dict]]:
-    """Two text prompts and two spoken ones (a decaying tone and a chirp, 16 kHz)."""
+    """Two text prompts, two spoken ones (a decaying tone and a chirp, 16 kHz) and a picture (448 x 640 smooth
+    noise: 280 image tokens through the 27-layer vision encoder and its 3 deepstack layers)."""
+    rng = np.random.default_rng(0)
+    picture = np.kron(rng.integers(0, 256, (14, 20, 3), dtype=np.uint8), np.ones((32, 32, 1), dtype=np.uint8))
     t = np.arange(16000 * 3) / 16000
     tone = (0.3 * np.sin(2 * np.pi * 440 * t[:16000]) * np.exp(-t[:16000])).astype(np.float32)
     chirp = (0.2 * np.sin(2 * np.pi * (200 + 300 * t) * t)).astype(np.float32)
@@ -36,7 +39,14 @@ def prompts() -> list[list[dict]]:
         [{"role": "user", "content": [{"type": "audio", "audio": tone}, {"type": "text", "text": "What is this?"}]}],
         [{"role": "system", "content": "Answer briefly."},
          {"role": "user", "content": [{"type": "audio", "audio": chirp}]}],
+        [{"role": "user", "content": [{"type": "image", "image": picture}, {"type": "text", "text": "Describe it."}]}],
     ]
+
+
+def _kind(messages: list[dict]) -> str:
+    """"image", "audio" or "text": the richest part of the prompt."""
+    kinds = {p["type"] for m in messages if isinstance(m["content"], list) for p in m["content"]}
+    return next((k for k in ("image", "audio") if k in kinds), "text")
 
 
 class Logits:
@@ -101,6 +111,8 @@ def reference(models, messages: list[dict], tokens: int, frames: int):
     if prompt.input_features is not None:
         kw.update(input_features=prompt.input_features.to(device, hf.dtype),
                   feature_attention_mask=prompt.feature_mask.to(device))
+    if prompt.pixel_values is not None:
+        kw.update(pixel_values=prompt.pixel_values.to(device), image_grid_thw=prompt.image_grid_thw.to(device))
     codes, original = {}, hf.code2wav.chunked_decode
 
     def capture(c, *a, **k):
@@ -205,7 +217,7 @@ async def main_async(args) -> dict:
         same_text = tokens[: args.tokens] == ref_tokens[: args.tokens]
         n = min(args.frames, len(frames), len(ref_frames))
         results.append({
-            "prompt": i, "kind": "audio" if any(isinstance(m["content"], list) for m in messages) else "text",
+            "prompt": i, "kind": _kind(messages),
             "text_equal": same_text, "text_lengths": [len(tokens), len(ref_tokens)],
             "text_parting": None if same_text else parting(tokens, ref_tokens, th_rows, ref_th),
             "frames_compared": n, "frames_equal": frames[:n] == ref_frames[:n] and n == args.frames,

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # GPU calls (issues 13 and 15): one H200, full-size dummy weights, 1-GPU profile. PARTS picks what runs, in
 # this order (default: all):
-#   parity  hf_parity.py: the served engine against transformers' generate() on the same weights, 4 prompts
-#           (2 text, 2 spoken), 16 text tokens and 8 codec frames -> $OUT/hf-parity.json;
+#   parity  hf_parity.py: the served engine against transformers' generate() on the same weights, 5 prompts
+#           (2 text, 2 spoken, 1 image), 16 text tokens and 8 codec frames -> $OUT/hf-parity.json;
 #   diag    step times per stage and req/s at c=1/16/64 in process (diag.py), as served; with SPY=1 a py-spy
 #           record of every thread during the c=64 round -> $OUT/pyspy-served.txt (raw, one line per stack);
 #   switch  the same with the interpreter's GIL switch interval at SWITCH_MS (default 0.5 ms, Python's 5);

@@ -128,8 +128,7 @@ def load_models(cfg: EngineConfig, platform: Platform, stages: tuple[str, ...] =
              cfg.compile)
     hc = hf.config
     plan = memory_plan(hf, cfg, stages, platform)
-    audio = hc.thinker_config.audio_config
-    encoder = PromptEncoder.from_checkpoint(path, tokenizer, audio)
+    encoder = PromptEncoder.from_checkpoint(path, tokenizer, hc.thinker_config)
     thinker = talker = code2wav = None
     kv_bytes = {}
     if "thinker" in stages:

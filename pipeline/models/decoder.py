@@ -15,13 +15,15 @@ from pipeline.kv_cache import CacheView
 
 
 def run_decoder(stack: torch.nn.Module, embeds: torch.Tensor, position_ids: torch.Tensor, view: CacheView,
-                tap_layer: int | None = None, layers: Sequence[torch.nn.Module] | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                tap_layer: int | None = None, layers: Sequence[torch.nn.Module] | None = None,
+                deepstack: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Returns (final normed hidden [B,T,H], hidden after `tap_layer` layers or None).
 
     `tap_layer` counts like transformers' `hidden_states` tuple: 0 is the embeddings, k the output of
     layer k, and the last index the normed output. `layers`: the stack's layers as they run (compiled
-    ones, `pipeline/compile.py`), by default the stack's own.
+    ones, `pipeline/compile.py`), by default the stack's own. `deepstack` [L, B, T, H]: added to the output
+    of each of the first L layers (Qwen3's deepstack visual rows, zero off the image positions), after the
+    tap reads it, as transformers records a layer's output before its `_deepstack_process`.
     """
     position_embeddings = stack.rotary_emb(embeds, position_ids)
     hidden, tapped = embeds, embeds if tap_layer == 0 else None
@@ -31,6 +33,8 @@ def run_decoder(stack: torch.nn.Module, embeds: torch.Tensor, position_ids: torc
         hidden = layer(hidden, attention_mask=view.mask, cache=view, position_embeddings=position_embeddings)
         if tap_layer == i + 1 and tap_layer < num_layers:
             tapped = hidden
+        if deepstack is not None and i < len(deepstack):
+            hidden = hidden + deepstack[i]
     normed = stack.norm(hidden)
     if tap_layer == num_layers:
         tapped = normed

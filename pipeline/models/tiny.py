@@ -23,8 +23,8 @@ from pipeline.models.qwen3_omni import released
 
 log = logging.getLogger(__name__)
 
-TINY_VERSION = "v3"  # the released chat template and feature extractor, the Talker experts initialised; the tool
-# and think markers plain added tokens, as in Qwen's tokenizer
+TINY_VERSION = "v4"  # the released chat template, feature extractor and image processor, the Talker experts
+# initialised; the tool and think markers plain added tokens, as in Qwen's tokenizer
 SEED = 1234
 
 # Qwen-Omni special tokens in the order the real vocabulary has them (151643.. there).
@@ -98,11 +98,14 @@ def _build(out: Path) -> None:
 
 
 def _save_prompt_config(out: Path) -> None:
-    """What the released checkpoint prompts with: its chat template (chat_template.json) and feature extractor."""
+    """What the released checkpoint prompts with: its chat template (chat_template.json), and its feature extractor
+    and image processor, which share one preprocessor_config.json there."""
     from transformers import WhisperFeatureExtractor
 
     (out / "chat_template.json").write_text(json.dumps({"chat_template": released.CHAT_TEMPLATE.read_text()}))
-    WhisperFeatureExtractor(**released.FEATURE_EXTRACTOR).save_pretrained(out)
+    features = WhisperFeatureExtractor(**released.FEATURE_EXTRACTOR).to_dict()
+    config = {**features, **released.IMAGE_PROCESSOR, "processor_class": "Qwen3OmniMoeProcessor"}
+    (out / "preprocessor_config.json").write_text(json.dumps(config, indent=2))
 
 
 def init_talker_experts(talker: torch.nn.Module) -> None:

@@ -116,7 +116,8 @@ def new_requests(models, cfg, req, prompt, voice: str | None, params: dict[str, 
     out = {"thinker": StageRequest(rid, params["thinker"], ThinkerInput(prompt, voice is not None, key),
                                    num_prompt_tokens=len(prompt.input_ids), generator=_generator(params["thinker"]))}
     if voice is not None:
-        talker = TalkerState(models.voices[voice], prompt.input_ids, prompt.audio_lengths, key=key)
+        talker = TalkerState(models.voices[voice], prompt.input_ids, prompt.audio_lengths, prompt.image_grid_thw,
+                             key=key)
         out["talker"] = StageRequest(rid, params["talker"], talker, RequestStatus.WAITING_FOR_INPUT,
                                      generator=_generator(params["talker"]))
         frame_s = frame_seconds(models.hf.config.code2wav_config, models.output_sample_rate)

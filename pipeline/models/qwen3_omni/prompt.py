@@ -1,6 +1,6 @@
-"""Chat messages -> Qwen3-Omni thinker inputs (the checkpoint's chat template, audio placeholders expanded as
-its processor does, mel features from its feature extractor), and the prompt's cache key: what a resident KV
-prefix must equal to be reused."""
+"""Chat messages -> Qwen3-Omni thinker inputs (the checkpoint's chat template, audio and image placeholders
+expanded as its processor does, mel features from its feature extractor, pixel patches from its image processor),
+and the prompt's cache key: what a resident KV prefix must equal to be reused."""
 
 from __future__ import annotations
 
@@ -14,9 +14,11 @@ import jinja2
 import numpy as np
 import torch
 from transformers import WhisperFeatureExtractor
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import _get_feat_extract_output_lengths
 
 from pipeline.api import Message, RequestError
+from pipeline.models.qwen3_omni import images as vision
 from pipeline.prefix_cache import common_prefix
 
 log = logging.getLogger(__name__)
@@ -33,14 +35,22 @@ class EncodedPrompt:
     feature_mask: torch.Tensor | None = None  # [num_audios, frames]
     message_tokens: list[int] | None = None  # tokens of each message, then of the assistant header
     audio_spans: tuple[tuple[int, int], ...] = ()  # [start, end) of each audio's placeholder tokens, in order
-    # int64 per position, as bytes: the token id, or at an audio placeholder a digest of that audio's
-    # features (negative, so never a token id). Two prompts whose keys agree on positions [0, n) have the
-    # same KV there.
+    pixel_values: torch.Tensor | None = None  # [patches, C*T*P*P] of every image, in order
+    image_grid_thw: torch.Tensor | None = None  # [num_images, 3]
+    image_spans: tuple[tuple[int, int], ...] = ()  # [start, end) of each image's placeholder tokens, in order
+    # int64 per position, as bytes: the token id, or at an audio (image) placeholder a digest of that audio's
+    # features (image's pixels; negative, so never a token id). Two prompts whose keys agree on positions
+    # [0, n) have the same KV there.
     cache_key: bytes = b""
 
     @property
     def audio_lengths(self) -> torch.Tensor | None:
         return None if self.feature_mask is None else self.feature_mask.sum(-1)
+
+    def image_pixels(self, first: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(pixel_values, grid_thw) of images `first`.. (the patch rows of each image follow each other)."""
+        skip = int(self.image_grid_thw[:first].prod(-1).sum())
+        return self.pixel_values[skip:], self.image_grid_thw[first:]
 
 
 @dataclass(slots=True, frozen=True)
@@ -72,27 +82,35 @@ class PromptKey:
 class PromptEncoder:
     """Renders messages the way the checkpoint's own processor (`Qwen3OmniMoeProcessor`) does: its chat
     template, then each <|audio_pad|> the template wrote expanded to one per encoder output frame, with the
-    mel features from its feature extractor. `tools` (OpenAI function specs) and `tool` / assistant
+    mel features from its feature extractor, and each <|image_pad|> to one per merged patch of its image, with
+    the pixel patches from its image processor. `tools` (OpenAI function specs) and `tool` / assistant
     `tool_calls` messages go to the template as they are."""
 
-    def __init__(self, tokenizer, chat_template: str, features: WhisperFeatureExtractor, n_window: int):
+    def __init__(self, tokenizer, chat_template: str, features: WhisperFeatureExtractor, n_window: int,
+                 images: Qwen2VLImageProcessorPil):
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.features = features
         self.n_window = n_window
+        self.images = images
         self.im_start_id = tokenizer.convert_tokens_to_ids("<|im_start|>")  # each message starts with it
         self.audio_token = tokenizer.audio_token
         self.audio_id = tokenizer.convert_tokens_to_ids(self.audio_token)
+        self.image_token = tokenizer.image_token
+        self.image_id = tokenizer.convert_tokens_to_ids(self.image_token)
 
     @classmethod
-    def from_checkpoint(cls, path: Path, tokenizer, audio_config) -> PromptEncoder:
-        """The checkpoint's own prompt processing: its chat template and `preprocessor_config.json`. A
-        checkpoint without either fails here, at load, rather than prompting the model in a made-up format."""
+    def from_checkpoint(cls, path: Path, tokenizer, thinker_config) -> PromptEncoder:
+        """The checkpoint's own prompt processing: its chat template and `preprocessor_config.json` (the feature
+        extractor and the image processor). A checkpoint without either, or whose settings disagree with its
+        encoders, fails here, at load, rather than prompting the model in a made-up format."""
+        audio_config, vision_config = thinker_config.audio_config, thinker_config.vision_config
         features = _feature_extractor(path)
         if features.feature_size != audio_config.num_mel_bins:
             raise PromptConfigError(f"{path / 'preprocessor_config.json'}: feature_size {features.feature_size} "
                                     f"!= the audio encoder's num_mel_bins {audio_config.num_mel_bins}")
-        return cls(tokenizer, chat_template(path, tokenizer), features, audio_config.n_window)
+        return cls(tokenizer, chat_template(path, tokenizer), features, audio_config.n_window,
+                   _image_processor(path, vision_config))
 
     @property
     def sample_rate(self) -> int:
@@ -101,25 +119,37 @@ class PromptEncoder:
     def encode(self, messages: list[Message], tools: list[dict] | None = None) -> EncodedPrompt:
         if not messages:  # the released template (and transformers) render no prompt for no messages
             raise RequestError("there is nothing to answer: no messages (nor instructions)", "messages")
-        audios = [p["audio"] for m in messages if not isinstance(m["content"], str)
-                  for p in m["content"] if p["type"] == "audio"]
-        feats = mask = None
+        audios, images = _parts(messages, "audio"), _parts(messages, "image")
+        feats = mask = pixel_values = grid = None
         audio_tokens: list[int] = []
+        image_tokens: list[int] = []
         if audios:
             feats, mask = self._features(audios)
             audio_tokens = [int(_get_feat_extract_output_lengths(n, self.n_window)) for n in mask.sum(-1)]
-        text = self._expand(self._render(messages, tools), audio_tokens)
+        if images:
+            pixel_values, grid = vision.pixels(self.images, images)
+            image_tokens = vision.num_tokens(grid, self.images.merge_size)
+        text = self._render(messages, tools)
+        text = _expand(_expand(text, self.audio_token, audio_tokens, "audio"), self.image_token, image_tokens, "image")
         ids = self.tokenizer(text, add_special_tokens=False).input_ids
         starts = [i for i, t in enumerate(ids) if t == self.im_start_id] + [len(ids)]
-        spans = _runs(ids, self.audio_id)
+        audio_spans, image_spans = _runs(ids, self.audio_id), _runs(ids, self.image_id)
+        digests = _audio_digests(audio_spans, feats, mask) + _image_digests(image_spans, pixel_values, grid)
         return EncodedPrompt(input_ids=ids, input_features=feats, feature_mask=mask,
-                             message_tokens=[b - a for a, b in zip(starts, starts[1:])], audio_spans=spans,
-                             cache_key=_cache_key(ids, spans, feats, mask))
+                             message_tokens=[b - a for a, b in zip(starts, starts[1:])], audio_spans=audio_spans,
+                             pixel_values=pixel_values, image_grid_thw=grid, image_spans=image_spans,
+                             cache_key=_cache_key(ids, digests))
 
     def _render(self, messages: list[Message], tools: list[dict] | None) -> str:
-        """The template's text; audio parts go in without their samples (the template only asks their type)."""
+        """The template's text; audio and image parts go in without their data (the template only asks their
+        type). Images only in user messages: the released template writes a system message's image as a turn of
+        its own, which the Talker's positions (transformers' too) would then count wrongly."""
+        for m in messages:
+            if m["role"] != "user" and _parts([m], "image"):
+                raise RequestError(f"a {m['role']} message cannot hold an image (only user messages can)", "messages")
         plain = [m if isinstance(m["content"], str) else
-                 {**m, "content": [{"type": "audio"} if p["type"] == "audio" else p for p in m["content"]]}
+                 {**m, "content": [{"type": p["type"]} if p["type"] in ("audio", "image") else p
+                                   for p in m["content"]]}
                  for m in messages]
         if tools:
             plain = _text_system_as_string(plain)
@@ -129,14 +159,6 @@ class PromptEncoder:
         except (jinja2.TemplateError, TypeError, ValueError) as exc:
             # e.g. the released template's `tools` branch takes only a string system message
             raise RequestError(f"the model's chat template cannot render these messages: {exc}", "messages") from exc
-
-    def _expand(self, text: str, audio_tokens: list[int]) -> str:
-        """Each audio placeholder the template wrote, repeated once per encoder output frame of its audio."""
-        pieces = text.split(self.audio_token)
-        if len(pieces) - 1 != len(audio_tokens):
-            raise RequestError(f"the model's chat template wrote {len(pieces) - 1} audio placeholders for the "
-                               f"{len(audio_tokens)} audio parts of these messages", "messages")
-        return pieces[0] + "".join(self.audio_token * n + rest for n, rest in zip(audio_tokens, pieces[1:]))
 
     def _features(self, audios: list) -> tuple[torch.Tensor, torch.Tensor]:
         """Mel features [n, mel, frames] and their mask, each audio extracted alone and padded after: an
@@ -155,6 +177,21 @@ class PromptEncoder:
         """Audio shorter than one STFT window (25 ms), zero-padded to it: the feature extractor fails on less."""
         audio = np.asarray(audio, dtype=np.float32)
         return np.pad(audio, (0, max(0, self.features.n_fft - audio.size)))
+
+
+def _parts(messages: list[Message], kind: str) -> list:
+    """The data of every `kind` ("audio" or "image") part of the messages, in order."""
+    return [p[kind] for m in messages if not isinstance(m["content"], str) for p in m["content"] if p["type"] == kind]
+
+
+def _expand(text: str, token: str, counts: list[int], what: str) -> str:
+    """Each `token` placeholder the template wrote, repeated `counts[i]` times (its audio's encoder frames, its
+    image's merged patches)."""
+    pieces = text.split(token)
+    if len(pieces) - 1 != len(counts):
+        raise RequestError(f"the model's chat template wrote {len(pieces) - 1} {what} placeholders for the "
+                           f"{len(counts)} {what} parts of these messages", "messages")
+    return pieces[0] + "".join(token * n + rest for n, rest in zip(counts, pieces[1:]))
 
 
 def _text_system_as_string(messages: list[Message]) -> list[Message]:
@@ -192,6 +229,19 @@ def _feature_extractor(path: Path) -> WhisperFeatureExtractor:
     return WhisperFeatureExtractor.from_pretrained(path, local_files_only=True)
 
 
+def _image_processor(path: Path, vision_config) -> Qwen2VLImageProcessorPil:
+    """The checkpoint's image processor; its patch layout must be the vision encoder's (a file without it would
+    leave the class defaults, 14 px patches: rows of the wrong width for a 16 px encoder)."""
+    processor = Qwen2VLImageProcessorPil.from_pretrained(path, local_files_only=True)
+    expected = {"patch_size": vision_config.patch_size, "temporal_patch_size": vision_config.temporal_patch_size,
+                "merge_size": vision_config.spatial_merge_size}
+    for key, value in expected.items():
+        if getattr(processor, key) != value:
+            raise PromptConfigError(f"{path / 'preprocessor_config.json'}: {key} {getattr(processor, key)} != the "
+                                    f"vision encoder's {value}")
+    return processor
+
+
 def _runs(ids: list[int], token: int) -> tuple[tuple[int, int], ...]:
     """[start, end) of each run of `token` in `ids`."""
     runs, start = [], None
@@ -204,12 +254,35 @@ def _runs(ids: list[int], token: int) -> tuple[tuple[int, int], ...]:
     return tuple(runs)
 
 
-def _cache_key(ids: list[int], spans, feats: torch.Tensor | None, mask: torch.Tensor | None) -> bytes:
-    """The token ids, each audio's placeholders replaced by a digest of that audio's own features."""
-    key = np.asarray(ids, dtype=np.int64)
-    for i, (start, end) in enumerate(spans[:0 if feats is None else len(feats)]):
+def _audio_digests(spans, feats: torch.Tensor | None, mask: torch.Tensor | None) -> list[tuple[tuple[int, int], int]]:
+    """Each audio's span and a digest of its own features (their frames, not the padding after)."""
+    out = []
+    for i, span in enumerate(spans[:0 if feats is None else len(feats)]):
         frames = feats[i, :, : int(mask[i].sum())].contiguous().numpy()
-        digest = hashlib.blake2b(frames.tobytes(), digest_size=8, person=b"omnirt-audio")
-        digest.update(np.int64(frames.shape[-1]).tobytes())
-        key[start:end] = -1 - (int.from_bytes(digest.digest(), "little") >> 2)
+        out.append((span, _digest(frames, np.int64(frames.shape[-1]).tobytes(), b"omnirt-audio")))
+    return out
+
+
+def _image_digests(spans, pixel_values: torch.Tensor | None, grid: torch.Tensor | None
+                   ) -> list[tuple[tuple[int, int], int]]:
+    """Each image's span and a digest of its pixel patches and grid."""
+    if pixel_values is None:
+        return []
+    rows = pixel_values.split(vision.patch_counts(grid))
+    return [(span, _digest(r.contiguous().numpy(), g.numpy().astype(np.int64).tobytes(), b"omnirt-image"))
+            for span, r, g in zip(spans, rows, grid)]
+
+
+def _digest(data: np.ndarray, shape: bytes, person: bytes) -> int:
+    """A negative int64 (never a token id) standing for `data`."""
+    digest = hashlib.blake2b(data.tobytes(), digest_size=8, person=person)
+    digest.update(shape)
+    return -1 - (int.from_bytes(digest.digest(), "little") >> 2)
+
+
+def _cache_key(ids: list[int], digests: list[tuple[tuple[int, int], int]]) -> bytes:
+    """The token ids, each audio's or image's placeholders replaced by its digest."""
+    key = np.asarray(ids, dtype=np.int64)
+    for (start, end), digest in digests:
+        key[start:end] = digest
     return key.tobytes()

@@ -90,6 +90,8 @@ class ReferenceEngine(EngineBase):
         if prompt.input_features is not None:
             kw.update(input_features=prompt.input_features.to(device, hf.dtype),
                       feature_attention_mask=prompt.feature_mask.to(device))
+        if prompt.pixel_values is not None:
+            kw.update(pixel_values=prompt.pixel_values.to(device), image_grid_thw=prompt.image_grid_thw.to(device))
         kw.update(_stage_kwargs("thinker", th))
         kw["thinker_eos_token_id"] = self.models.thinker.eos_ids[0]
         if tk is None:

@@ -23,6 +23,14 @@ CHAT_TEMPLATE = Path(__file__).with_name("chat_template.jinja")
 # window (the project's reference notes on Qwen3-Omni).
 FEATURE_EXTRACTOR = dict(feature_size=128, sampling_rate=16000, hop_length=160, n_fft=400, chunk_length=300,
                          padding_value=0.0, return_attention_mask=True)
+# The released preprocessor_config.json's image processor (Qwen2VLImageProcessor; omnirt runs its PIL twin,
+# Qwen2VLImageProcessorPil): 16 px patches, 2 frames per temporal patch, 2x2 patches merged per token, 3136 to
+# 12845056 pixels after resizing, mean and std 0.5. Not fetched from the hub here: the values are those of public
+# notes on the hub files of Qwen/Qwen3-Omni-30B-A3B-Instruct (revision 26291f793822fb6be9555850f06dfe95f2d7e695,
+# the same in the Thinking and Captioner repos) and, for mean and std, of a public annotated copy of that file.
+IMAGE_PROCESSOR = dict(image_processor_type="Qwen2VLImageProcessor", patch_size=16, temporal_patch_size=2,
+                       merge_size=2, min_pixels=3136, max_pixels=12845056, image_mean=[0.5, 0.5, 0.5],
+                       image_std=[0.5, 0.5, 0.5])
 
 _ROPE = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [24, 20, 20], "interleaved": True}
 ARCHITECTURE = {

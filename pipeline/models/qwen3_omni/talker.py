@@ -20,6 +20,7 @@ from pipeline.cudagraph import GraphCache, batch_buckets
 from pipeline.kv_cache import SlotKVCache
 from pipeline.models.decoder import experts_implementation, last_rows, pad_rows, run_decoder
 from pipeline.models.qwen3_omni.prompt import PromptKey
+from pipeline.models.qwen3_omni.rope import rope_positions
 from pipeline.models.qwen3_omni.thinker import ThinkerRows
 from pipeline.platform import Platform
 from pipeline.sampling import sample_top_k_top_p
@@ -34,6 +35,7 @@ class TalkerState:
     speaker_id: int
     prompt_ids: list[int]
     audio_lengths: torch.Tensor | None
+    image_grid_thw: torch.Tensor | None  # the Thinker prompt's images (all in user turns)
     embed_chunks: list[torch.Tensor] = field(default_factory=list)  # thinker prompt rows, as they arrive
     hidden_chunks: list[torch.Tensor] = field(default_factory=list)
     text_rows: list[torch.Tensor] = field(default_factory=list)  # thinker embeddings of gen0, gen1, ...
@@ -149,15 +151,9 @@ class TalkerModel:
         st.user_positions = np.flatnonzero(user.cpu().numpy())
         talker_ids = torch.cat([ids[user], torch.full((NUM_ASSISTANT_PREFIX,), cfg.tts_pad_token_id,
                                                       device=self.device)])
-        st.position_ids, st.rope_delta = self._positions(talker_ids, st.audio_lengths)
+        st.position_ids, st.rope_delta = rope_positions(self.talker, talker_ids[None], st.audio_lengths,
+                                                        st.image_grid_thw)
         return st.prompt.shape[0]
-
-    def _positions(self, ids: torch.Tensor, audio_lengths: torch.Tensor | None) -> tuple[torch.Tensor, int]:
-        if audio_lengths is None:
-            return torch.arange(len(ids), device=self.device).expand(3, -1), 0
-        pos, delta = self.talker.get_rope_index(ids[None], None, None, torch.ones_like(ids[None]), False,
-                                                audio_lengths.to(self.device), None)
-        return pos[:, 0].long(), int(delta.flatten()[0])
 
     # ---- steps --------------------------------------------------------------------------------------------
 

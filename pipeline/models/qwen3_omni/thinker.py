@@ -12,7 +12,9 @@ from pipeline.compile import compile_layers
 from pipeline.cudagraph import GraphCache, batch_buckets
 from pipeline.kv_cache import SlotKVCache
 from pipeline.models.decoder import experts_implementation, last_rows, pad_rows, run_decoder
+from pipeline.models.qwen3_omni.encoders import VisualRows, encode_audio, encode_images, num_encoded
 from pipeline.models.qwen3_omni.prompt import EncodedPrompt, PromptKey
+from pipeline.models.qwen3_omni.rope import rope_positions
 from pipeline.platform import Platform
 from pipeline.scheduler import Batch, StepOutput
 from pipeline.staging import HostStaging
@@ -23,9 +25,9 @@ if TYPE_CHECKING:
 
 @dataclass(slots=True)
 class ThinkerInput:
-    """A request as it enters the Thinker stage: its encoded prompt (audio still as mel features)."""
+    """A request as it enters the Thinker stage: its encoded prompt."""
 
-    prompt: EncodedPrompt
+    prompt: EncodedPrompt  # audio still as mel features, images as pixel patches
     wants_rows: bool  # audio requested: hand rows to the Talker
     key: PromptKey | None = None  # None: no prefix reuse
     cached: ThinkerHeld | None = None  # the resident slot it starts from (num_computed_tokens of it)
@@ -34,12 +36,13 @@ class ThinkerInput:
 @dataclass(slots=True)
 class ThinkerState:
     input_ids: list[int]
-    embeds: torch.Tensor  # [P, H]: token embeddings with audio features scattered in
+    embeds: torch.Tensor  # [P, H]: token embeddings with audio and image features scattered in
     tapped: torch.Tensor  # [P, H]: the Talker's tapped layer, filled as the prompt is computed
     position_ids: torch.Tensor  # [3, P]
     rope_delta: int
     audio_lengths: torch.Tensor | None
     wants_rows: bool  # audio requested: hand rows to the Talker
+    visual: VisualRows | None = None  # the deepstack rows of the images not in the prefix it started from
     key: PromptKey | None = None
     is_speech_done: bool = False  # a tool call began: nothing after its marker is spoken
 
@@ -86,36 +89,24 @@ class ThinkerModel:
 
     def prepare(self, reqs) -> None:
         """Turn each new request's `ThinkerInput` into its `ThinkerState` at its first prefill step: the
-        audio of every request in the step goes through the audio encoder in one batch, but for the audio
-        inside a prefix it took from a resident slot (whose rows that slot kept)."""
+        audio (images) of every request in the step goes through the audio (vision) encoder in one batch, but
+        for those inside a prefix it took from a resident slot (whose rows that slot kept)."""
         new = [r for r in reqs if isinstance(r.state, ThinkerInput)]
         if not new:
             return
-        firsts = [sum(end <= r.num_computed_tokens for _, end in r.state.prompt.audio_spans) for r in new]
-        feats = self._encode_audio([r.state.prompt for r in new], firsts)
-        for r, f, first in zip(new, feats, firsts):
-            r.state = self._state(r.state, f, first, r.num_computed_tokens)
-
-    def _encode_audio(self, prompts: list[EncodedPrompt], firsts: list[int]) -> list[torch.Tensor | None]:
-        """Per prompt, the token rows [n, H] of its audios from index `firsts[i]` on (None without any), from
-        one encoder call."""
-        todo = [(p, k) for p, k in zip(prompts, firsts) if p.input_features is not None and k < len(p.input_features)]
-        if not todo:
-            return [None] * len(prompts)
-        frames = max(p.input_features.shape[-1] for p, _ in todo)
-        features = torch.cat([torch.nn.functional.pad(p.input_features[k:], (0, frames - p.input_features.shape[-1]))
-                              for p, k in todo]).to(self.device, self.thinker.dtype)
-        mask = torch.cat([torch.nn.functional.pad(p.feature_mask[k:], (0, frames - p.feature_mask.shape[-1]))
-                          for p, k in todo]).to(self.device)
-        rows = self.thinker.model.get_audio_features(features, mask, return_dict=True).last_hidden_state
-        parts = iter(rows.split([sum(b - a for a, b in p.audio_spans[k:]) for p, k in todo]))
-        return [next(parts) if p.input_features is not None and k < len(p.input_features) else None
-                for p, k in zip(prompts, firsts)]
+        prompts = [r.state.prompt for r in new]
+        audio_firsts = [num_encoded(p.audio_spans, r.num_computed_tokens) for p, r in zip(prompts, new)]
+        image_firsts = [num_encoded(p.image_spans, r.num_computed_tokens) for p, r in zip(prompts, new)]
+        audios = encode_audio(self.thinker, self.device, prompts, audio_firsts)
+        images = encode_images(self.thinker, self.device, prompts, image_firsts)
+        for r, a, first, v in zip(new, audios, audio_firsts, images):
+            r.state = self._state(r.state, a, first, v, r.num_computed_tokens)
 
     def _state(self, inp: ThinkerInput, audio_rows: torch.Tensor | None, first_audio: int,
-               num_cached: int) -> ThinkerState:
-        """Token embeddings with the rows of audios `first_audio`.. scattered in, the first `num_cached` rows
-        from the resident slot it starts from (if any), and the multimodal rope positions."""
+               visual: VisualRows | None, num_cached: int) -> ThinkerState:
+        """Token embeddings with the rows of audios `first_audio`.. and of the `visual` images scattered in, the
+        first `num_cached` rows from the resident slot it starts from (if any), and the multimodal rope
+        positions."""
         prompt = inp.prompt
         ids = torch.tensor([prompt.input_ids], device=self.device)
         embeds = self.stack.embed_tokens(ids)[0]
@@ -124,22 +115,14 @@ class ThinkerModel:
         if audio_rows is not None:
             at = torch.cat([torch.arange(a, b, device=self.device) for a, b in prompt.audio_spans[first_audio:]])
             embeds[at] = audio_rows.to(embeds.dtype)
+        if visual is not None:
+            embeds[visual.positions.to(self.device)] = visual.embeds.to(embeds.dtype)
         if inp.cached is not None:
             n = min(num_cached, len(inp.cached.embeds))
             embeds[:n], tapped[:n] = inp.cached.embeds[:n], inp.cached.tapped[:n]
         lengths = prompt.audio_lengths
-        pos, delta = self._positions(ids, lengths)
-        return ThinkerState(prompt.input_ids, embeds, tapped, pos, delta, lengths, inp.wants_rows, inp.key)
-
-    def _positions(self, ids: torch.Tensor, audio_lengths: torch.Tensor | None) -> tuple[torch.Tensor, int]:
-        """The prompt's rope positions [3, T] and the offset of the positions after it. A prompt without
-        audio (the only multimodal input the prompt path makes) has the plain positions 0..T-1 on all three
-        axes, as `get_rope_index` gives them, without its host round trips."""
-        if audio_lengths is None:
-            return torch.arange(ids.shape[1], device=self.device).expand(3, -1), 0
-        pos, delta = self.thinker.model.get_rope_index(ids, None, None, torch.ones_like(ids), False,
-                                                       audio_lengths.to(self.device), None)
-        return pos[:, 0].long(), int(delta.flatten()[0])
+        pos, delta = rope_positions(self.thinker.model, ids, lengths, prompt.image_grid_thw)
+        return ThinkerState(prompt.input_ids, embeds, tapped, pos, delta, lengths, inp.wants_rows, visual, inp.key)
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> list[StepOutput]:
@@ -154,11 +137,29 @@ class ThinkerModel:
         embeds = pad_rows([r.state.embeds[s:s + n] for r, s, n in zip(reqs, starts, n_new)])
         pos = pad_rows([r.state.position_ids[:, s:s + n].T for r, s, n in zip(reqs, starts, n_new)]).permute(2, 0, 1)
         view = self.kv.view([r.slot for r in reqs], starts, n_new)
-        normed, tapped = run_decoder(self.stack, embeds, pos, view, self.tap_layer)
+        deepstack = self._deepstack(reqs, starts, n_new, embeds)
+        normed, tapped = run_decoder(self.stack, embeds, pos, view, self.tap_layer, deepstack=deepstack)
         logits = self.thinker.lm_head(last_rows(normed, view.lengths))
         for i, (r, s, n) in enumerate(zip(reqs, starts, n_new)):
             r.state.tapped[s:s + n] = tapped[i, :n]
         return [self._output(r, s, s + n, logits[i]) for i, (r, s, n) in enumerate(zip(reqs, starts, n_new))]
+
+    @staticmethod
+    def _deepstack(reqs, starts: list[int], n_new: list[int], embeds: torch.Tensor) -> torch.Tensor | None:
+        """[layers, B, T, H]: what each of the first decoder layers adds to its output in this prefill chunk,
+        the image placeholders' deepstack rows (zero elsewhere); None when no chunk holds an image position."""
+        picks = []
+        for i, (r, s, n) in enumerate(zip(reqs, starts, n_new)):
+            v = r.state.visual
+            inside = None if v is None else (v.positions >= s) & (v.positions < s + n)
+            if inside is not None and inside.any():
+                picks.append((i, v.positions[inside] - s, v.deepstack[:, inside.to(v.deepstack.device)]))
+        if not picks:
+            return None
+        out = embeds.new_zeros(len(picks[0][2]), *embeds.shape)
+        for i, at, rows in picks:
+            out[:, i, at.to(out.device)] = rows.to(out.dtype)
+        return out
 
     def _decode(self, reqs, starts: list[int]) -> list[StepOutput]:
         names = ("token_ids", "slots", "positions", "rope_pos")
