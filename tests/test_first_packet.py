@@ -11,8 +11,8 @@ import torch
 
 from pipeline.api import OmniRequest, collect_reply
 from pipeline.connector import CodecStream
-from pipeline.pacing import FixedChunks
 from pipeline.kv_cache import SlotKVCache
+from pipeline.pacing import FixedChunks
 from pipeline.priority import Priority
 from pipeline.request import StageRequest
 from pipeline.sampling import SamplingParams
