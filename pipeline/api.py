@@ -71,6 +71,9 @@ class OmniRequest(msgspec.Struct, tag=True):
     parallel_tool_calls: bool = True
     # {"type": "json_object"} or {"type": "json_schema", "schema": {...}}: the text follows it (by grammar)
     response_format: dict | None = None
+    # no client waits on its first packet (a transcript of the user): with first-packet priority the stages
+    # serve it after the requests still owed theirs, like any running request (aging keeps it moving)
+    background: bool = False
 
     @property
     def wants_audio(self) -> bool:

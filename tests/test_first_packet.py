@@ -63,6 +63,18 @@ def test_a_request_owed_its_first_packet_takes_a_full_steps_row_before_a_running
     assert [r.request_id for r in _step(s).requests] == ["old0", "old1"]  # now a and b, most waited first
 
 
+def test_a_background_request_owes_no_first_packet():
+    """A transcript of the user (`OmniRequest.background`) ranks with the running requests, after new replies."""
+    from pipeline.models.qwen3_omni.graph import new_requests
+    from pipeline.models.qwen3_omni.prompt import EncodedPrompt
+
+    params = {"thinker": SamplingParams(temperature=0, max_tokens=8)}
+    for background, owed in ((False, True), (True, False)):
+        req = OmniRequest("r", [{"role": "user", "content": "hi"}], background=background)
+        thinker = new_requests(None, None, req, EncodedPrompt([1, 2, 3]), None, params)["thinker"]
+        assert thinker.is_owed_first_packet is owed
+
+
 def test_without_the_priority_a_new_request_waits_for_a_slot_and_steps_keep_arrival_order():
     s = _scheduler(slots=4, max_num_seqs=2, priority=None)
     a, b = _running_past_first_packet(s, 2)

@@ -161,7 +161,8 @@ class Transcriber:
         audio = job.item.content[0].audio
         req = OmniRequest(job.request_id, transcription_messages(audio, job.config), ("text",),
                           thinker_sampling={"temperature": 0.0, "max_tokens": _max_tokens(audio, self.engine)},
-                          cache_salt=self.log_ids.get("key_id"))  # the instruction's KV is shared like a reply's
+                          cache_salt=self.log_ids.get("key_id"),  # the instruction's KV is shared like a reply's
+                          background=True)  # replies owed their first audio go first
         started = time.monotonic()
         try:
             events = await submit(self.engine, req, self.metrics, "realtime_transcription")

@@ -125,6 +125,8 @@ def new_requests(models, cfg, req, prompt, voice: str | None, params: dict[str, 
         codec.wait_for_input = not cfg.connector.async_chunk
         out["code2wav"] = StageRequest(rid, params["talker"], codec)
         _owe_first_chunk(out, codec)
+    if req.background:
+        out["thinker"].num_first_packet_outputs = 0
     return out
 
 
