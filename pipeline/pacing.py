@@ -112,5 +112,5 @@ class AdaptivePacing:
         audio from now; the worst i is the first when the pace is ahead of playback, else the last."""
         if self.gap_s is None:  # one frame so far: no pace yet
             return True
-        gap, reserve = max(self.gap_s, self.last_gap_s), self._reserve_s()
+        gap, reserve = self._next_gap_s(), self._reserve_s()
         return all(i * gap <= (num_pending + i - 1) * self.frame_s - reserve for i in (1, self.max_frames))
