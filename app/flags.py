@@ -128,8 +128,8 @@ def add_engine_args(s: argparse.ArgumentParser) -> None:
                         "else auto: in the stages whose graphs run; off: graphs of the uncompiled steps, an ablation)")
     g.add_argument("--conv-backend", choices=CONV_BACKENDS, default=None,
                    help="Code2Wav's convolutions: native (transformers' modules), gemm (matmuls over the taps, "
-                        "time-major) or channels_last (cuDNN NHWC); the same function (default: the profile's, "
-                        "else native)")
+                        "time-major), channels_last (cuDNN NHWC) or triton (SnakeBeta and residual adds fused "
+                        "into Triton kernels; GPU); the same function (default: the profile's, else native)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs and no compilation in any stage (ablation)")
     g.add_argument("--no-async-chunk", action="store_true",

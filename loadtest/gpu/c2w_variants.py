@@ -7,7 +7,8 @@ size in float32, on the CPU too, to check the script) through the engine's own r
 (`pipeline/models/qwen3_omni/convolutions.py`, `Code2WavModel`'s compiled decoder): `eager` (as served
 before), `benchmark` (cuDNN benchmark mode, which the engine leaves off; CUDA only), `channels_last`
 (Conv1d as a height-1 Conv2d in NHWC; also with benchmark mode), `gemm` (convolutions as matmuls over their
-taps, the transposed ones as a matmul and an overlap-add, time-major), `compiled` (inductor over the whole
+taps, the transposed ones as a matmul and an overlap-add, time-major), `triton` (SnakeBeta fused into the
+convolutions, `pipeline/snake_conv.py`; its first call tunes the tiles), `compiled` (inductor over the whole
 decoder, dynamic shapes as the engine compiles it), `compiled-autotune` (mode max-autotune-no-cudagraphs),
 their combinations, and `+graphs` (the step captured in a CUDA graph at each shape, as the engine captures
 its batch buckets).
@@ -22,13 +23,14 @@ import argparse
 import copy
 import json
 import math
+import os
 import time
 
 import torch
 from transformers.models.qwen3_omni_moe import configuration_qwen3_omni_moe as cfgs
 from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as mods
 
-from pipeline.models.qwen3_omni.code2wav import compiled_decoder, precompute_snake
+from pipeline.models.qwen3_omni.code2wav import compiled_decoder
 from pipeline.models.qwen3_omni.convolutions import use_conv_backend
 from pipeline.models.qwen3_omni.released import ARCHITECTURE
 
@@ -39,6 +41,9 @@ VARIANTS = {
     "channels_last": ("channels_last", None, False),
     "channels_last+benchmark": ("channels_last", None, False),
     "gemm": ("gemm", None, False),
+    "triton": ("triton", None, False),
+    "triton+graphs": ("triton", None, True),
+    "compiled+triton": ("triton", "default", False),
     "compiled": ("native", "default", False),
     "compiled-autotune": ("native", "max-autotune-no-cudagraphs", False),
     "compiled+channels_last": ("channels_last", "default", False),
@@ -66,7 +71,6 @@ def variant(base: torch.nn.Module, name: str, dtype: torch.dtype):
     """The decode function of variant `name` (before capture) over a copy of `base` in `dtype`."""
     backend, mode, _ = VARIANTS[name]
     module = copy.deepcopy(base).to(dtype)
-    precompute_snake(module)
     use_conv_backend(module, backend)
     if mode == "default":
         return compiled_decoder(module)
@@ -140,6 +144,9 @@ def main() -> None:
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--tiny", action="store_true", help="the tiny model's size in float32 (runs on the CPU)")
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--profile", nargs="*", default=[], choices=list(VARIANTS),
+                   help="also write these variants' kernels at the first shape, by device time, to "
+                   "$OUT/c2w-profile-VARIANT.txt")
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.float32 if args.tiny or device.type == "cpu" else torch.bfloat16
@@ -149,6 +156,24 @@ def main() -> None:
     for shape in args.shapes:
         for row in measure(fns, shape, base, args, device):
             print(json.dumps(row), flush=True)
+    for name in args.profile:
+        profile(fns[name], name, args.shapes[0], base, device)
+
+
+def profile(fn, name: str, shape: str, base: torch.nn.Module, device: torch.device) -> None:
+    """Kernels of a few calls of `fn` at `shape`, by device time."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    batch, frames = map(int, shape.split("x"))
+    codes = torch.randint(0, base.config.codebook_size, (batch, 16, frames), device=device)
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            fn(codes)
+        sync(device)
+    path = os.path.join(os.environ.get("OUT", "/tmp"), f"c2w-profile-{name}.txt")
+    with open(path, "w") as f:
+        f.write(prof.key_averages().table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=80))
 
 
 if __name__ == "__main__":

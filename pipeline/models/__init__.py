@@ -152,6 +152,9 @@ def load_models(cfg: EngineConfig, platform: Platform, stages: tuple[str, ...] =
                              cfg.compiles("talker", platform.supports_graphs))
         kv_bytes["talker"] = talker.kv.num_bytes + predictor_kv.num_bytes
     if has_talker and "code2wav" in stages:
+        if cfg.conv_backend == "triton" and not available():
+            raise ValueError("conv_backend triton needs Triton "
+                             "(pip install triton; on the CPU also TRITON_INTERPRET=1)")
         cc, c2w_cfg = cfg.connector, cfg.stage("code2wav")
         code2wav = Code2WavModel(hf.code2wav, device, platform, c2w_cfg.enforce_eager, c2w_cfg.max_num_seqs,
                                  frame_buckets(cc.initial_codec_chunk_frames, cc.codec_chunk_frames,

@@ -17,12 +17,11 @@ import torch
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
     Qwen3OmniMoeCausalConvNet,
     Qwen3OmniMoeCausalTransConvNet,
-    Qwen3OmniMoeSnakeBeta,
 )
 
 from pipeline.compile import RECOMPILE_LIMIT
 from pipeline.cudagraph import GraphCache, batch_buckets
-from pipeline.models.qwen3_omni.convolutions import replace_modules, use_conv_backend
+from pipeline.models.qwen3_omni.convolutions import use_conv_backend
 from pipeline.platform import Platform
 
 
@@ -31,24 +30,6 @@ class CodecWindow:
     codes: list[list[int]]  # [frames][16], left context first
     num_context: int  # frames of left context at the front
     is_first: bool  # the request's first chunk: nothing withheld before it
-
-
-class PrecomputedSnakeBeta(torch.nn.Module):
-    """SnakeBeta with exp(alpha) and 1 / (exp(beta) + eps) computed once, not on every call (the same
-    values, so the same output); frozen weights only."""
-
-    def __init__(self, snake: Qwen3OmniMoeSnakeBeta):
-        super().__init__()
-        with torch.no_grad():
-            self.register_buffer("alpha", snake.alpha.exp()[None, :, None])
-            self.register_buffer("inv_beta", 1.0 / (snake.beta.exp()[None, :, None] + snake.no_div_by_zero))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.inv_beta * torch.pow(torch.sin(x * self.alpha), 2)
-
-
-def precompute_snake(module: torch.nn.Module) -> None:
-    replace_modules(module, {Qwen3OmniMoeSnakeBeta: PrecomputedSnakeBeta})
 
 
 def samples_per_frame(c2w_config) -> int:
@@ -102,7 +83,6 @@ class Code2WavModel:
         self.num_quantizers = code2wav.config.num_quantizers
         self.samples_per_frame = int(code2wav.total_upsample)
         self.receptive_field_frames = receptive_field_frames(code2wav)
-        precompute_snake(code2wav)
         use_conv_backend(code2wav, conv_backend)
         with torch.inference_mode():
             one = torch.zeros(1, self.num_quantizers, 1, dtype=torch.long, device=device)

@@ -10,9 +10,14 @@ output to the waveform, so no layer transposes:
   overlapping blocks; a depthwise convolution is a sum over its taps. The same sums in another order: equal
   to the native path up to rounding.
 - `channels_last`: each Conv1d as a Conv2d of height 1 in channels_last memory format (cuDNN's NHWC kernels).
+- `triton`: each residual unit as three kernels, SnakeBeta in one pass, the dilated convolution with the second
+  SnakeBeta in its epilogue, the 1x1 convolution with the residual in its epilogue (`pipeline/snake_conv.py`);
+  the decoder's other stride-1 convolutions and SnakeBetas as one kernel each. Activations stay [batch, channels,
+  time]; the transposed and depthwise convolutions stay transformers'.
 
-`native` leaves transformers' modules as they are. SnakeBeta, LayerNorm and the residual adds are elementwise
-and keep whatever layout their inputs have.
+`native` leaves transformers' modules as they are. Every backend first precomputes SnakeBeta's exp(alpha) and
+1 / (exp(beta) + eps) once (`PrecomputedSnakeBeta`). LayerNorm and the other elementwise work keep whatever
+layout their inputs have.
 """
 
 from __future__ import annotations
@@ -24,9 +29,25 @@ import torch.nn.functional as F
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
     Qwen3OmniMoeCausalConvNet,
     Qwen3OmniMoeCausalTransConvNet,
+    Qwen3OmniMoeCode2WavDecoderResidualUnit,
+    Qwen3OmniMoeSnakeBeta,
 )
 
 from pipeline.config import CONV_BACKENDS
+
+
+class PrecomputedSnakeBeta(torch.nn.Module):
+    """SnakeBeta with exp(alpha) and 1 / (exp(beta) + eps) computed once, not on every call (the same
+    values, so the same output); frozen weights only."""
+
+    def __init__(self, snake: Qwen3OmniMoeSnakeBeta):
+        super().__init__()
+        with torch.no_grad():
+            self.register_buffer("alpha", snake.alpha.exp()[None, :, None])
+            self.register_buffer("inv_beta", 1.0 / (snake.beta.exp()[None, :, None] + snake.no_div_by_zero))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.inv_beta * torch.pow(torch.sin(x * self.alpha), 2)
 
 
 class GemmConv(torch.nn.Module):
@@ -105,6 +126,57 @@ class ChannelsLastTransConv(torch.nn.Module):
         return y[..., self.left_pad: y.shape[-1] - self.right_pad].squeeze(2)
 
 
+class TritonConv(torch.nn.Module):
+    """A causal stride-1 Conv1d as one kernel (`pipeline/snake_conv.py`), with the SnakeBeta that follows it in
+    its epilogue when given, and a residual added when the call passes one."""
+
+    def __init__(self, causal: Qwen3OmniMoeCausalConvNet, snake_out: PrecomputedSnakeBeta | None = None):
+        super().__init__()
+        conv = causal.conv
+        self.dilation = conv.dilation[0]
+        self.register_buffer("weight", conv.weight.detach().permute(2, 0, 1).contiguous())  # [taps, out, in]
+        self.register_buffer("bias", conv.bias.detach().clone())
+        self.register_buffer("alpha", None if snake_out is None else snake_out.alpha.detach().flatten().clone())
+        self.register_buffer("inv_beta", None if snake_out is None else snake_out.inv_beta.detach().flatten().clone())
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        from pipeline.snake_conv import causal_conv
+
+        return causal_conv(x, self.weight, self.bias, self.dilation, self.alpha, self.inv_beta, residual)
+
+
+class TritonSnake(torch.nn.Module):
+    """SnakeBeta in one pass."""
+
+    def __init__(self, snake: PrecomputedSnakeBeta):
+        super().__init__()
+        self.register_buffer("alpha", snake.alpha.detach().flatten().clone())
+        self.register_buffer("inv_beta", snake.inv_beta.detach().flatten().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from pipeline.snake_conv import snake
+
+        return snake(x, self.alpha, self.inv_beta)
+
+
+class TritonResidualUnit(torch.nn.Module):
+    """x + conv1x1(snake(conv_dilated(snake(x)))) as three kernels: SnakeBeta, the dilated convolution with the
+    second SnakeBeta in its epilogue, the 1x1 convolution with the residual in its epilogue."""
+
+    def __init__(self, unit: Qwen3OmniMoeCode2WavDecoderResidualUnit):
+        super().__init__()
+        self.act1 = TritonSnake(unit.act1)
+        self.conv1 = TritonConv(unit.conv1, snake_out=unit.act2)
+        self.conv2 = TritonConv(unit.conv2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv2(self.conv1(self.act1(x)), residual=x)
+
+
+def _triton_conv(m: Qwen3OmniMoeCausalConvNet) -> torch.nn.Module:
+    return TritonConv(m) if m.conv.stride[0] == 1 and m.conv.groups == 1 else m
+
+
 def _channels_last(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous(memory_format=torch.channels_last)
 
@@ -131,6 +203,8 @@ _REWRITES: dict[str, dict[type, Callable[[torch.nn.Module], torch.nn.Module]]] =
     "gemm": {Qwen3OmniMoeCausalConvNet: _gemm_conv, Qwen3OmniMoeCausalTransConvNet: _gemm_trans_conv},
     "channels_last": {Qwen3OmniMoeCausalConvNet: _channels_last_conv,
                       Qwen3OmniMoeCausalTransConvNet: ChannelsLastTransConv},
+    "triton": {Qwen3OmniMoeCode2WavDecoderResidualUnit: TritonResidualUnit, Qwen3OmniMoeCausalConvNet: _triton_conv,
+               PrecomputedSnakeBeta: TritonSnake},
 }
 
 
@@ -146,8 +220,10 @@ def replace_modules(module: torch.nn.Module, rewrites: dict[type, Callable[[torc
 
 
 def use_conv_backend(code2wav: torch.nn.Module, backend: str) -> None:
-    """Re-express the vocoder's convolutions as `backend` does (module swap on the same weights)."""
+    """Precompute SnakeBeta's constants, then re-express the vocoder's convolutions as `backend` does (module
+    swaps on the same weights)."""
     if backend not in _REWRITES:
         raise ValueError(f"conv_backend must be one of {', '.join(CONV_BACKENDS)}, got {backend!r}")
     with torch.no_grad():
+        replace_modules(code2wav, {Qwen3OmniMoeSnakeBeta: PrecomputedSnakeBeta})
         replace_modules(code2wav, _REWRITES[backend])
