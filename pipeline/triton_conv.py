@@ -25,7 +25,7 @@ def _snake(x, alpha, inv_beta):
 
 @triton.jit
 def conv_kernel(X, W, Bias, Alpha, InvBeta, Res, Out, C_in, C_out, T, dilation,
-                stride_xb, stride_xc, stride_ob, stride_oc,
+                stride_xb, stride_xc, stride_xt, stride_ob, stride_oc, stride_ot,
                 K: tl.constexpr, SNAKE_OUT: tl.constexpr, HAS_RES: tl.constexpr,
                 BLOCK_CO: tl.constexpr, BLOCK_CI: tl.constexpr, BLOCK_T: tl.constexpr, PRECISION: tl.constexpr):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -40,7 +40,7 @@ def conv_kernel(X, W, Bias, Alpha, InvBeta, Res, Out, C_in, C_out, T, dilation,
         ci = r - k * c_pad + tl.arange(0, BLOCK_CI)
         ci_ok = ci < C_in
         src = t - (K - 1 - k) * dilation
-        x = tl.load(x_base + ci[:, None] * stride_xc + src[None, :],
+        x = tl.load(x_base + ci[:, None] * stride_xc + src[None, :] * stride_xt,
                     mask=ci_ok[:, None] & ((src >= 0) & (src < T))[None, :], other=0.0)
         w = tl.load(W + (k * C_out + co[:, None]) * C_in + ci[None, :], mask=co_ok[:, None] & ci_ok[None, :],
                     other=0.0)
@@ -51,20 +51,19 @@ def conv_kernel(X, W, Bias, Alpha, InvBeta, Res, Out, C_in, C_out, T, dilation,
         inv_beta = tl.load(InvBeta + co, mask=co_ok, other=0.0).to(tl.float32)
         acc = _snake(acc, alpha[:, None], inv_beta[:, None])
     out_mask = co_ok[:, None] & (t < T)[None, :]
-    offsets = b * stride_ob + co[:, None] * stride_oc + t[None, :]
+    offsets = b * stride_ob + co[:, None] * stride_oc + t[None, :] * stride_ot
     if HAS_RES:
         acc += tl.load(Res + offsets, mask=out_mask, other=0.0).to(tl.float32)
     tl.store(Out + offsets, acc.to(Out.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
-def snake_kernel(X, Alpha, InvBeta, Out, C, T, BLOCK_T: tl.constexpr):
-    """Program (batch row * C + channel, time tile) over contiguous [B, C, T]."""
-    row = tl.program_id(0)
-    t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
-    ok = t < T
-    offsets = row.to(tl.int64) * T + t
-    c = row % C
-    x = tl.load(X + offsets, mask=ok, other=0.0).to(tl.float32)
-    y = _snake(x, tl.load(Alpha + c).to(tl.float32), tl.load(InvBeta + c).to(tl.float32))
-    tl.store(Out + offsets, y.to(Out.dtype.element_ty), mask=ok)
+def snake_kernel(X, Alpha, InvBeta, Out, N, C, T, TIME_MAJOR: tl.constexpr, BLOCK: tl.constexpr):
+    """Over the flat memory of a dense [B, C, T] tensor laid out [B, C, T] or, TIME_MAJOR, [B, T, C]."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < N
+    c = i % C if TIME_MAJOR else (i // T) % C
+    x = tl.load(X + i, mask=ok, other=0.0).to(tl.float32)
+    y = _snake(x, tl.load(Alpha + c, mask=ok, other=0.0).to(tl.float32),
+               tl.load(InvBeta + c, mask=ok, other=0.0).to(tl.float32))
+    tl.store(Out + i, y.to(Out.dtype.element_ty), mask=ok)

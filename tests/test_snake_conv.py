@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from pipeline.models.qwen3_omni.code2wav import Code2WavModel, CodecWindow
 from pipeline.models.qwen3_omni.convolutions import PrecomputedSnakeBeta, TritonConv, TritonSnake
-from pipeline.snake_conv import causal_conv, snake
+from pipeline.snake_conv import causal_conv, is_time_major, snake, time_major
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -37,14 +37,16 @@ def reference(x, weight, bias, dilation, alpha=None, inv_beta=None, residual=Non
 
 
 @pytest.mark.parametrize("dtype,rtol", DTYPES)
+@pytest.mark.parametrize("layout", ["channels_first", "time_major"])
 @pytest.mark.parametrize("batch,c_in,c_out,steps,taps,dilation,with_snake,with_residual", [
     (2, 24, 40, 37, 7, 3, True, False),  # channels off the tile sizes, a dilated window
     (3, 40, 40, 200, 1, 1, True, True),  # the unit's 1x1 convolution with the residual
     (1, 17, 1, 50, 7, 1, True, False),  # the last layer: one output channel
     (2, 33, 48, 5, 7, 9, False, False),  # a dilated window longer than the input: mostly padding
 ])
-def test_kernel_equals_causal_conv_then_snake(dtype, rtol, batch, c_in, c_out, steps, taps, dilation, with_snake,
-                                              with_residual):
+def test_kernel_equals_causal_conv_then_snake(dtype, rtol, layout, batch, c_in, c_out, steps, taps, dilation,
+                                              with_snake, with_residual):
+    """Either memory layout in, the same layout out; a residual in the other layout is accepted too."""
     g = torch.Generator().manual_seed(batch * 100 + c_in)
     x = torch.randn(batch, c_in, steps, generator=g)
     weight = torch.randn(c_out, c_in, taps, generator=g) / (c_in * taps) ** 0.5
@@ -56,19 +58,26 @@ def test_kernel_equals_causal_conv_then_snake(dtype, rtol, batch, c_in, c_out, s
     def on(t):
         return None if t is None else t.to(DEVICE, dtype)
 
-    out = causal_conv(on(x), on(weight.permute(2, 0, 1).contiguous()), on(bias), dilation,
-                     *map(on, snake_args), on(residual) if with_residual else None)
+    x_in = time_major(on(x)) if layout == "time_major" else on(x)
+    out = causal_conv(x_in, on(weight.permute(2, 0, 1).contiguous()), on(bias), dilation,
+                      *map(on, snake_args), on(residual) if with_residual else None)
     assert out.shape == expected.shape and out.dtype == dtype
+    assert is_time_major(out) == (layout == "time_major")
     assert ((out.float().cpu() - expected).norm() / expected.norm()) < rtol
 
 
 @pytest.mark.parametrize("dtype,rtol", DTYPES)
-def test_snake_alone(dtype, rtol):
+@pytest.mark.parametrize("layout", ["channels_first", "time_major", "strided"])
+def test_snake_alone(dtype, rtol, layout):
     g = torch.Generator().manual_seed(5)
     x, alpha, inv_beta = torch.randn(3, 20, 70, generator=g), torch.rand(20, generator=g), torch.rand(20, generator=g)
     expected = snake_reference(x, alpha, inv_beta)
-    out = snake(x.to(DEVICE, dtype), alpha.to(DEVICE), inv_beta.to(DEVICE)).float().cpu()
-    assert ((out - expected).norm() / expected.norm()) < rtol
+    layouts = {"channels_first": x, "time_major": time_major(x),
+               "strided": x.transpose(0, 1).contiguous().transpose(0, 1)}  # neither: copied
+    x_in = layouts[layout].to(DEVICE, dtype)
+    out = snake(x_in, alpha.to(DEVICE), inv_beta.to(DEVICE))
+    assert is_time_major(out) == (layout == "time_major")
+    assert ((out.float().cpu() - expected).norm() / expected.norm()) < rtol
 
 
 @pytest.fixture(scope="module")

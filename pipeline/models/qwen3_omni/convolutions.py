@@ -12,8 +12,8 @@ output to the waveform, so no layer transposes:
 - `channels_last`: each Conv1d as a Conv2d of height 1 in channels_last memory format (cuDNN's NHWC kernels).
 - `triton`: each residual unit as three kernels, SnakeBeta in one pass, the dilated convolution with the second
   SnakeBeta in its epilogue, the 1x1 convolution with the residual in its epilogue (`pipeline/snake_conv.py`);
-  the decoder's other stride-1 convolutions and SnakeBetas as one kernel each. Activations stay [batch, channels,
-  time]; the transposed and depthwise convolutions stay transformers'.
+  the decoder's other stride-1 convolutions and SnakeBetas as one kernel each. The residual units' activations
+  are time-major; the transposed and depthwise convolutions stay transformers'.
 
 `native` leaves transformers' modules as they are. Every backend first precomputes SnakeBeta's exp(alpha) and
 1 / (exp(beta) + eps) once (`PrecomputedSnakeBeta`). LayerNorm and the other elementwise work keep whatever
@@ -161,7 +161,8 @@ class TritonSnake(torch.nn.Module):
 
 class TritonResidualUnit(torch.nn.Module):
     """x + conv1x1(snake(conv_dilated(snake(x)))) as three kernels: SnakeBeta, the dilated convolution with the
-    second SnakeBeta in its epilogue, the 1x1 convolution with the residual in its epilogue."""
+    second SnakeBeta in its epilogue, the 1x1 convolution with the residual in its epilogue; time-major (the first
+    unit after a transposed convolution lays its input out so, the rest of the block stays so)."""
 
     def __init__(self, unit: Qwen3OmniMoeCode2WavDecoderResidualUnit):
         super().__init__()
@@ -170,6 +171,9 @@ class TritonResidualUnit(torch.nn.Module):
         self.conv2 = TritonConv(unit.conv2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from pipeline.snake_conv import time_major
+
+        x = time_major(x)
         return self.conv2(self.conv1(self.act1(x)), residual=x)
 
 
