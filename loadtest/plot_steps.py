@@ -33,20 +33,27 @@ def parse(text: str) -> dict[str, dict[int, dict[str, float]]]:
     return runs
 
 
+def grouped_bars(ax, groups: list[str], series: dict[str, list[float]], labels: bool = False) -> None:
+    """One bar per series in each group, side by side, the group's name under them (values above with labels)."""
+    width = 0.8 / len(series)
+    for i, (name, values) in enumerate(series.items()):
+        bars = ax.bar([j + i * width for j in range(len(groups))], values, width, label=name)
+        if labels:
+            ax.bar_label(bars, fmt="%.2f", fontsize=7)
+    ax.set_xticks([j + width * (len(series) - 1) / 2 for j in range(len(groups))], groups)
+    ax.legend()
+
+
 def main(out: str, path: str) -> None:
     runs = parse(Path(path).read_text())
     stages = sorted({s for r in runs.values() for b in r.values() for s in b})
     batches = sorted({b for r in runs.values() for b in r})
     fig, axes = plt.subplots(1, len(stages), figsize=(4.5 * len(stages), 3.8))
-    width = 0.8 / len(runs)
     for ax, stage in zip(axes, stages):
-        for i, (name, run) in enumerate(runs.items()):
-            xs = [j + i * width for j in range(len(batches))]
-            ax.bar(xs, [run.get(b, {}).get(stage, 0) for b in batches], width, label=name)
-        ax.set_xticks([j + width * (len(runs) - 1) / 2 for j in range(len(batches))], [f"b={b}" for b in batches])
+        grouped_bars(ax, [f"b={b}" for b in batches],
+                     {name: [run.get(b, {}).get(stage, 0) for b in batches] for name, run in runs.items()})
         ax.set_title(f"{stage} decode step")
         ax.set_ylabel("ms (captured graph replay)")
-        ax.legend()
     fig.tight_layout()
     fig.savefig(out, dpi=110)
 
