@@ -34,6 +34,7 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
 )
 
 from pipeline.config import CONV_BACKENDS
+from pipeline.snake_conv import causal_conv, snake, time_major
 
 
 class PrecomputedSnakeBeta(torch.nn.Module):
@@ -136,27 +137,28 @@ class TritonConv(torch.nn.Module):
         self.dilation = conv.dilation[0]
         self.register_buffer("weight", conv.weight.detach().permute(2, 0, 1).contiguous())  # [taps, out, in]
         self.register_buffer("bias", conv.bias.detach().clone())
-        self.register_buffer("alpha", None if snake_out is None else snake_out.alpha.detach().flatten().clone())
-        self.register_buffer("inv_beta", None if snake_out is None else snake_out.inv_beta.detach().flatten().clone())
+        _snake_buffers(self, snake_out)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        from pipeline.snake_conv import causal_conv
-
         return causal_conv(x, self.weight, self.bias, self.dilation, self.alpha, self.inv_beta, residual)
 
 
 class TritonSnake(torch.nn.Module):
     """SnakeBeta in one pass."""
 
-    def __init__(self, snake: PrecomputedSnakeBeta):
+    def __init__(self, activation: PrecomputedSnakeBeta):
         super().__init__()
-        self.register_buffer("alpha", snake.alpha.detach().flatten().clone())
-        self.register_buffer("inv_beta", snake.inv_beta.detach().flatten().clone())
+        _snake_buffers(self, activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from pipeline.snake_conv import snake
-
         return snake(x, self.alpha, self.inv_beta)
+
+
+def _snake_buffers(module: torch.nn.Module, activation: PrecomputedSnakeBeta | None) -> None:
+    """The kernels' per-channel SnakeBeta constants, flat ([C]); None where the module applies none."""
+    for name in ("alpha", "inv_beta"):
+        module.register_buffer(name, None if activation is None else getattr(activation, name).detach().flatten()
+                               .clone())
 
 
 class TritonResidualUnit(torch.nn.Module):
@@ -171,8 +173,6 @@ class TritonResidualUnit(torch.nn.Module):
         self.conv2 = TritonConv(unit.conv2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from pipeline.snake_conv import time_major
-
         x = time_major(x)
         return self.conv2(self.conv1(self.act1(x)), residual=x)
 
