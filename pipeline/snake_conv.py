@@ -82,8 +82,9 @@ def _causal_conv_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, d
     batch, c_in, steps = x.shape
     taps, c_out, _ = weight.shape
     out = _like(x, c_out)
-    res = out if residual is None else residual if residual.stride() == out.stride() else _like(x, c_out).copy_(
-        residual)
+    res = out if residual is None else residual  # the kernel reads the residual with the output's strides
+    if res.stride() != out.stride():
+        res = _like(x, c_out).copy_(residual)
     tiles = conv_tiles(c_in, c_out)
     grid = (triton.cdiv(steps, tiles["BLOCK_T"]), triton.cdiv(c_out, tiles["BLOCK_CO"]), batch)
     with INTERPRETER:

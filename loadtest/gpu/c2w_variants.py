@@ -7,11 +7,11 @@ size in float32, on the CPU too, to check the script) through the engine's own r
 (`pipeline/models/qwen3_omni/convolutions.py`, `Code2WavModel`'s compiled decoder): `eager` (as served
 before), `benchmark` (cuDNN benchmark mode, which the engine leaves off; CUDA only), `channels_last`
 (Conv1d as a height-1 Conv2d in NHWC; also with benchmark mode), `gemm` (convolutions as matmuls over their
-taps, the transposed ones as a matmul and an overlap-add, time-major), `triton` (SnakeBeta fused into the
-convolutions, `pipeline/snake_conv.py`; its first call tunes the tiles), `compiled` (inductor over the whole
-decoder, dynamic shapes as the engine compiles it), `compiled-autotune` (mode max-autotune-no-cudagraphs),
-their combinations, and `+graphs` (the step captured in a CUDA graph at each shape, as the engine captures
-its batch buckets).
+taps, the transposed ones as a matmul and an overlap-add, time-major), `triton` (the convolutions as Triton
+kernels with SnakeBeta and the residual in their epilogues, time-major: `pipeline/snake_conv.py`), `compiled`
+(inductor over the whole decoder, dynamic shapes as the engine compiles it), `compiled-autotune` (mode
+max-autotune-no-cudagraphs), their combinations, and `+graphs` (the step captured in a CUDA graph at each
+shape, as the engine captures its batch buckets).
 Prints JSON lines per variant and BATCHxFRAMES (windows of FRAMES frames, `--context` of them left
 context): ms per decode call, ms per new frame, the speed-up on eager, the max abs difference and the SNR
 against eager float32, and the seconds of the first call (compilation, autotuning).
