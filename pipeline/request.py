@@ -46,6 +46,7 @@ class StageRequest:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # of the prompt, taken from a resident slot (pipeline/prefix_cache.py)
     output_ids: list[int] = field(default_factory=list)
+    num_pending: int = 0  # sampled in a step still in flight (async scheduling): not yet in output_ids
     slot: int | None = None
     generator: Any = None  # torch.Generator when seeded
     constraint: Any = None  # pipeline.grammar.Constraint: the grammar its sampled tokens must follow
@@ -57,7 +58,12 @@ class StageRequest:
     @property
     def is_owed_first_packet(self) -> bool:
         """Its first packet still waits on this stage's outputs (`pipeline/priority.py` serves it first)."""
-        return len(self.output_ids) < self.num_first_packet_outputs
+        return self.num_outputs < self.num_first_packet_outputs
+
+    @property
+    def num_outputs(self) -> int:
+        """Tokens sampled so far, those of a step still in flight included."""
+        return len(self.output_ids) + self.num_pending
 
     @property
     def num_tokens(self) -> int:

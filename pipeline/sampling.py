@@ -90,24 +90,24 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams], histories: list[list[int]],
                  generators: list[torch.Generator | None], slots: list[int] | None = None,
-                 bitmask: torch.Tensor | None = None) -> torch.Tensor:
-        """One token per row, on the device (`fetch` brings them to the host). With `slots` (each row's KV
-        slot) the repetition penalty reads a per-slot mask of seen tokens kept on the device. `bitmask`
-        [rows, vocab/32] int32, on the host: each row's allowed tokens (`pipeline/grammar.py`; all bits set
-        for a free row)."""
+                 bitmask: torch.Tensor | None = None, pending: list[int] | None = None) -> torch.Tensor:
+        """One token per row, on the device (the stage's runner brings them to the host). With `slots` (each row's KV
+        slot) the repetition penalty reads a per-slot mask of seen tokens kept on the device, which also takes
+        each sampled token on the device: a row's `pending` tokens (sampled in a step still in flight, async
+        scheduling) are in it though not yet in its history. `bitmask` [rows, vocab/32] int32, on the host:
+        each row's allowed tokens (`pipeline/grammar.py`; all bits set for a free row)."""
         put = self._put(logits.device)
-        logits = self.process(logits.float(), params, histories, put, slots, bitmask)
+        counts = [len(h) + (pending[i] if pending else 0) for i, h in enumerate(histories)]
+        logits = self.process(logits.float(), params, histories, put, slots, bitmask, counts)
         tokens = logits.argmax(-1)
         sampled = [i for i, p in enumerate(params) if not p.is_greedy]
         if sampled:
             rows = put(sampled)
             warped = warp(logits[rows], [params[i] for i in sampled], put)
             tokens[rows] = draw(warped, [generators[i] for i in sampled])
+        if slots is not None and self._seen is not None:
+            self._seen.add(tokens)
         return tokens
-
-    def fetch(self, *values: torch.Tensor) -> list:
-        """Sampled tokens (and any other tensors of the step) to the host through pinned memory, one wait."""
-        return self._staging_for(values[0].device).fetch(*values)
 
     def _put(self, device: torch.device) -> Put:
         return self._staging_for(device).tensor
@@ -118,13 +118,16 @@ class Sampler:
         return self._staging
 
     def process(self, logits: torch.Tensor, params: list[SamplingParams], histories: list[list[int]],
-                put: Put | None = None, slots: list[int] | None = None, bitmask: torch.Tensor | None = None):
+                put: Put | None = None, slots: list[int] | None = None, bitmask: torch.Tensor | None = None,
+                counts: list[int] | None = None):
         """Penalty, min-tokens, suppression and the grammar's mask: the processors that also apply to greedy
-        decoding. A constrained row ends when its grammar allows it: min-tokens does not hold its end back."""
+        decoding. A constrained row ends when its grammar allows it: min-tokens does not hold its end back.
+        `counts`: each row's tokens so far (its history's length unless some are still in flight)."""
         device = logits.device
         put = put or self._put(device)
+        counts = counts or [len(h) for h in histories]
         penalties = [p.repetition_penalty for p in params]
-        if any(r != 1.0 for r in penalties) and any(histories):
+        if any(r != 1.0 for r in penalties) and (slots is not None or any(histories)):
             if slots is None:
                 seen = _seen_mask(logits, histories, put)
             else:
@@ -133,7 +136,7 @@ class Sampler:
             pen = put(penalties, torch.float32)[:, None]
             logits = torch.where(seen, torch.where(logits < 0, logits * pen, logits / pen), logits)
         free = [True] * len(params) if bitmask is None else (bitmask != -1).any(-1).logical_not().tolist()
-        early = [len(h) < p.min_tokens and f for p, h, f in zip(params, histories, free)]
+        early = [n < p.min_tokens and f for p, n, f in zip(params, counts, free)]
         if any(early) and self.eos_ids:
             rows, eos = put([i for i, e in enumerate(early) if e]), self._eos_ids(device)
             logits[rows[:, None], eos[None, :]] = float("-inf")
@@ -169,12 +172,14 @@ class SeenTokens:
     """Per KV slot, the tokens its request has produced, as a [slots, vocab] mask on the device, updated
     with only each step's new tokens: staging whole histories cost the host O(reply length) per row per
     step (a c=64 Talker step near the end of long replies staged ~64 k ids). A slot's row is cleared when
-    a different request (another history list) samples in it, or its history got shorter."""
+    a different request (another history list) samples in it, or its history got shorter. Each sampled token is
+    also set at once on the device (`add`), so a token still on its way to the history counts in the next step."""
 
     def __init__(self, vocab_size: int, device: torch.device):
         self.vocab_size, self.device = vocab_size, device
         self.rows = torch.zeros(0, vocab_size, dtype=torch.bool, device=device)
         self._owner: dict[int, tuple[list[int], int]] = {}  # slot -> (the history it holds, tokens counted)
+        self._last_rows: torch.Tensor | None = None  # the slots of the last `mask` call, for `add`
 
     def mask(self, slots: list[int], histories: list[list[int]], staging: HostStaging) -> torch.Tensor:
         """[B, vocab]: row i holds the tokens of row i's slot, once this step's new tokens are added."""
@@ -196,7 +201,15 @@ class SeenTokens:
             self.rows[cleared_rows] = False
         if new_tokens:
             self.rows[new_rows, new_ids] = True
+        self._last_rows = rows
         return self.rows[rows]
+
+    def add(self, tokens: torch.Tensor) -> None:
+        """The tokens just sampled for the slots of the last `mask` call, set on the device (their histories
+        get them later; setting a token twice changes nothing)."""
+        if self._last_rows is not None:
+            self.rows[self._last_rows, tokens] = True
+            self._last_rows = None
 
 
 def warp(logits: torch.Tensor, params: list[SamplingParams], put: Put) -> torch.Tensor:

@@ -85,7 +85,7 @@ class Scheduler:
 
     def schedule(self) -> Batch | None:
         self._admit()
-        ready = [r for r in self.running if self.is_ready(r)]
+        ready = [r for r in self.running if self._may_step(r)]
         prefill = [r for r in ready if r.is_prefill]
         decode = [r for r in ready if not r.is_prefill]
         self._last_was_prefill = bool(prefill) and not (decode and self._last_was_prefill)
@@ -96,6 +96,15 @@ class Scheduler:
         runnable = ready + [r for r in self.waiting if self.is_ready(r)]
         self.waits.account(runnable, batch.requests, len(kind) - len(batch.requests))
         return batch
+
+    def _may_step(self, req: StageRequest) -> bool:
+        """Its next step's inputs are there. With a token in flight (async scheduling) it steps again unless
+        that token is sure to end it (its last by max_tokens), a grammar must see it first, or a second one is
+        in flight; a token that turns out to end it (EOS) makes the step after it void (`update` skips it)."""
+        if req.num_pending and (req.num_pending > 1 or req.constraint is not None
+                                or req.num_outputs >= req.sampling.max_tokens):
+            return False
+        return self.is_ready(req)
 
     def _admit(self) -> None:
         """Give slots to waiting requests whose first input is there, oldest first."""
@@ -158,16 +167,24 @@ class Scheduler:
         chosen = in_arrival_order(ranked(self.priority, reqs, _is_owed)[: self.max_num_seqs], reqs)
         return Batch(chosen, [1] * len(chosen), is_prefill=False)
 
-    def update(self, batch: Batch, outputs: list[StepOutput]) -> list[StageRequest]:
-        """Apply a step's results; returns the requests that finished in it (slots already freed)."""
-        finished = []
-        for req, n, out in zip(batch.requests, batch.num_new_tokens, outputs, strict=True):
-            if req.status.is_finished:  # aborted while the step ran
-                continue
+    def launched(self, batch: Batch) -> None:
+        """A step was issued: its positions count as computed, and each row past its prompt has a token in
+        flight until `update` applies it (at once, or after the next step was issued: async scheduling)."""
+        for req, n in zip(batch.requests, batch.num_new_tokens, strict=True):
             req.num_computed_tokens += n
             if batch.is_prefill:
                 self.num_prefill_tokens += n
+            if not req.is_prefill:
+                req.num_pending += 1
+
+    def update(self, batch: Batch, outputs: list[StepOutput]) -> list[StageRequest]:
+        """Apply a launched step's results; returns the requests that finished in it (slots already freed)."""
+        finished = []
+        for req, out in zip(batch.requests, outputs, strict=True):
+            if req.status.is_finished:  # aborted while the step ran, or ended by the step before it
+                continue
             if out.token is not None:
+                req.num_pending -= 1
                 req.output_ids.append(out.token)
                 self._check_stop(req)
             if req.status.is_finished:
@@ -256,6 +273,9 @@ class ChunkScheduler:
         if self.priority is not None and not any(self.priority.is_overdue(r) for r in chosen):
             chosen = [r for r in chosen if _is_first_chunk(r)] or chosen
         return in_arrival_order(chosen, ready)
+
+    def launched(self, batch: Batch) -> None:
+        """Nothing to count ahead: a window advances its stream when its samples come back (`update`)."""
 
     def update(self, batch: Batch, outputs: list[StepOutput]) -> list[StageRequest]:
         finished = []

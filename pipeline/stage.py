@@ -1,9 +1,16 @@
 """A stage: scheduler + model runner + a step loop on its own thread.
 
-The loop body is three calls, `schedule()` -> `runner.run(batch)` -> `scheduler.update()`; inputs
-(new requests, upstream chunks, aborts) arrive through a queue and are applied between steps,
-so aborts that land during a forward take effect before its results are applied. The loop never
-does IO: each step's `StepResult` goes to `on_step`, which routes it along the model's stage graph.
+The loop body is `schedule()` -> `runner.run(batch)` -> `scheduler.launched(batch)` ->
+`scheduler.update()`; inputs (new requests, upstream chunks, aborts) arrive through a queue and are
+applied between steps, so aborts that land during a forward take effect before its results are applied.
+The loop never does IO: each step's `StepResult` goes to `on_step`, which routes it along the model's
+stage graph.
+
+With async scheduling (a stage's `async_scheduling`, where its runner can: the model reads its input tokens
+on the device), step n+1 is scheduled and issued before step n's tokens come to the host, and step n lands
+(its results applied and routed) while n+1 runs: the host's per-step work overlaps the device's instead of
+alternating with it. A request then has at most one token in flight; the scheduler lets it step again
+unless that token is sure to end it, and a step issued after a token that does end it (EOS) is void.
 """
 
 from __future__ import annotations
@@ -14,15 +21,18 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from pipeline.config import ProfileError
 from pipeline.connector import Command, StageMessage
 from pipeline.grammar import GrammarMasks
 from pipeline.request import Finish, Output, RequestStatus, StageRequest, StepResult
 from pipeline.sampling import Sampler
 from pipeline.scheduler import Batch, StepOutput
+from pipeline.staging import Fetch, HostStaging
 
 log = logging.getLogger(__name__)
 
@@ -35,15 +45,27 @@ class ARRunner:
     """An autoregressive model plus its sampler: sample where the model produced logits, let the model
     build the step's hand-off payloads from the sampled tokens while they are still on the device
     (`complete(requests, outputs, sampled rows, tokens)`, once per batch), then bring the tokens to the host.
-    A payload the model left as a device tensor comes back with them (one wait per step, not two)."""
+    A payload the model left as a device tensor comes back with them (one wait per step, not two).
+    `launch` issues a step and starts those copies; `collect` waits for them, so that a stage with async
+    scheduling issues the next step in between."""
 
     def __init__(self, model: Any, sampler: Sampler, masks: GrammarMasks | None = None):
         self.model = model
         self.sampler = sampler
         self.masks = masks  # constrained decoding (requests with a `constraint`); None: the stage has none
         self.waited_s = 0.0  # seconds waiting for the device's sampled tokens
+        self.staging = HostStaging(model.device)
+
+    @property
+    def can_schedule_ahead(self) -> bool:
+        """A step may be issued before the last one's tokens reach the host: the model takes its input tokens
+        from the device (`reads_device_tokens`) and no grammar has to see them first."""
+        return getattr(self.model, "reads_device_tokens", False) and self.masks is None
 
     def run(self, batch: Batch) -> list[StepOutput]:
+        return self.collect(self.launch(batch))
+
+    def launch(self, batch: Batch) -> InFlight:
         outs = self.model.run(batch)
         rows = [i for i, o in enumerate(outs) if o.logits is not None]
         reqs = [batch.requests[i] for i in rows]
@@ -53,37 +75,51 @@ class ARRunner:
             bitmask = self.masks.fill(constraints) if self.masks is not None else None
             tokens = self.sampler(torch.stack([outs[i].logits for i in rows]), [r.sampling for r in reqs],
                                   [r.output_ids for r in reqs], [r.generator for r in reqs], [r.slot for r in reqs],
-                                  bitmask)
+                                  bitmask, [r.num_pending for r in reqs])
         complete = getattr(self.model, "complete", None)
         if complete is not None:
             for o, payload in zip(outs, complete(batch.requests, outs, rows, tokens)):
                 o.payload = payload
-        self._fetch(outs, rows, tokens)
-        if rows and self.masks is not None:
-            self.masks.accept(constraints, [outs[i].token for i in rows])
-        return outs
-
-    def _fetch(self, outs: list[StepOutput], rows: list[int], tokens: torch.Tensor | None) -> None:
-        """The sampled tokens, and the payloads that are device tensors, to the host in one wait."""
         carried = [i for i, o in enumerate(outs) if isinstance(o.payload, torch.Tensor)]
         values = ([tokens] if rows else []) + ([torch.stack([outs[i].payload for i in carried])] if carried else [])
-        if not values:
-            return
+        return InFlight(outs, rows, carried, constraints, self.staging.start_fetch(*values))
+
+    def collect(self, step: InFlight) -> list[StepOutput]:
+        """The step's sampled tokens, and its payloads that are device tensors, on the host (one wait)."""
         started = time.perf_counter()
-        fetched = self.sampler.fetch(*values)
+        fetched = step.fetch.wait()
         self.waited_s += time.perf_counter() - started
-        fetched = fetched if len(values) > 1 else [fetched]
+        outs, rows, carried = step.outputs, step.rows, step.carried
+        fetched = fetched if rows and carried else [fetched]
         for i, t in zip(rows, fetched[0] if rows else ()):
             outs[i].token = t
         for i, p in zip(carried, fetched[-1] if carried else ()):
             outs[i].payload = p
+        if rows and self.masks is not None:
+            self.masks.accept(step.constraints, [outs[i].token for i in rows])
+        return outs
+
+
+@dataclass(slots=True)
+class InFlight:
+    """A step issued to the device whose tokens (and device payloads) are on their way to the host."""
+
+    outputs: list[StepOutput]
+    rows: list[int]  # the outputs that sampled a token
+    carried: list[int]  # the outputs whose payload is a device tensor coming back with the tokens
+    constraints: list[Any]  # the sampled rows' grammars, to advance once the tokens are known
+    fetch: Fetch
 
 
 class Stage:
     def __init__(self, name: str, scheduler: Any, runner: Any, on_step: StepSink,
                  on_input: Callable[[StageRequest, Any], None] | None = None,
-                 on_input_done: Callable[[Stage, StageRequest], None] | None = None, stream: Any = None):
+                 on_input_done: Callable[[Stage, StageRequest], None] | None = None, stream: Any = None,
+                 schedules_ahead: bool = False):
         self.name = name
+        self.schedules_ahead = schedules_ahead  # async scheduling: issue step n+1 before step n's tokens land
+        self._inflight: tuple[Batch, InFlight] | None = None  # the step issued and not yet landed
+        self._stopping = False
         self.stream = stream  # the device stream this stage's kernels go to (None: the CPU)
         self.scheduler = scheduler
         self.runner = runner
@@ -96,6 +132,7 @@ class Stage:
         self.busy_s = 0.0  # seconds inside steps (host work + waiting for the device), for /metrics
         self.decode_busy_s = 0.0  # the part of busy_s in decode steps (the rest: prefill chunks)
         self.num_decode_steps = 0
+        self.num_steps_ahead = 0  # steps issued while the one before was still in flight (async scheduling)
         self._synced_s = 0.0  # waiting for the stream at the end of steps
         self._inbox: queue.SimpleQueue[StageMessage | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name=f"omnirt-{name}", daemon=True)
@@ -149,33 +186,75 @@ class Stage:
             self._run_loop()
 
     def _run_loop(self) -> None:
-        while True:
-            if not self._drain(block=False):
-                return
+        while self._drain(block=False):
             batch = self.scheduler.schedule()
-            if batch is None or not batch.requests:
-                if not self._drain(block=True):
-                    return
-                continue
-            self._step(batch)
+            if batch is not None and batch.requests:
+                self._step(batch)
+            elif self._inflight is not None:  # nothing new to issue: the step in flight lands
+                started = time.perf_counter()
+                self._land()
+                self.busy_s += time.perf_counter() - started
+            elif not self._drain(block=True):
+                return
 
     def _step(self, batch: Batch) -> None:
+        """Run a step. With async scheduling it is issued, and the step before it lands (its tokens to the
+        host, its results applied and routed) while this one runs on the device; otherwise it runs to its end
+        and lands at once."""
         self.batch_size_counts[len(batch.requests)] += 1
         started = time.perf_counter()
-        batch, outputs = self._run_isolating(batch)
+        issued = self._launch(batch) if self.schedules_ahead else None
+        if issued is None:
+            self._land()
+            batch, outputs = self._run_isolating(batch)
+            self.scheduler.launched(batch)
+            self._apply_step(batch, outputs)
+        else:
+            self.scheduler.launched(batch)
+            self.num_steps_ahead += self._inflight is not None
+            self._land()
+            self._inflight = (batch, issued)
         elapsed = time.perf_counter() - started
         self.busy_s += elapsed
         if not batch.is_prefill:
             self.decode_busy_s += elapsed
             self.num_decode_steps += 1
+
+    def _launch(self, batch: Batch) -> InFlight | None:
+        """Issue a step without waiting for it; None if that raised (it then runs on its own, isolating failures)."""
+        try:
+            return self.runner.launch(batch)
+        except Exception as exc:
+            log.warning("%s: issuing a batch of %d failed (%s); running it again on its own", self.name,
+                        len(batch.requests), exc)
+            return None
+
+    def _land(self) -> None:
+        """The step in flight, if any: wait for its tokens and apply them."""
+        if self._inflight is None:
+            return
+        (batch, issued), self._inflight = self._inflight, None
+        try:
+            outputs = self.runner.collect(issued)
+        except Exception as exc:
+            log.exception("%s: a step of %d failed on the device", self.name, len(batch.requests))
+            self._fail(batch.requests, f"{type(exc).__name__} in {self.name} stage")
+            return
+        self._apply_step(batch, outputs)
+
+    def _apply_step(self, batch: Batch, outputs: list[StepOutput]) -> None:
+        """A step's results to the scheduler, then to `on_step`. Messages that came meanwhile are applied first,
+        so an abort during the step wins; requests that ended before the step's results came (aborted, or by
+        the step before it) report nothing of it."""
         if not batch.requests or not self._drain(block=False):
             return
+        live = [not r.status.is_finished for r in batch.requests]
         finished = self.scheduler.update(batch, outputs)
         self.num_steps += 1
         for req in finished:
             self.requests.pop(req.request_id, None)
         self.on_step(self.name, StepResult([Output(r.request_id, o.token, o.payload)
-                                            for r, o in zip(batch.requests, outputs)],
+                                            for r, o, ok in zip(batch.requests, outputs, live) if ok],
                                            [_finish(r) for r in finished], self._new_hits()))
 
     def _new_hits(self) -> list[tuple[str, int]]:
@@ -216,15 +295,17 @@ class Stage:
 
     def _drain(self, block: bool) -> bool:
         """Apply queued messages; False once stop was asked."""
-        while True:
+        while not self._stopping:
             try:
                 msg = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
             except queue.Empty:
                 return True
             if msg is None:
-                return False
+                self._stopping = True
+                break
             self._apply(msg)
             block = False
+        return False
 
     def _apply(self, msg: StageMessage) -> None:
         if msg.command is Command.ADD:
@@ -260,6 +341,9 @@ def _finish(req: StageRequest) -> Finish:
 
 def build_stage(name: str, cfg: Any, models: Any, on_step: StepSink) -> Stage:
     """Stage `name` of the models' graph, in this process, reporting its steps to `on_step`."""
-    parts = models.graph.node(name).build(cfg, models)
+    parts, sc = models.graph.node(name).build(cfg, models), cfg.stage(name)
+    if sc.async_scheduling and not getattr(parts.runner, "can_schedule_ahead", False):
+        raise ProfileError(f"stages[{sc.stage_id}].async_scheduling: the {name} stage cannot issue a step before "
+                           "the last one's tokens reach the host (its model reads them there, or a grammar must)")
     return Stage(name, parts.scheduler, parts.runner, on_step, parts.on_input, parts.on_input_done,
-                 stream=models.platform.stage_stream())
+                 stream=models.platform.stage_stream(), schedules_ahead=sc.async_scheduling)

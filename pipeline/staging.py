@@ -4,12 +4,13 @@ and a step's sampled tokens back the same way.
 `torch.tensor(values, device=cuda)` copies from pageable memory: the host thread waits about 200 µs per
 call, and a c=64 round on the H200 spent 2.3 s in such copies. `HostStaging` writes the values into a
 preallocated pinned buffer and issues one asynchronous copy per call into a device buffer of the same
-size. Regions of both are reused round-robin. That is safe because a stage synchronizes its stream at
-the end of every step (`Stage._run_isolating`), so a region is reused only after the step that wrote
-it has finished, as long as one step stages less than the capacity (a larger call falls back to a
-plain copy). Back to the host, `fetch` copies into a reused pinned buffer and waits on an event recorded
-after that copy, not on the whole stream. One `HostStaging` per stage model or sampler: it is used from that
-stage's thread only.
+size. Regions of both are reused round-robin. That is safe because a stage waits for every step's results
+before it issues the step after the next one (`pipeline/stage.py`): a region is reused only once the ring
+has gone round, after the step that wrote it has finished, as long as two steps together stage less than
+the capacity (a c=64 Talker step stages a few hundred values; a call over the capacity falls back to a
+plain copy). Back to the host, `start_fetch` copies into pinned memory and records an event after the
+copy; `Fetch.wait()` waits on that event, not on the whole stream. One `HostStaging` per stage model or
+sampler: it is used from that stage's thread only.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ class HostStaging:
         self.capacity = capacity
         self._buffers: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
         self._offsets: dict[torch.dtype, int] = {}
-        self._fetched: dict[torch.dtype, torch.Tensor] = {}
+        self._fetched: dict[torch.dtype, torch.Tensor] = {}  # [2, FETCH_CAPACITY] each: two fetches in flight
+        self._half = 0
 
     def tensors(self, *rows: Sequence, dtype: torch.dtype = torch.long) -> list[torch.Tensor]:
         """Each sequence of numbers as a 1-D device tensor, all through one copy."""
@@ -64,28 +66,44 @@ class HostStaging:
         return self.tensors(values, dtype=dtype)[0]
 
     def fetch(self, *values: torch.Tensor) -> list:
-        """Device tensors' values as lists (the list itself for one tensor): asynchronous copies into pinned
-        memory, then one wait for all of them."""
+        """Device tensors' values as lists (the list itself for one tensor), in one wait."""
+        return self.start_fetch(*values).wait()
+
+    def start_fetch(self, *values: torch.Tensor) -> Fetch:
+        """Asynchronous copies of device tensors into pinned memory; `wait()` on the result gives their values.
+        The pinned buffers alternate between two halves, so one fetch may be in flight while the next starts
+        (a stage with async scheduling has at most two). With no values the event alone marks the step's end."""
         if self.device.type == "cpu" or sum(v.numel() for v in values) > FETCH_CAPACITY:
-            out = [v.tolist() for v in values]
-        else:
-            hosts, offsets = [], {}
-            for v in values:
-                if v.dtype not in self._fetched:
-                    self._fetched[v.dtype] = torch.empty(FETCH_CAPACITY, dtype=v.dtype, pin_memory=True)
-                start = offsets.get(v.dtype, 0)
-                offsets[v.dtype] = start + v.numel()
-                host = self._fetched[v.dtype][start:start + v.numel()].view(v.shape)
-                host.copy_(v, non_blocking=True)
-                hosts.append(host)
-            done = torch.Event(device=self.device)
-            done.record()
-            done.synchronize()
-            out = [h.tolist() for h in hosts]
-        return out[0] if len(out) == 1 else out
+            return Fetch(list(values), None)
+        hosts, offsets = [], {}
+        self._half ^= 1
+        for v in values:
+            if v.dtype not in self._fetched:
+                self._fetched[v.dtype] = torch.empty(2, FETCH_CAPACITY, dtype=v.dtype, pin_memory=True)
+            start = offsets.get(v.dtype, 0)
+            offsets[v.dtype] = start + v.numel()
+            host = self._fetched[v.dtype][self._half, start:start + v.numel()].view(v.shape)
+            host.copy_(v, non_blocking=True)
+            hosts.append(host)
+        done = torch.Event(device=self.device)
+        done.record()
+        return Fetch(hosts, done)
 
     def _buffers_for(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if dtype not in self._buffers:
             self._buffers[dtype] = (torch.empty(self.capacity, dtype=dtype, pin_memory=True),
                                     torch.empty(self.capacity, dtype=dtype, device=self.device))
         return self._buffers[dtype]
+
+
+class Fetch:
+    """Values on their way to the host: `wait()` blocks on the copies (not the whole stream) and lists them."""
+
+    def __init__(self, tensors: list[torch.Tensor], done: torch.Event | None):
+        self.tensors, self.done = tensors, done
+
+    def wait(self) -> list:
+        if self.done is not None:
+            self.done.synchronize()
+        out = [t.tolist() for t in self.tensors]
+        return out[0] if len(out) == 1 else out

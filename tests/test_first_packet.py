@@ -35,6 +35,7 @@ def _step(s: Scheduler):
     batch = s.schedule()
     if batch is not None:
         done = [r.num_computed_tokens + n >= r.num_prompt_tokens for r, n in zip(batch.requests, batch.num_new_tokens)]
+        s.launched(batch)
         s.update(batch, [StepOutput(token=1 if d else None) for d in done])
     return batch
 

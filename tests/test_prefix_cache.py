@@ -68,8 +68,10 @@ def _run(s: Scheduler, req: StageRequest, token: int = 5) -> None:
     s.add(req)
     while not req.status.is_finished:
         batch = s.schedule()
-        s.update(batch, [StepOutput(token=token if not r.is_prefill or n + r.num_computed_tokens >= r.num_prompt_tokens
-                                    else None) for r, n in zip(batch.requests, batch.num_new_tokens)])
+        outs = [StepOutput(token=token if n + r.num_computed_tokens >= r.num_prompt_tokens else None)
+                for r, n in zip(batch.requests, batch.num_new_tokens)]
+        s.launched(batch)
+        s.update(batch, outs)
 
 
 def test_a_prompt_that_extends_a_resident_slot_takes_it_over_and_prefills_the_rest():
@@ -132,19 +134,24 @@ def test_resident_slots_give_way_to_new_requests_least_recently_used_first():
     assert c.slot == slot_a and c.num_cached_tokens == 0 and [h.key[0] for h in kv.resident.values()] == [2]
 
 
-def test_an_abort_during_a_step_parks_only_what_was_computed_before_it_and_a_failure_parks_nothing():
+def test_an_abort_during_a_step_parks_what_was_issued_up_to_it_and_a_failure_parks_nothing():
+    """A step's KV writes are on the stream before anything a later step reads, so a slot parked while the
+    step runs (an abort that lands meanwhile) holds the positions it was issued for; not those never issued."""
     kv, s = _setup()
     req = _req("a", list(range(20)))  # prefill chunks of 8
     s.add(req)
-    s.update(s.schedule(), [StepOutput()])
-    batch = s.schedule()  # the second chunk runs; the abort lands before its results are applied
+    batch = s.schedule()
+    s.launched(batch)
+    s.update(batch, [StepOutput()])
+    batch = s.schedule()  # the second chunk is issued; the abort lands before its results are applied
+    s.launched(batch)
     s.finish(req, RequestStatus.FINISHED_ABORTED)
     s.update(batch, [StepOutput()])
-    assert [h.key.tolist() for h in kv.resident.values()] == [list(range(8))]
-    failed = _req("b", list(range(8)) + [50])
+    assert [h.key.tolist() for h in kv.resident.values()] == [list(range(16))]
+    failed = _req("b", list(range(16)) + [50])
     s.add(failed)
     s.schedule()
-    assert failed.num_cached_tokens == 8
+    assert failed.num_cached_tokens == 16
     s.finish(failed, RequestStatus.FINISHED_ERROR)
     assert not kv.resident and kv.num_free_slots == kv.num_slots
 

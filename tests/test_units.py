@@ -44,6 +44,7 @@ def test_scheduler_chunked_prefill_alternates_with_decode():
     s.add(short)
     batch = s.schedule()
     assert batch.is_prefill and batch.num_new_tokens == [4]
+    s.launched(batch)
     s.update(batch, [StepOutput(token=1)])
     s.add(long_)
     kinds = []
@@ -51,6 +52,7 @@ def test_scheduler_chunked_prefill_alternates_with_decode():
         batch = s.schedule()
         kinds.append(("P" if batch.is_prefill else "D", tuple(batch.num_new_tokens)))
         token = None if batch.is_prefill else 1
+        s.launched(batch)
         s.update(batch, [StepOutput(token=token) for _ in batch.requests])
     # the long prompt is chunked to the token budget and never stalls the decoder two steps in a row
     assert kinds[:4] == [("D", (1,)), ("P", (8,)), ("D", (1,)), ("P", (8,))]
@@ -66,6 +68,7 @@ def test_scheduler_respects_slots_and_eos():
         s.add(r)
     batch = s.schedule()
     assert len(batch.requests) == 2 and len(s.waiting) == 1  # only two slots
+    s.launched(batch)
     finished = s.update(batch, [StepOutput(token=7), StepOutput(token=3)])
     assert finished == [reqs[0]] and reqs[0].status is RequestStatus.FINISHED_STOPPED
     s.schedule()

@@ -95,11 +95,44 @@ def step_times(batches=(1, 16, 64), position: int = 300) -> None:
         print(f"step b={b}: " + ", ".join(f"{k} {v:.2f} ms" if v else f"{k} -" for k, v in ms.items()), flush=True)
 
 
+def watch_syncs() -> None:
+    """DIAG_SYNC=1: every operation that makes the host wait for the device warns, with the stack that did it."""
+    import traceback
+    import warnings
+
+    import torch
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        stack = "".join(traceback.format_stack(limit=8)[:-2])
+        print(f"SYNC {category.__name__}: {message}\n{stack}", file=sys.stderr, flush=True)
+
+    warnings.showwarning = show
+    torch.cuda.set_sync_debug_mode("warn")
+
+
+async def sampled_round(c: int) -> list:
+    """One round of c requests; with DIAG_STACKS, the stage threads' stacks sampled throughout (stacks-c{c}.txt)."""
+    sampler = None
+    if os.environ.get("DIAG_STACKS"):
+        from loadtest.stack_sampler import StackSampler
+
+        sampler = StackSampler()
+        sampler.start()
+    res = await asyncio.gather(*(one(100 * c + i, 145) for i in range(c)))
+    if sampler is not None:
+        sampler.stop()
+        with open(os.path.join(os.environ.get("OUT", "/tmp"), f"stacks-c{c}.txt"), "w") as f:
+            f.write(sampler.report())
+    return res
+
+
 async def main() -> None:
     print("warm-up: ttfp %.3fs total %.2fs audio %.2fs" % await one(0, 20), flush=True)
+    if os.environ.get("DIAG_SYNC"):
+        watch_syncs()
     for c in [int(x) for x in os.environ.get("DIAG_CONC", "1 16 64").split()]:
         t, before = time.perf_counter(), stage_stats()
-        res = await asyncio.gather(*(one(100 * c + i, 145) for i in range(c)))
+        res = await sampled_round(c)
         wall = time.perf_counter() - t
         ttfp = sorted(r[0] for r in res)
         rtf = sum(r[1] / max(r[2], 1e-9) for r in res) / c

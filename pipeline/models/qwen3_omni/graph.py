@@ -67,7 +67,7 @@ def _talker_may_step(talker, async_chunk: bool, req: StageRequest) -> bool:
             return False
         req.num_prompt_tokens = talker.build_prompt(st)
         return True
-    return req.is_prefill or talker.can_decode(st, len(req.output_ids) - 1)
+    return req.is_prefill or talker.can_decode(st, req.num_outputs - 1)
 
 
 def _thinker_done(talker, stage, req: StageRequest) -> None:

@@ -57,6 +57,8 @@ class TalkerState:
 
 
 class TalkerModel:
+    reads_device_tokens = True  # decode steps take the last sampled codes from `last_codes`
+
     def __init__(self, talker, config, kv: SlotKVCache, predictor_kv: SlotKVCache, special_rows: torch.Tensor,
                  platform: Platform, max_num_seqs: int, enforce_eager: bool = True, graph_moe: str | None = None,
                  compile_step: bool = False):
@@ -76,6 +78,9 @@ class TalkerModel:
         hidden = self.tc.text_config.hidden_size
         # last-layer hidden state of each slot's last position: the code predictor's first input
         self.past_hidden = torch.zeros(kv.num_slots + 1, hidden, dtype=talker.dtype, device=self.device)
+        # each slot's last sampled code (the next frame's first): decode steps read it here, not from the host,
+        # so a step can be issued before the last one's tokens land (async scheduling)
+        self.last_codes = torch.zeros(kv.num_slots + 1, dtype=torch.long, device=self.device)
         with torch.inference_mode():
             bos, eos, pad = talker.text_projection(special_rows.unsqueeze(0)).chunk(3, dim=1)
         self.tts_bos, self.tts_eos, self.tts_pad = bos[0, 0], eos[0, 0], pad[0, 0]
@@ -182,12 +187,12 @@ class TalkerModel:
     def _decode(self, reqs, starts: list[int]) -> list[StepOutput]:
         """Complete each request's pending frame (code predictor), then one talker step on it."""
         n = len(reqs)
-        slots, code0, positions, rope = self.staging.tensors(
-            [r.slot for r in reqs], [r.output_ids[-1] for r in reqs], starts,
-            [s + r.state.rope_delta for r, s in zip(reqs, starts)])
+        slots, positions, rope = self.staging.tensors(
+            [r.slot for r in reqs], starts, [s + r.state.rope_delta for r, s in zip(reqs, starts)])
         greedy = self.staging.tensor([r.sampling.is_greedy for r in reqs], torch.bool)
         codes, code_sum = self.predictor_graphs.run(
-            n, None, {"past": self.past_hidden[slots], "code0": code0, "greedy": greedy}, {"greedy": 1})
+            n, None, {"past": self.past_hidden[slots], "code0": self.last_codes[slots], "greedy": greedy},
+            {"greedy": 1})
         embeds = (code_sum + self._trailing_rows(reqs)).unsqueeze(1)
         hidden, logits = self.decode_graphs.run(
             n, max(starts) + 1, {"embeds": embeds, "slots": slots, "positions": positions, "rope_pos": rope},
@@ -195,6 +200,13 @@ class TalkerModel:
         self.past_hidden[slots] = hidden
         # the frames stay on the device: they come to the host with the sampled tokens, in one wait
         return [StepOutput(logits=row, payload=frame) for row, frame in zip(logits, codes)]
+
+    def complete(self, reqs, outs: list[StepOutput], sampled: list[int],
+                 tokens: torch.Tensor | None) -> list[torch.Tensor | None]:
+        """Keep each sampled code as its slot's next input, on the device; the payloads stay the frames."""
+        if sampled:
+            self.last_codes[self.staging.tensor([reqs[i].slot for i in sampled])] = tokens
+        return [o.payload for o in outs]
 
     def _decode_step(self, kv_len, embeds, slots, positions, rope_pos) -> tuple[torch.Tensor, torch.Tensor]:
         """One talker token per row (kv_len: the dense copy's length): returns (last hidden, codec logits)."""
@@ -207,7 +219,7 @@ class TalkerModel:
         """Each request's text row for this step: gen[step+1] projected, then tts_eos, then tts_pad."""
         rows, text = [], []
         for r in reqs:
-            st, step = r.state, len(r.output_ids) - 1
+            st, step = r.state, r.num_outputs - 1
             n = len(st.text_rows)
             if step + 1 < n - 1 or (not st.thinker_done and step + 1 < n):
                 text.append(len(rows))
