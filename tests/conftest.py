@@ -25,7 +25,7 @@ FAST_MODULES = {"test_batching", "test_config", "test_cudagraph", "test_parity",
                 "test_realtime_units", "test_transport", "test_units", "test_webrtc_track", "test_engine_core",
                 "test_truncation", "test_access_units", "test_api_units", "test_prefix_cache", "test_memory_plan",
                 "test_prompt", "test_report_stats", "test_realtime_transcription", "test_grammar",
-                "test_vocoder_parity", "test_first_packet", "test_pacing", "test_snake_conv"}
+                "test_vocoder_parity", "test_first_packet", "test_pacing", "test_snake_conv", "test_async_scheduling"}
 
 
 def pytest_collection_modifyitems(config, items):
