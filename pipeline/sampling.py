@@ -137,26 +137,22 @@ class Sampler:
             logits = torch.where(seen, torch.where(logits < 0, logits * pen, logits / pen), logits)
         free = [True] * len(params) if bitmask is None else (bitmask != -1).any(-1).logical_not().tolist()
         early = [n < p.min_tokens and f for p, n, f in zip(params, counts, free)]
-        if any(early) and self.eos_ids:
-            rows, eos = put([i for i, e in enumerate(early) if e]), self._eos_ids(device)
-            logits[rows[:, None], eos[None, :]] = float("-inf")
+        if any(early) and self.eos_ids:  # a fill by masks: indexed stores of a Python scalar copy it from the host
+            held = put(early, torch.bool)[:, None] & self._mask(self._eos, self.eos_ids, device)
+            logits = logits.masked_fill(held, float("-inf"))
         if self.suppress_ids:
-            logits = logits.masked_fill(self._suppress_mask(device), float("-inf"))
+            logits = logits.masked_fill(self._mask(self._suppress, self.suppress_ids, device), float("-inf"))
         if bitmask is not None:
             logits = apply_token_bitmask(logits, self._staging_for(device).copy(bitmask))
         return logits
 
-    def _eos_ids(self, device: torch.device) -> torch.Tensor:
-        if device not in self._eos:
-            self._eos[device] = torch.tensor(self.eos_ids, device=device)
-        return self._eos[device]
-
-    def _suppress_mask(self, device: torch.device) -> torch.Tensor:
-        if device not in self._suppress:
+    def _mask(self, cache: dict[torch.device, torch.Tensor], ids: list[int], device: torch.device) -> torch.Tensor:
+        """[vocab] bool, True at `ids`, on `device` (made once)."""
+        if device not in cache:
             mask = torch.zeros(self.vocab_size, dtype=torch.bool)
-            mask[self.suppress_ids] = True
-            self._suppress[device] = mask.to(device)
-        return self._suppress[device]
+            mask[ids] = True
+            cache[device] = mask.to(device)
+        return cache[device]
 
 
 def _seen_mask(logits: torch.Tensor, histories: list[list[int]], put: Put) -> torch.Tensor:
@@ -197,10 +193,12 @@ class SeenTokens:
             new_tokens.extend(hist[counted:])
             self._owner[slot] = (hist, len(hist))
         rows, cleared_rows, new_rows, new_ids = staging.tensors(slots, cleared, new_slots, new_tokens)
+        # index_fill_ takes its value as a kernel argument: `rows[i] = False` would copy a host scalar and make
+        # the thread wait for the device, every step (which undoes async scheduling)
         if cleared:
-            self.rows[cleared_rows] = False
+            self.rows.index_fill_(0, cleared_rows, False)
         if new_tokens:
-            self.rows[new_rows, new_ids] = True
+            self.rows.view(-1).index_fill_(0, new_rows * self.vocab_size + new_ids, True)
         self._last_rows = rows
         return self.rows[rows]
 
@@ -208,7 +206,7 @@ class SeenTokens:
         """The tokens just sampled for the slots of the last `mask` call, set on the device (their histories
         get them later; setting a token twice changes nothing)."""
         if self._last_rows is not None:
-            self.rows[self._last_rows, tokens] = True
+            self.rows.view(-1).index_fill_(0, self._last_rows * self.vocab_size + tokens, True)
             self._last_rows = None
 
 

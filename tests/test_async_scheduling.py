@@ -14,7 +14,6 @@ from pipeline.sampling import SamplingParams
 from pipeline.scheduler import Scheduler, StepOutput
 from tests.conftest import ROOT
 
-MAX_FRAMES = 40
 PROMPTS = ["Tell me a story about a dragon.", "Hello there, how are you?", "Numbers 1 2 3 4 5",
            "A brave knight and a castle", "Quick brown fox jumps", "What is the weather like?"]
 
@@ -23,7 +22,7 @@ async def _reply(engine, req: OmniRequest):
     return await collect_reply(await engine.submit(req))
 
 
-async def _replies(ahead: bool, talker_sampling: dict):
+async def _replies(ahead: bool, talker_sampling: dict, max_frames: int = 40):
     """Six concurrent replies on the tiny engine; with what the Talker stage reported, in order (its outputs and
     its finishes, per request)."""
     from pipeline.config import load_profile
@@ -48,7 +47,7 @@ async def _replies(ahead: bool, talker_sampling: dict):
     try:
         reqs = [OmniRequest(f"r{i}", [{"role": "user", "content": t}], ("text", "audio"),
                             thinker_sampling={"max_tokens": 8 + i},
-                            talker_sampling={"max_tokens": MAX_FRAMES + 3 * i, **talker_sampling})
+                            talker_sampling={"max_tokens": max_frames + 3 * i, **talker_sampling})
                 for i, t in enumerate(PROMPTS)]
         replies = await asyncio.gather(*(_reply(engine, r) for r in reqs))
         return [(r.text, r.pcm16, r.finished.usage.audio_frames) for r in replies], talker.num_steps_ahead, reported
@@ -72,16 +71,19 @@ async def test_a_reply_that_the_codec_eos_ends_gets_no_frame_of_the_step_issued_
     """Sampled codes (the code predictor draws from the device's generator, so replies depend on the batches
     and are compared by invariants, not with a synchronous run): each request's Talker outputs end with its
     finish, an EOS-ended one with EOS, and it handed Code2Wav one frame per decode step before its end."""
-    replies, ahead, reported = await _replies(True, {"temperature": 1.0, "top_k": 0, "repetition_penalty": 1.05})
+    # replies of up to 100 codes: at 40, 2 to 4 of the 6 ended by EOS in runs here; at 100 the chance that
+    # none does is far below 1 in 10 000
+    replies, ahead, reported = await _replies(True, {"temperature": 1.0, "top_k": 0, "repetition_penalty": 1.05},
+                                              max_frames=100)
     assert ahead > 0
     eos = 0
     for i, (_, _, frames) in enumerate(replies):
         *tokens, fin = reported[f"r{i}"]
-        assert isinstance(fin, Finish) and fin.num_output_tokens == len(tokens) > 1
+        assert isinstance(fin, Finish) and fin.num_output_tokens == len(tokens) >= 1
         assert frames == len(tokens) - 1  # the prefill's token starts the first frame; no frame after the last
         if fin.status is RequestStatus.FINISHED_STOPPED:
             eos += 1
-            assert len(tokens) < MAX_FRAMES + 3 * i and tokens.count(tokens[-1]) == 1  # EOS, once, at the end
+            assert len(tokens) <= 100 + 3 * i and tokens.count(tokens[-1]) == 1  # EOS, once, at the end
     assert eos > 0  # some replies did end by EOS, with steps of theirs in flight
 
 

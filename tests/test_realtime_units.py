@@ -172,7 +172,8 @@ async def test_barge_in_through_an_audio_sink(engine, tmp_path):
     await session.response.wait()
     steps = engine.stage("talker").num_steps, engine.stage("code2wav").num_steps
     await asyncio.sleep(0.5)
-    assert engine.stage("talker").num_steps - steps[0] <= 1 and engine.stage("code2wav").num_steps - steps[1] <= 1
+    # at most the steps already issued when the abort came: the Talker schedules ahead, so two (one in flight)
+    assert engine.stage("talker").num_steps - steps[0] <= 2 and engine.stage("code2wav").num_steps - steps[1] <= 1
     assert engine.num_free_slots() == engine.num_slots()
     await session.close()
     await reader

@@ -22,7 +22,7 @@ if has diag; then
       --deploy-config deploy/qwen3_omni_moe_1gpu.yaml ${SERVE[$v]} > "$OUT/diag-$v.txt" 2> "$OUT/diag-$v.log"
     echo "diag $v rc=$?"; cat "$OUT/diag-$v.txt"; grep -E "Error|Traceback" "$OUT/diag-$v.log" | head -3
     echo "$v: $(grep -c '^SYNC' "$OUT/diag-$v.log") synchronizing operations reported"
-    for f in "$OUT"/stacks-c*.txt; do [ -f "$f" ] && mv "$f" "${f%.txt}-$v.txt"; done
+    for c in ${DIAG_CONC:-1 16 64}; do [ -f "$OUT/stacks-c$c.txt" ] && mv "$OUT/stacks-c$c.txt" "$OUT/stacks-c$c-$v.txt"; done
   done
 fi
 if has bench; then
@@ -31,5 +31,5 @@ if has bench; then
     PT_LIMIT=${PT_LIMIT:-200} point "$v" "1 64" ${SERVE[$v]}
   done
 fi
-(cd "$OUT" && tar czf results.tgz --exclude 'diag-*.txt' --exclude results.tgz . && find . -type f ! -name 'diag-*.txt' \
-  ! -name results.tgz -delete)
+(cd "$OUT" && tar czf /tmp/results.tgz --exclude 'diag-*.txt' . && find . -type f ! -name 'diag-*.txt' -delete \
+  && mv /tmp/results.tgz .)

@@ -132,30 +132,32 @@ class TalkerModel:
     def build_prompt(self, st: TalkerState) -> int:
         """Assemble the talker prompt from the Thinker's prompt rows; returns its length."""
         cfg, tc = self.config, self.tc
-        ids = torch.tensor(st.prompt_ids, device=self.device)
+        # which rows are what, on the host (the ids are there): masks on the device would make this thread wait
+        # for its stream, where steps are in flight
+        ids = np.asarray(st.prompt_ids)
+        im_start = np.where(ids == cfg.im_start_token_id, np.arange(len(ids)), -1)
+        prev = np.maximum.accumulate(im_start).clip(min=0)
+        user = ids[np.minimum(prev + 1, len(ids) - 1)] == cfg.user_token_id
+        mm = np.isin(ids, [cfg.thinker_config.audio_token_id, cfg.thinker_config.image_token_id,
+                           cfg.thinker_config.video_token_id])
+        pad = cfg.tts_pad_token_id
+        mm_at, text_at, user_at, codec_ids, talker_ids = self.staging.tensors(
+            np.flatnonzero(mm).tolist(), np.flatnonzero(~mm).tolist(), np.flatnonzero(user).tolist(),
+            [tc.codec_nothink_id, tc.codec_think_bos_id, tc.codec_think_eos_id, st.speaker_id, tc.codec_pad_id,
+             tc.codec_bos_id], ids[user].tolist() + [pad] * NUM_ASSISTANT_PREFIX)
         embeds, hidden = torch.cat(st.embed_chunks), torch.cat(st.hidden_chunks)
-        pos = torch.arange(len(ids), device=self.device)
-        im_start = torch.where(ids == cfg.im_start_token_id, pos, torch.full_like(pos, -1))
-        prev = torch.cummax(im_start, 0).values.clamp_min(0)
-        user = ids[(prev + 1).clamp_max(len(ids) - 1)] == cfg.user_token_id
-        mm = (ids == cfg.thinker_config.audio_token_id) | (ids == cfg.thinker_config.image_token_id) | (
-            ids == cfg.thinker_config.video_token_id)
         rows = torch.empty(len(ids), tc.text_config.hidden_size, device=self.device, dtype=self.talker.dtype)
         if mm.any():
-            rows[mm] = self.talker.hidden_projection(hidden[mm])
-        rows[~mm] = self.talker.text_projection(embeds[~mm])
+            rows[mm_at] = self.talker.hidden_projection(hidden[mm_at])
+        rows[text_at] = self.talker.text_projection(embeds[text_at])
         a = max(i for i in range(len(ids) - 1)
                 if st.prompt_ids[i] == cfg.im_start_token_id and st.prompt_ids[i + 1] == cfg.assistant_token_id)
         head = self.talker.text_projection(torch.cat([embeds[a:a + 3], st.text_rows[0][None]]))
         text_track = torch.cat([head[:3], self.tts_pad.expand(4, -1), self.tts_bos[None], head[3:4]])
-        codec_ids = torch.tensor([tc.codec_nothink_id, tc.codec_think_bos_id, tc.codec_think_eos_id,
-                                  st.speaker_id, tc.codec_pad_id, tc.codec_bos_id], device=self.device)
         codec_track = torch.cat([torch.zeros(3, rows.shape[1], device=self.device, dtype=rows.dtype),
                                  self.stack.codec_embedding(codec_ids)])
-        st.prompt = torch.cat([rows[user], text_track + codec_track])
-        st.user_positions = np.flatnonzero(user.cpu().numpy())
-        talker_ids = torch.cat([ids[user], torch.full((NUM_ASSISTANT_PREFIX,), cfg.tts_pad_token_id,
-                                                      device=self.device)])
+        st.prompt = torch.cat([rows[user_at], text_track + codec_track])
+        st.user_positions = np.flatnonzero(user)
         st.position_ids, st.rope_delta = rope_positions(self.talker, talker_ids[None], st.audio_lengths,
                                                         st.image_grid_thw)
         return st.prompt.shape[0]
