@@ -65,6 +65,7 @@ class ARRunner:
     def run(self, batch: Batch) -> list[StepOutput]:
         return self.collect(self.launch(batch))
 
+    @torch.inference_mode()  # the models' buffers (their staging too) are inference tensors
     def launch(self, batch: Batch) -> InFlight:
         outs = self.model.run(batch)
         rows = [i for i, o in enumerate(outs) if o.logits is not None]
