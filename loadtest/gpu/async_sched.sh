@@ -6,7 +6,7 @@
 #          waits); the stage threads' sampled stacks per round (DIAG_STACKS=1, default) and, for `ahead`, every
 #          operation that made a thread wait for the device (DIAG_SYNC=1, default) -> diag-*.txt, results.tgz
 #   bench  `omnirt bench` at prompt 160, c=1 and c=64, a server per row of ROWS (default: ahead sync)
-# Everything else lands in $OUT/results.tgz (a call brings back 8 files at most).
+# Everything else lands in $OUT/results-PARTS.tgz (a call brings back 8 files at most).
 source loadtest/gpu/common.sh
 export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor
 PARTS=${PARTS:-diag bench}
@@ -31,5 +31,6 @@ if has bench; then
     PT_LIMIT=${PT_LIMIT:-200} point "$v" "1 64" ${SERVE[$v]}
   done
 fi
-(cd "$OUT" && tar czf /tmp/results.tgz --exclude 'diag-*.txt' . && find . -type f ! -name 'diag-*.txt' -delete \
-  && mv /tmp/results.tgz .)
+part="results-$(echo $PARTS | tr ' ' -).tgz"  # one archive per run, so that runs in one call add up
+(cd "$OUT" && tar czf "/tmp/$part" --exclude 'diag-*.txt' --exclude '*.tgz' . \
+  && find . -type f ! -name 'diag-*.txt' ! -name '*.tgz' -delete && mv "/tmp/$part" .)
