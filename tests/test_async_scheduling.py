@@ -31,7 +31,10 @@ async def _replies(ahead: bool, talker_sampling: dict, max_frames: int = 40):
     from pipeline.platform import get_platform
 
     cfg = load_profile(ROOT / "deploy" / "tiny.yaml", "cpu", {}, {"1": {"async_scheduling": ahead}})
-    engine = OmniEngine(cfg, load_models(cfg, get_platform("cpu")))
+    models = load_models(cfg, get_platform("cpu"))
+    with torch.inference_mode():  # as on CUDA, where the model's pinned staging buffers are made in inference mode:
+        models.talker.last_codes = models.talker.last_codes.clone()  # the runner must write them in it too
+    engine = OmniEngine(cfg, models)
     talker, reported = engine.stage("talker"), {}
     route = talker.on_step
 
