@@ -13,7 +13,13 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.models.qwen3_omni.code2wav import Code2WavModel, CodecWindow
-from pipeline.models.qwen3_omni.convolutions import PrecomputedSnakeBeta, TritonConv, TritonSnake
+from pipeline.models.qwen3_omni.convolutions import (
+    GemmTransConv,
+    PrecomputedSnakeBeta,
+    TritonConv,
+    TritonResidualUnit,
+    TritonSnake,
+)
 from pipeline.snake_conv import causal_conv, is_time_major, snake, time_major
 
 CUDA = torch.cuda.is_available()
@@ -99,6 +105,25 @@ def test_every_residual_unit_runs_as_three_kernels(vocoders):
     assert kinds.count(TritonSnake) == blocks * 3 + blocks + 1  # + one before each transposed conv, the last
     assert PrecomputedSnakeBeta not in kinds
     assert sum(m.alpha is not None for m in decoder.modules() if isinstance(m, TritonConv)) == blocks * 3
+
+
+@cpu_only
+def test_decoder_activations_stay_time_major_from_first_to_last_layer(vocoders, reference_model):
+    """Every transposed convolution is the GEMM form and every residual unit gets time-major input, so no layer
+    of the decoder copies its activations to another layout (the copies a cuDNN transposed convolution needs)."""
+    decoder = vocoders[1].code2wav.decoder
+    blocks = len(vocoders[1].code2wav.config.upsample_rates)
+    assert sum(isinstance(m, GemmTransConv) for m in decoder.modules()) == blocks
+    inputs = []
+    hooks = [m.register_forward_pre_hook(lambda _m, args: inputs.append(is_time_major(args[0])))
+             for m in decoder.modules() if isinstance(m, TritonResidualUnit)]
+    try:
+        size = reference_model.config.code2wav_config.codebook_size
+        vocoders[1].decode([CodecWindow(torch.randint(0, size, (5, 16)).tolist(), 0, True)])
+    finally:
+        for h in hooks:
+            h.remove()
+    assert inputs == [True] * blocks * 3
 
 
 @cpu_only

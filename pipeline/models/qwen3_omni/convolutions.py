@@ -12,8 +12,10 @@ output to the waveform, so no layer transposes:
 - `channels_last`: each Conv1d as a Conv2d of height 1 in channels_last memory format (cuDNN's NHWC kernels).
 - `triton`: each residual unit as three kernels, SnakeBeta in one pass, the dilated convolution with the second
   SnakeBeta in its epilogue, the 1x1 convolution with the residual in its epilogue (`pipeline/snake_conv.py`);
-  the decoder's other stride-1 convolutions and SnakeBetas as one kernel each. The residual units' activations
-  are time-major; the transposed and depthwise convolutions stay transformers'.
+  the decoder's other stride-1 convolutions and SnakeBetas as one kernel each; the transposed convolutions as
+  `gemm` has them, whose matmul takes time-major input and gives time-major output. So from the transformer's
+  output to the waveform no layer copies its activations to another layout; the depthwise convolutions before
+  the decoder stay transformers'.
 
 `native` leaves transformers' modules as they are. Every backend first precomputes SnakeBeta's exp(alpha) and
 1 / (exp(beta) + eps) once (`PrecomputedSnakeBeta`). LayerNorm and the other elementwise work keep whatever
@@ -93,7 +95,9 @@ class GemmTransConv(torch.nn.Module):
         n = self.num_blocks
         y = F.linear(x.transpose(1, 2), self.weight).view(batch, steps, n, self.stride, -1)
         # output block b sums input step b - j's j-th block; the causal trim drops n - 1 blocks at each end
-        out = sum(y[:, n - 1 - j: steps - j, j] for j in range(n)) + self.bias
+        out = y[:, n - 1:, 0] + self.bias
+        for j in range(1, n):
+            out += y[:, n - 1 - j: steps - j, j]
         return out.reshape(batch, (steps - n + 1) * self.stride, -1).transpose(1, 2)
 
 
@@ -163,8 +167,8 @@ def _snake_buffers(module: torch.nn.Module, activation: PrecomputedSnakeBeta | N
 
 class TritonResidualUnit(torch.nn.Module):
     """x + conv1x1(snake(conv_dilated(snake(x)))) as three kernels: SnakeBeta, the dilated convolution with the
-    second SnakeBeta in its epilogue, the 1x1 convolution with the residual in its epilogue; time-major (the first
-    unit after a transposed convolution lays its input out so, the rest of the block stays so)."""
+    second SnakeBeta in its epilogue, the 1x1 convolution with the residual in its epilogue; time-major (as the
+    GEMM transposed convolution before it leaves its output; an input laid out otherwise is copied once)."""
 
     def __init__(self, unit: Qwen3OmniMoeCode2WavDecoderResidualUnit):
         super().__init__()
@@ -208,7 +212,7 @@ _REWRITES: dict[str, dict[type, Callable[[torch.nn.Module], torch.nn.Module]]] =
     "channels_last": {Qwen3OmniMoeCausalConvNet: _channels_last_conv,
                       Qwen3OmniMoeCausalTransConvNet: ChannelsLastTransConv},
     "triton": {Qwen3OmniMoeCode2WavDecoderResidualUnit: TritonResidualUnit, Qwen3OmniMoeCausalConvNet: _triton_conv,
-               PrecomputedSnakeBeta: TritonSnake},
+               Qwen3OmniMoeCausalTransConvNet: _gemm_trans_conv, PrecomputedSnakeBeta: TritonSnake},
 }
 
 
