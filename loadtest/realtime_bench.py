@@ -306,7 +306,9 @@ def _session_update(args: argparse.Namespace, index: int) -> dict:
                            "create_response": args.mode != "no-responses"},
         "input_audio_format": "pcm16", "output_audio_format": "pcm16", "voice": args.voice,
         "modalities": ["text", "audio"],
-        "input_audio_transcription": {"model": args.model} if args.transcribe else None}}
+        "input_audio_transcription": {"model": args.model} if args.transcribe else None,
+        **({"max_response_output_tokens": args.reply_tokens} if args.reply_tokens else {}),
+        **({"talker_sampling": {"max_tokens": args.reply_frames}} if args.reply_frames else {})}}
 
 
 async def _client(index: int, sessions: list[int], args: argparse.Namespace, start_at: float) -> ClientResult:
@@ -537,6 +539,7 @@ def summarize(n: int, turns: list[dict], errors: list[str], args: argparse.Names
             "turns_without_audio": sum(t["first_audio"] is None for t in turns) if wants_audio else 0,
             "turns_without_speech_stopped": sum(t["speech_stopped"] is None for t in turns),
             "underruns": sum(t["underruns"] for t in turns) if args.mode == "full" else None,
+            "reply_audio_s": summary([t["audio_s"] for t in turns]) if args.mode == "full" else None,
             "errors": len(errors), "error_samples": errors[:5],
             "server_cpu_per_session": server_cpu / n if server_cpu is not None else None,
             "client_cpu": client_cpu, "by_turn": _by_turn(turns)}
@@ -670,6 +673,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=("cancel", "full", "no-responses"), default="cancel",
                    help="cancel: each reply is cancelled at its first audio; full: whole replies; no-responses: "
                         "the VAD alone")
+    p.add_argument("--reply-tokens", type=int, help="each reply's text at most this many tokens "
+                   "(max_response_output_tokens; default: the server's limit)")
+    p.add_argument("--reply-frames", type=int, help="each reply's speech at most this many codec frames (omnirt's "
+                   "session talker_sampling; 12.5 a second): with random weights a reply rarely ends by itself")
     p.add_argument("--transport", choices=("websocket", "webrtc"), default="websocket",
                    help="webrtc: each session is an aiortc call whose microphone track carries the speech")
     p.add_argument("--clients", type=int, default=4, help="client processes the sessions are spread over")

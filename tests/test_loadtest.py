@@ -70,24 +70,29 @@ def test_bench_writes_into_an_untracked_run_folder_by_default(server, tmp_path):
 
 
 @pytest.mark.parametrize(("mode", "transport"), [("cancel", "websocket"), ("no-responses", "websocket"),
-                                               ("cancel", "webrtc")])
+                                               ("cancel", "webrtc"), ("full", "websocket")])
 def test_bench_realtime_short_run(server, tmp_path, mode, transport):
     """`omnirt bench realtime`: 2 spoken sessions x (1 warm-up + 1 measured turn) over 2 client processes,
     over the WebSocket or as WebRTC calls; every turn is detected (and, with responses, answered with
-    audio), nothing fails, only measured turns count, and the report has its figures."""
+    audio), nothing fails, only measured turns count, and the report has its figures. Full replies are capped
+    (`--reply-frames`): none is longer than its frames' audio."""
     run = subprocess.run([sys.executable, "-m", "app.cli", "bench", "realtime", "--url", server.url, "--sessions", "2",
                           "--turns", "1", "--clients", "2", "--mode", mode, "--transport", transport, "--name", "rt",
-                          "--out", str(tmp_path)],
+                          "--out", str(tmp_path), *(["--reply-frames", "6", "--reply-tokens", "8"] if mode == "full"
+                                                    else [])],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
     row = json.loads((tmp_path / "rt.json").read_text())["results"][0]
-    assert row["turns"] == row["expected_turns"] == 2 and row["errors"] == 0, row
+    assert row["turns"] == row["expected_turns"] == 2 and row["errors"] == 0, row["error_samples"]
     assert row["turns_without_speech_stopped"] == 0 and row["vad_lag_ms"]["n"] == 2
     if mode == "cancel":
         assert row["turns_without_audio"] == 0 and row["response_ms"]["n"] == row["voice_to_voice_ms"]["n"] == 2
         (turn,) = row["by_turn"]  # the second turn of each conversation: its start was the first turn's
         assert turn["turn"] == 2 and turn["input_tokens"] > turn["cached_tokens"] > 0, turn
         assert row["prefill_tokens"]["thinker"]["cached"] > 0 and row["prefill_tokens"]["thinker"]["computed"] > 0
+    elif mode == "full":
+        assert row["turns_without_audio"] == 0 and row["underruns"] is not None
+        assert row["reply_audio_s"]["n"] == 2 and 0 < row["reply_audio_s"]["max"] <= 6 * 0.08 + 1e-6, row
     else:
         assert row["response_ms"]["n"] == 0  # no responses: the front end alone
     assert row["server_cpu_per_session"] is not None and row["client_cpu"] > 0

@@ -15,7 +15,13 @@ from app.audio.resample import LowDelayResampler, StreamResampler
 from app.audio.vad import WINDOW, TurnDetector, VadBatcher, VadConfig, VadStream
 from app.audio.wire import G711_ALAW, G711_ULAW, decode, encode
 from app.ops.limits import TokenBucket
-from app.realtime.config import SessionConfig, apply_session_update, initial_config, session_object
+from app.realtime.config import (
+    SessionConfig,
+    apply_session_update,
+    initial_config,
+    response_options,
+    session_object,
+)
 from app.realtime.conversation import Content, Conversation, Item
 from app.realtime.events import ProtocolError
 from app.realtime.input_buffer import BufferFull, InputBuffer, TurnEnded, TurnStarted
@@ -94,6 +100,22 @@ def test_session_update_accepts_both_generations():
         with pytest.raises(ProtocolError) as err:
             apply_session_update(cfg, bad, VOICES)
         assert err.value.param == param
+
+
+def test_session_talker_sampling_is_every_responses_default_unless_it_sets_its_own():
+    """omnirt's extension: speech sampling for the whole session (server VAD creates its responses, so a client
+    has no response.create to put it in)."""
+    cfg = apply_session_update(SessionConfig(model="tiny", voice="ethan"), {"talker_sampling": {"max_tokens": 30}},
+                               VOICES)
+    assert response_options(cfg, None, VOICES).talker_sampling == {"max_tokens": 30}
+    assert response_options(cfg, {"talker_sampling": {"top_k": 5}}, VOICES).talker_sampling == {"top_k": 5}
+    assert session_object(cfg, "s", beta=False)["talker_sampling"] == {"max_tokens": 30}
+    cleared = apply_session_update(cfg, {"talker_sampling": None}, VOICES)
+    assert response_options(cleared, None, VOICES).talker_sampling is None
+    assert "talker_sampling" not in session_object(cleared, "s", beta=True)
+    with pytest.raises(ProtocolError) as err:
+        apply_session_update(cfg, {"talker_sampling": 3}, VOICES)
+    assert err.value.param == "session.talker_sampling"
 
 
 def test_truncate_cuts_the_transcript_at_the_played_fraction():

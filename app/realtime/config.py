@@ -29,7 +29,7 @@ _UNSERVED = {"prompt": (None,), "include": (None, []), "speed": (None, 1.0)}
 SESSION_FIELDS = rule(
     ("audio", "instructions", "output_modalities", "modalities", "voice", "input_audio_format", "output_audio_format",
      "turn_detection", "temperature", "max_output_tokens", "max_response_output_tokens", "model", "truncation",
-     "input_audio_transcription", "tools", "tool_choice"),
+     "input_audio_transcription", "tools", "tool_choice", "talker_sampling"),
     ignored=(*_ECHOED, "tracing", "client_secret"), inert={**_UNSERVED, "input_audio_noise_reduction": (None,)})
 RESPONSE_FIELDS = rule(
     ("audio", "instructions", "output_modalities", "modalities", "voice", "output_audio_format", "temperature",
@@ -58,6 +58,7 @@ class SessionConfig:
     transcription: TranscriptionConfig | None = None  # None: the user's audio is not transcribed
     tools: tuple[dict, ...] = ()  # as the client sent them ({type: function, name, description, parameters})
     tool_choice: Any = "auto"  # as the client sent it: "auto", "none", "required" or {type: function, name}
+    talker_sampling: dict | None = None  # omnirt extension: every response's speech sampling unless it sets its own
 
     @property
     def retention(self) -> float | None:
@@ -124,6 +125,8 @@ def apply_session_update(cfg: SessionConfig, update: dict[str, Any], voices: tup
             changes["max_output_tokens"] = _max_tokens(update[key], f"session.{key}")
     if "truncation" in update:
         changes["truncation"] = _truncation(update["truncation"], "session.truncation")
+    if "talker_sampling" in update:
+        changes["talker_sampling"] = require(update, "talker_sampling", (dict,), "session")
     tools = parse_tools(update, "session", cfg.tools)
     if "tools" in update or "tool_choice" in update:
         changes["tools"], changes["tool_choice"] = tools, update.get("tool_choice") or cfg.tool_choice
@@ -156,7 +159,8 @@ def response_options(cfg: SessionConfig, body: dict[str, Any] | None, voices: tu
         temperature=_temperature(body, "response") if body.get("temperature") is not None else cfg.temperature,
         max_output_tokens=max_tokens, in_conversation=conversation == "auto",
         metadata=require(body, "metadata", (dict,), "response"),
-        talker_sampling=require(body, "talker_sampling", (dict,), "response"), truncation=cfg.retention,
+        talker_sampling=require(body, "talker_sampling", (dict,), "response", cfg.talker_sampling),
+        truncation=cfg.retention,
         tools=tools, tool_choice=tool_choice)
 
 
@@ -180,6 +184,14 @@ def parse_turn_detection(value: Any, where: str) -> VadConfig | None:
 
 
 def session_object(cfg: SessionConfig, session_id: str, beta: bool) -> dict[str, Any]:
+    """The session as the client's protocol shows it, with omnirt's `talker_sampling` where one is set."""
+    obj = _protocol_session(cfg, session_id, beta)
+    if cfg.talker_sampling is not None:
+        obj["talker_sampling"] = cfg.talker_sampling
+    return obj
+
+
+def _protocol_session(cfg: SessionConfig, session_id: str, beta: bool) -> dict[str, Any]:
     td = None if cfg.turn_detection is None else {"type": "server_vad",
                                                   **dataclasses.asdict(cfg.turn_detection)}
     max_tokens = cfg.max_output_tokens or "inf"
