@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# GPU call (issue 14, item 4: the full picture of one build; issue 12's GPU targets; issue 13's in-stage steps):
+# one H200, full-size dummy weights, the 1-GPU profile as shipped. PARTS picks what runs, in this order
+# (default: diag sweep realtime; `ablation reference abusive` in a second call: a command may run 600 s):
+#   diag       in process (diag.py), c=1/16/64: per-stage time per step and per decode step, no stack sampler
+#   sweep      `omnirt bench`, prompt 10/160/320/640 x c 1/16/32/64, one server
+#   realtime   `omnirt bench realtime`, one server: 1/32/64 sessions cancelled at first audio (3 turns after a
+#              warm-up turn), then 32 sessions of whole replies capped at REPLY_FRAMES codec frames (underruns)
+#   ablation   `omnirt bench` at prompt 160, c=64, a server per row of ABLATE (default: all of them, the profile
+#              first): no graphs, no async chunk, no async output, compile off, first-packet priority off,
+#              the Talker's synchronous loop
+#   reference  `--engine reference` (transformers' generate, one request at a time), c=1
+#   abusive    32 sessions cancelled at first audio, without and beside one abusive session
+# Everything but diag.txt lands in $OUT/results-PARTS.tar, appended after each part (a call brings back 8 files
+# at most, and what a part left is kept if a later one runs past the call's limit).
+source loadtest/gpu/common.sh
+export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor
+PARTS=${PARTS:-diag sweep realtime}
+has() { [[ " $PARTS " == *" $1 "* ]]; }
+ARCHIVE="results-$(echo $PARTS | tr ' ' -).tar"
+pack() {  # move what the last part wrote into the archive
+  (cd "$OUT" && find . -type f ! -name diag.txt ! -name '*.tar' -print0 | tar rf "$ARCHIVE" --null -T - --remove-files)
+}
+rt() {  # rt NAME [bench realtime args...]
+  local name=$1; shift
+  timeout "${RT_LIMIT:-200}" python3 -m app.cli bench realtime --url http://127.0.0.1:8091 --model $MODEL \
+    --clients 8 --name "$name" --out "$OUT" "$@" 2>&1 | grep -E "^\| [0-9]|^- |Error|error" | sed "s/^/$name /"
+}
+
+if has diag; then
+  DIAG_CONC="${DIAG_CONC:-1 16 64}" DIAG_TIMEOUT=200 timeout 220 python3 loadtest/gpu/diag.py --model $MODEL \
+    --load-format dummy --deploy-config deploy/qwen3_omni_moe_1gpu.yaml > "$OUT/diag.txt" 2> "$OUT/diag.log"
+  echo "diag rc=$?"; cat "$OUT/diag.txt"; grep -E "Error|Traceback" "$OUT/diag.log" | head -3; pack
+fi
+if has sweep; then
+  start_server sweep && timeout "${SWEEP_LIMIT:-240}" python3 -m app.cli bench --model $MODEL --name h200-sweep \
+    --out "$OUT" --prompt-lens 10 160 320 640 --concurrency 1 16 32 64 --requests-per-point 2 --rounds 1 \
+    --warmup 2 2>&1 | grep -E "^\| [0-9]|Error"
+  stop_server; pack
+fi
+if has realtime; then
+  start_server realtime --realtime-max-sessions 160 && {
+    rt h200-realtime --sessions 1 32 64 --turns 3 --mode cancel
+    rt h200-realtime-full --sessions 32 --turns 1 --mode full --reply-frames "${REPLY_FRAMES:-50}" --reply-tokens 40
+  }
+  stop_server; pack
+fi
+declare -A ABLATION=([profile]="" [no-graphs]="--enforce-eager" [no-async-chunk]="--no-async-chunk"
+                     [no-async-output]="--no-async-output" [compile-off]="--compile off"
+                     [no-priority]="--no-first-packet-priority"
+                     [sync-talker]="--stage-overrides {\"1\":{\"async_scheduling\":false}}")
+if has ablation; then
+  for row in ${ABLATE:-profile no-graphs no-async-chunk no-async-output compile-off no-priority}; do
+    # shellcheck disable=SC2086  # the serve args split on spaces
+    PT_LIMIT=${PT_LIMIT:-60} point "ablation-$row" 64 ${ABLATION[$row]}; pack
+  done
+fi
+has reference && WARM=1 PT_LIMIT=${REF_LIMIT:-150} point reference 1 --engine reference && pack
+if has abusive; then
+  start_server abusive --realtime-max-sessions 160 && rt h200-realtime-abusive --sessions 32 --turns 3 --mode cancel \
+    --abusive 1 --deaf-s 20
+  stop_server; pack
+fi
