@@ -6,6 +6,8 @@ after warm-up requests. Output lengths can be pinned (`min_tokens` = `max_tokens
 the Talker) so that runs compare even with random weights. Definitions (docs/benchmarks.md):
 TTFP = send -> first audio delta; RTF = (last audio delta - send) / audio seconds; underrun = the
 listener's buffer, filled from the first packet on, runs dry for >= 100 ms while audio is still owed.
+Each point also reads from the server's /metrics where its first packets' time went: the engine's mean
+time from a request's submission to each stage's first output (first token, frame, PCM).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import httpx
 
 from app.audio.playback import PlaybackClock, pcm16_seconds
 from app.audio.wire import PCM16
+from loadtest import server_metrics
 from loadtest.stats import NOTE, summary
 
 
@@ -152,8 +155,11 @@ async def sweep(args: argparse.Namespace) -> list[dict]:
             for c in args.concurrency:
                 await run_point(client, args, words, min(c, args.warmup), args.warmup)
                 n = max(args.requests_per_point, c * args.rounds)
+                before = await asyncio.to_thread(server_metrics.settled_scrape, args.url)
                 samples, wall = await run_point(client, args, words, c, n)
-                row = summarize(samples, wall, prompt_len, c)
+                after = await asyncio.to_thread(server_metrics.settled_scrape, args.url)
+                row = {**summarize(samples, wall, prompt_len, c), "first_output_ms": server_metrics.first_output_ms(
+                    server_metrics.first_outputs(after), server_metrics.first_outputs(before))}
                 results.append(row)
                 print(format_row(row), flush=True)
                 _progress(len(results), len(points), time.perf_counter() - t0)
@@ -172,13 +178,14 @@ COLUMNS = [("prompt_len", "prompt", "{}"), ("concurrency", "c", "{}"), ("ok", "o
            ("ttfp_p50_ms", "TTFP p50", "{:.0f}"), ("ttfp_p99_ms", "TTFP p99", "{:.0f}", "ttfp_max_ms"),
            ("rtf_mean", "RTF", "{:.3f}"), ("ttft_mean_ms", "TTFT ms", "{:.0f}"),
            ("gap_p99_ms", "gap p99 ms", "{:.0f}", "gap_max_ms"), ("num_gaps", "gaps", "{}"),
-           ("underruns", "underruns", "{}"), ("audio_s_mean", "audio s", "{:.1f}")]
+           ("underruns", "underruns", "{}"), ("audio_s_mean", "audio s", "{:.1f}"),
+           ("first_output_ms", "engine: first output per stage, mean ms", server_metrics.first_output_cell)]
 
 
 def _value(row: dict, key: str, fmt: str, fallback: str | None = None) -> str:
     """A cell: the value; a percentile with too few samples as the maximum, labelled so; '-' for none."""
     if row.get(key) is not None:
-        return fmt.format(row[key])
+        return fmt(row[key]) if callable(fmt) else fmt.format(row[key])
     if fallback and row.get(fallback) is not None:
         return "max " + fmt.format(row[fallback])
     return "-"

@@ -14,12 +14,14 @@ plus underruns while playing the reply (full mode), turns that never got audio, 
 the API process's CPU per session (from its /metrics). Per turn of the conversation (the same utterance
 each turn, so the history grows) it reports response latency and the prompt tokens of the turn's
 response, those whose KV was reused (`cached_tokens` in `response.done`'s usage) and those prefilled; per
-point the server's prefill token counters (`omnirt_stage_prefill_tokens`, computed vs cached, per
-stage). Modes: `cancel` (each reply is cancelled at its first audio: turn latency alone), `full` (whole
-replies), `no-responses` (VAD only: the front end alone). With `--transcription on` the sessions ask for
-transcripts of the user (`input_audio_transcription`), a turn lasts until its transcript came too, and
-the point also reports the transcript latency (`speech_stopped` -> `.completed`); `both` runs each point
-without, then with them, so that the reply's latency compares in one run. JSON, markdown and a plot per run.
+point the server's prefill token counters (`omnirt_stage_prefill_tokens`, computed vs cached, per stage) and
+the engine's mean time from a request's submission to each stage's first output
+(`omnirt_stage_first_output_seconds`: `loadtest/server_metrics.py`). Modes: `cancel` (each reply is cancelled
+at its first audio: turn latency alone), `full` (whole replies), `no-responses` (VAD only: the front end
+alone). With `--transcription on` the sessions ask for transcripts of the user (`input_audio_transcription`),
+a turn lasts until its transcript came too, and the point also reports the transcript latency
+(`speech_stopped` -> `.completed`); `both` runs each point without, then with them, so that the reply's
+latency compares in one run. JSON, markdown and a plot per run.
 """
 
 from __future__ import annotations
@@ -36,11 +38,11 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import httpx
 import numpy as np
 
 from app.audio.pcm import float_to_pcm16
 from app.audio.wire import PCM16
+from loadtest import server_metrics
 from loadtest.bench import _underruns, say_plan, server_args, server_platform, write_report
 from loadtest.stats import NOTE, cell, summary
 
@@ -449,29 +451,6 @@ def _abusers_main(n: int, args: argparse.Namespace, stop, outbox) -> None:
     outbox.put(asyncio.run(run()))
 
 
-def _server_cpu_s(url: str) -> float | None:
-    """The API process's CPU seconds; with `--api-workers`, every worker's (one sample each) added up."""
-    samples = [float(line.split()[-1]) for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines()
-               if line.startswith(("process_cpu_seconds_total ", "process_cpu_seconds_total{"))]
-    return sum(samples) if samples else None
-
-
-def _prefill_tokens(url: str) -> dict[str, dict[str, float]]:
-    """The server's prompt token counters: {stage: {"computed": n, "cached": n}} (empty before them)."""
-    out: dict[str, dict[str, float]] = {}
-    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
-        if line.startswith("omnirt_stage_prefill_tokens_total{"):
-            labels, value = line[line.index("{") + 1:].split("} ")
-            tags = dict(part.split("=") for part in labels.split(","))
-            out.setdefault(tags["stage"].strip('"'), {})[tags["source"].strip('"')] = float(value)
-    return out
-
-
-def _delta(after: dict, before: dict) -> dict[str, dict[str, float]]:
-    return {stage: {k: v - before.get(stage, {}).get(k, 0.0) for k, v in counts.items()}
-            for stage, counts in after.items()}
-
-
 def run_point(args: argparse.Namespace, n: int, abusive: int = 0, transcribe: bool = False) -> dict:
     """N sessions spread over the client processes (and `abusive` abusers in a process of their own, from
     before the first session starts until the last one ends), asking for transcripts or not; the row."""
@@ -482,14 +461,15 @@ def run_point(args: argparse.Namespace, n: int, abusive: int = 0, transcribe: bo
     abusers = ctx.Process(target=_abusers_main, args=(abusive, args, stop, abuse_box)) if abusive else None
     if abusers is not None:
         abusers.start()
-    cpu0, prefill0, t0 = _server_cpu_s(args.url), _prefill_tokens(args.url), time.time()
+    before, t0 = server_metrics.settled_scrape(args.url), time.time()
     start_at = time.perf_counter() + 3.0  # perf_counter is one clock for every process of this host
     procs = [ctx.Process(target=_client_main, args=(c, list(range(c, n, clients)), args, start_at, inbox))
              for c in range(clients)]
     for p in procs:
         p.start()
     results = _gather(procs, inbox)
-    wall, cpu1 = time.time() - t0, _server_cpu_s(args.url)
+    wall, cpu1 = time.time() - t0, server_metrics.cpu_seconds(server_metrics.scrape(args.url))
+    cpu0, after = server_metrics.cpu_seconds(before), server_metrics.settled_scrape(args.url)
     stop.set()
     records = _gather([abusers], abuse_box)[0] if abusers is not None else []
     turns = [t for r in results for t in r["turns"] if t["index"] >= args.warmup_turns]  # warm-up turns not counted
@@ -497,7 +477,10 @@ def run_point(args: argparse.Namespace, n: int, abusive: int = 0, transcribe: bo
                     server_cpu=(cpu1 - cpu0) / wall if cpu0 is not None and cpu1 is not None else None,
                     client_cpu=sum(r["cpu_s"] for r in results) / wall)
     return {**row, "abusive": abusive, "abuse": _abuse_summary(records),
-            "prefill_tokens": _delta(_prefill_tokens(args.url), prefill0)}
+            "prefill_tokens": server_metrics.delta(server_metrics.prefill_tokens(after),
+                                                   server_metrics.prefill_tokens(before)),
+            "first_output_ms": server_metrics.first_output_ms(server_metrics.first_outputs(after),
+                                                              server_metrics.first_outputs(before))}
 
 
 def _abuse_summary(records: list[dict]) -> dict:
@@ -588,7 +571,9 @@ def _turns_markdown(rows: list[dict]) -> str:
                 f"{num(t['cached_tokens'])} | {num(t['prefilled_tokens'])} |\n" for t in r["by_turn"]]
     out += [f"\n- {r['sessions']} sessions, server prompt tokens over the point: "
             + "; ".join(f"{stage} {c.get('computed', 0):.0f} computed, {c.get('cached', 0):.0f} reused"
-                        for stage, c in r.get("prefill_tokens", {}).items()) for r in rows]
+                        for stage, c in r.get("prefill_tokens", {}).items())
+            + f"; engine, submission to each stage's first output, mean ms: "
+              f"{server_metrics.first_output_cell(r.get('first_output_ms', {}))}" for r in rows]
     return "".join(out) + "\n"
 
 

@@ -195,6 +195,10 @@ class EngineInfo(msgspec.Struct, frozen=True, tag=True):
         return stages if wants_audio else stages[:1]
 
 
+# upper bounds (seconds) of StageStats.first_output_counts' buckets; one more bucket holds the rest
+FIRST_OUTPUT_BUCKETS_S = (0.025, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
+
+
 class StageStats(msgspec.Struct, frozen=True):
     name: str
     free_slots: int
@@ -213,6 +217,8 @@ class StageStats(msgspec.Struct, frozen=True):
     first_wait_steps: int | None = None  # steps they waited, runnable, before it (summed)
     max_wait_steps: int | None = None  # the most steps a runnable request waited between two of its steps
     deferred_rows: int | None = None  # rows steps had no room for
+    first_output_counts: list[int] | None = None  # requests per bucket of submission -> first output here
+    first_output_s: float | None = None  # those seconds, summed (pipeline/timeline.py)
 
 
 class EngineStats(msgspec.Struct, frozen=True, tag=True):

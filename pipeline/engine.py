@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable
 
 from pipeline.api import (
@@ -38,6 +39,7 @@ from pipeline.sampling import SamplingError, SamplingParams, numerically_safe
 from pipeline.stage import Stage
 from pipeline.stage_admission import Admission
 from pipeline.text_events import TextEvents
+from pipeline.timeline import FirstOutputTimes
 
 log = logging.getLogger(__name__)
 
@@ -163,6 +165,7 @@ class OmniEngine(EngineBase):
                                     for n in self.graph.names}, cfg.retry_after_s)
         self.stages = [make_stage(name, cfg, models, self._on_step) for name in self.graph.names]
         self._by_name = {s.name: s for s in self.stages}
+        self._first_outputs = {name: FirstOutputTimes() for name in self.graph.names}
 
     def stage(self, name: str):
         return self._by_name[name]
@@ -190,7 +193,8 @@ class OmniEngine(EngineBase):
 
     def stats(self) -> EngineStats:
         """Queues, slots, batch sizes and step times, read without stopping the step loops."""
-        stages = [_stage_stats(s, self.admission.num_waiting(s.name)) for s in self.stages]
+        stages = [_stage_stats(s, self.admission.num_waiting(s.name), self._first_outputs[s.name])
+                  for s in self.stages]
         return EngineStats(len(self._streams), stages, self.admission.num_refused, self.replica_status())
 
     @property
@@ -206,18 +210,18 @@ class OmniEngine(EngineBase):
         if req.request_id in self._streams or req.request_id in self._starting:
             raise RequestError(f"request id {req.request_id!r} is already running", "request_id")
         self._starting[req.request_id] = None
-        return self._start(req)
+        return self._start(req, time.perf_counter())
 
-    async def _start(self, req: OmniRequest) -> AsyncIterator[Event]:
+    async def _start(self, req: OmniRequest, submitted_at: float) -> AsyncIterator[Event]:
         try:
-            stream = await self._admit(req)
+            stream = await self._admit(req, submitted_at)
         finally:
             early_abort = self._starting.pop(req.request_id, None)
         if early_abort is not None:
             self.abort(req.request_id, early_abort or None)
         return self._events(stream)
 
-    async def _admit(self, req: OmniRequest) -> RequestOutput:
+    async def _admit(self, req: OmniRequest, submitted_at: float) -> RequestOutput:
         voice = self._check_voice(req)
         tools = self._prompt_tools(req)
         prompt = await asyncio.to_thread(self.models.encoder.encode, req.messages, tools)
@@ -231,7 +235,7 @@ class OmniEngine(EngineBase):
         path = self.graph.path(req.wants_audio)
         stream = RequestOutput(req, asyncio.get_running_loop(), asyncio.Queue(), n_prompt, path,
                                self.cfg.max_output_buffer_bytes, self._overflow, async_output=self.cfg.async_output,
-                               truncated_messages=dropped)
+                               truncated_messages=dropped, submitted_at=submitted_at)
         self.admission.admit(path)  # raises EngineOverloaded when a stage's wait queue is full
         self._streams[req.request_id] = stream
         try:
@@ -307,7 +311,7 @@ class OmniEngine(EngineBase):
     # ---- routing step results along the graph (stage threads) --------------------------------------------
 
     def _on_step(self, stage: str, result: StepResult) -> None:
-        node, handoffs = self.graph.node(stage), {}
+        node, handoffs, now = self.graph.node(stage), {}, time.perf_counter()
         if stage == self.graph.names[0]:  # the first stage's prefix hits are the request's cached tokens
             for rid, n in result.cached:
                 if (stream := self._streams.get(rid)) is not None:
@@ -319,6 +323,9 @@ class OmniEngine(EngineBase):
             item = node.to_client(out)
             if item is not None:
                 stream.push(item)
+            if (out.token is not None or item is not None) and stage not in stream.served_by:
+                stream.served_by.add(stage)  # one thread per stage: no two threads add the same name
+                self._first_outputs[stage].observe(now - stream.submitted_at)
             if out.payload is not None:
                 nxt = self.graph.next_stage(stage, stream.request.wants_audio)
                 if nxt is not None:
@@ -380,11 +387,15 @@ def _num_leading_system(messages: list[dict]) -> int:
     return n
 
 
-def _stage_stats(stage, admission_waiting: int) -> StageStats:
-    """An in-process stage reports its scheduler and step counters; a replica pool only its slots."""
+def _stage_stats(stage, admission_waiting: int, first_outputs: FirstOutputTimes) -> StageStats:
+    """An in-process stage reports its scheduler and step counters; a replica pool only its slots (and, as
+    every stage, when its first outputs came: the engine times those)."""
     free_slots, slots = stage.num_free_slots, stage.num_slots
+    counts, sum_s = first_outputs.snapshot()
     if not isinstance(stage, Stage):
-        return StageStats(stage.name, free_slots, slots, admission_waiting)
+        return StageStats(stage.name, free_slots, slots, admission_waiting, first_output_counts=counts,
+                          first_output_s=sum_s)
     return StageStats(stage.name, free_slots, slots, admission_waiting, stage.scheduler.num_running,
                       stage.num_waiting, list(stage.batch_size_counts), stage.busy_s, stage.device_wait_s,
-                      *stage.prefix_stats(), *stage.scheduler.waits.snapshot())
+                      *stage.prefix_stats(), *stage.scheduler.waits.snapshot(), first_output_counts=counts,
+                      first_output_s=sum_s)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pipeline.api import OmniRequest
 
@@ -33,6 +33,8 @@ class RequestOutput:
     num_buffered_bytes: int = 0
     async_output: bool = True
     truncated_messages: int = 0  # leading conversation messages the prompt left out
+    submitted_at: float = 0.0  # time.perf_counter() when the engine got it (pipeline/timeline.py)
+    served_by: set[str] = field(default_factory=set)  # stages that have given it an output
 
     def push(self, item: tuple) -> None:
         """From a stage thread."""

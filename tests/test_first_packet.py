@@ -220,14 +220,15 @@ async def _replies(priority: bool):
                 for i, t in enumerate(PROMPTS)]
         replies = await asyncio.gather(*(_reply(engine, r) for r in reqs))
         waits = {s.name: s.scheduler.waits for s in engine.stages}
-        return [(r.text, r.pcm16, r.finished.finish_reason) for r in replies], waits
+        firsts = {s.name: (sum(s.first_output_counts), s.first_output_s) for s in engine.stats().stages}
+        return [(r.text, r.pcm16, r.finished.finish_reason) for r in replies], waits, firsts
     finally:
         engine.stop()
 
 
 async def test_greedy_replies_are_the_same_with_the_priority_on_and_off():
-    on, waits_on = await _replies(priority=True)
-    off, waits_off = await _replies(priority=False)
+    on, waits_on, firsts = await _replies(priority=True)
+    off, waits_off, _ = await _replies(priority=False)
     for (text_on, pcm_on, fin_on), (text_off, pcm_off, fin_off) in zip(on, off):
         assert text_on == text_off and fin_on == fin_off
         assert len(pcm_on) == len(pcm_off) > 0
@@ -241,3 +242,20 @@ async def test_greedy_replies_are_the_same_with_the_priority_on_and_off():
     # wait for whole replies of others: tens of steps)
     for stage in ("thinker", "talker"):
         assert waits_on[stage].first_wait_steps < waits_off[stage].first_wait_steps
+    # each stage's first output for each request was timed (pipeline/timeline.py), and for each request the
+    # Thinker's first token comes before the Talker's first frame, which comes before Code2Wav's first PCM
+    assert [firsts[s][0] for s in ("thinker", "talker", "code2wav")] == [len(PROMPTS)] * 3
+    assert 0 < firsts["thinker"][1] <= firsts["talker"][1] <= firsts["code2wav"][1]
+
+
+def test_first_output_times_fall_in_prometheus_buckets():
+    """A bucket holds the values up to and including its bound; one past the last bound holds the rest."""
+    from pipeline.api import FIRST_OUTPUT_BUCKETS_S
+    from pipeline.timeline import FirstOutputTimes
+
+    times = FirstOutputTimes()
+    for seconds in (0.0, 0.025, 0.026, 10.0, 11.0):
+        times.observe(seconds)
+    counts, total = times.snapshot()
+    assert counts[0] == 2 and counts[1] == 1 and counts[len(FIRST_OUTPUT_BUCKETS_S) - 1] == 1 and counts[-1] == 1
+    assert sum(counts) == 5 and math.isclose(total, 21.051)

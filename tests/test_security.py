@@ -156,6 +156,9 @@ def test_metrics_and_structured_request_logs(secure_server):
         assert first and float(first.group(1)) >= 1, stage
         assert f'omnirt_stage_max_wait_steps{{stage="{stage}"}}' in text
         assert f'omnirt_stage_deferred_rows_total{{stage="{stage}"}}' in text
+    firsts = [float(re.search(rf'omnirt_stage_first_output_seconds_count\{{stage="{stage}"\}} (\S+)', text).group(1))
+              for stage in ("thinker", "talker", "code2wav")]
+    assert firsts[0] >= firsts[1] >= firsts[2] >= 1  # each stage's first output timed, audio ones downstream too
     lines = [json.loads(line) for line in secure_server.log.read_text().splitlines() if line.startswith("{")]
     done = [rec for rec in lines if rec.get("request_id") == rid]
     assert done and done[-1]["msg"] == "request finished" and done[-1]["ttfp_ms"] > 0 and done[-1]["rtf"] > 0

@@ -1,11 +1,12 @@
 """GET /metrics in Prometheus' text format: requests and sessions by state, per-stage queue depths and
-batch sizes (read from the engine at scrape time), audio TTFP and RTF histograms, underruns, errors by
-type, and one structured log line per finished request. One registry per app: no global state. With
-`--api-workers` every worker's figures are summed (`app.ops.worker_link`), the process_* ones labelled by
-`worker` instead; the engine's come once."""
+batch sizes (read from the engine at scrape time), when each stage first served a request, audio TTFP and
+RTF histograms, underruns, errors by type, and one structured log line per finished request. One registry
+per app: no global state. With `--api-workers` every worker's figures are summed (`app.ops.worker_link`),
+the process_* ones labelled by `worker` instead; the engine's come once."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -17,7 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 from app.audio.playback import PlaybackClock, pcm16_seconds
 from app.errors import error_type
-from pipeline.api import AudioChunk, Event, Finished, StageStats
+from pipeline.api import FIRST_OUTPUT_BUCKETS_S, AudioChunk, Event, Finished, StageStats
 
 log = logging.getLogger("omnirt.requests")
 router = APIRouter()
@@ -124,6 +125,7 @@ class EngineCollector:
         yield _step_seconds([st for st in stats.stages if st.busy_s is not None])
         yield from _prefix_reuse([st for st in stats.stages if st.prefill_tokens is not None and st.slots])
         yield from _waits([st for st in stats.stages if st.first_steps is not None])
+        yield _first_outputs([st for st in stats.stages if st.first_output_counts is not None])
         refused = GaugeMetricFamily("omnirt_admission_refused", "Requests refused because a stage was full "
                                     "(since start)")
         refused.add_metric([], stats.admission_refused)
@@ -137,6 +139,17 @@ def _batch_histogram(stages: list[StageStats]) -> HistogramMetricFamily:
         bounds = [2**i for i in range(len(counts).bit_length()) if 2**i < len(counts) - 1] + [len(counts) - 1]
         buckets = [(str(float(b)), sum(counts[:b + 1])) for b in bounds] + [("+Inf", sum(counts))]
         h.add_metric([stage.name], buckets, sum_value=sum(size * n for size, n in enumerate(counts)))
+    return h
+
+
+def _first_outputs(stages: list[StageStats]) -> HistogramMetricFamily:
+    """Where a first packet's time goes: each stage's first output for a request, from its submission."""
+    h = HistogramMetricFamily("omnirt_stage_first_output_seconds", "Seconds from a request's submission to the "
+                              "engine until its first output from a stage (first token, frame, PCM)", labels=["stage"])
+    for st in stages:
+        running = list(itertools.accumulate(st.first_output_counts))
+        buckets = [(str(b), n) for b, n in zip(FIRST_OUTPUT_BUCKETS_S, running)] + [("+Inf", running[-1])]
+        h.add_metric([st.name], buckets, sum_value=st.first_output_s)
     return h
 
 
