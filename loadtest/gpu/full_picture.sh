@@ -11,6 +11,10 @@
 #              the Talker's synchronous loop
 #   reference  `--engine reference` (transformers' generate, one request at a time), c=1
 #   abusive    32 sessions cancelled at first audio, without and beside one abusive session
+#   timeline   where first packets wait, stage by stage (the benches' "engine: first output per stage"): one
+#              server, `omnirt bench` prompt 160 at c 1/16/64, then 1 and 32 Realtime sessions (3 turns)
+#   budgets    the Thinker's prefill token budget against it: a server per max_num_batched_tokens in BUDGETS
+#              (default 1024 2048), prompt 160 at c=64
 # Everything but diag.txt lands in $OUT/results-PARTS.tar, appended after each part (a call brings back 8 files
 # at most, and what a part left is kept if a later one runs past the call's limit).
 source loadtest/gpu/common.sh
@@ -56,6 +60,19 @@ if has ablation; then
   done
 fi
 has reference && WARM=1 PT_LIMIT=${REF_LIMIT:-150} point reference 1 --engine reference && pack
+if has timeline; then
+  start_server timeline --realtime-max-sessions 160 && {
+    timeout 200 python3 -m app.cli bench --model $MODEL --name h200-timeline --out "$OUT" --prompt-lens 160 \
+      --concurrency 1 16 64 --requests-per-point 2 --rounds 1 --warmup 2 2>&1 | grep -E "^\| [0-9]|Error"
+    rt h200-realtime-timeline --sessions 1 32 --turns 3 --mode cancel
+  }
+  stop_server; pack
+fi
+if has budgets; then
+  for b in ${BUDGETS:-1024 2048}; do
+    PT_LIMIT=60 point "budget-$b" 64 --stage-overrides "{\"0\":{\"max_num_batched_tokens\":$b}}"; pack
+  done
+fi
 if has abusive; then
   start_server abusive --realtime-max-sessions 160 && rt h200-realtime-abusive --sessions 32 --turns 3 --mode cancel \
     --abusive 1 --deaf-s 20
