@@ -53,10 +53,17 @@ def prefill_tokens(lines: list[str]) -> dict[str, dict[str, float]]:
 
 
 def first_outputs(lines: list[str]) -> dict[str, tuple[float, float]]:
-    """{stage: (requests, seconds summed)} from submission to the stage's first output."""
+    """{stage: (requests, seconds summed)} from the engine's submission to the stage's first output, then
+    {"api": ...}: the API process's own time to first audio (request handler -> first audio event), which
+    adds the API's share (prompt parsing, the hand-off to and from the engine core) to the last stage's."""
     counts = {t["stage"]: v for t, v in _labelled(lines, "omnirt_stage_first_output_seconds_count")}
     sums = {t["stage"]: v for t, v in _labelled(lines, "omnirt_stage_first_output_seconds_sum")}
-    return {stage: (n, sums.get(stage, 0.0)) for stage, n in counts.items()}
+    api = {line.split()[0]: float(line.split()[-1]) for line in lines
+           if line.startswith(("omnirt_audio_ttfp_seconds_count ", "omnirt_audio_ttfp_seconds_sum "))}
+    out = {stage: (n, sums.get(stage, 0.0)) for stage, n in counts.items()}
+    if len(api) == 2:
+        out["api"] = (api["omnirt_audio_ttfp_seconds_count"], api["omnirt_audio_ttfp_seconds_sum"])
+    return out
 
 
 def delta(after: dict, before: dict) -> dict[str, dict[str, float]]:

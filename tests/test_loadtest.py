@@ -66,7 +66,7 @@ def test_bench_writes_into_an_untracked_run_folder_by_default(server, tmp_path):
     row = json.loads((folder / "bench.json").read_text())["results"][0]
     assert (row["prompt_len"], row["concurrency"], row["ok"], row["failed"]) == (10, 1, 2, 0), row
     firsts = row["first_output_ms"]  # from the server's /metrics (tests/test_first_packet.py checks their order)
-    assert list(firsts) == ["thinker", "talker", "code2wav"] and all(v > 0 for v in firsts.values()), firsts
+    assert list(firsts) == ["thinker", "talker", "code2wav", "api"] and all(v > 0 for v in firsts.values()), firsts
     ignored = subprocess.run(["git", "check-ignore", "-q", "bench-results/bench-x/bench.json"], cwd=ROOT)
     assert ignored.returncode == 0  # in a checkout, that folder is one git ignores
 
@@ -92,7 +92,7 @@ def test_bench_realtime_short_run(server, tmp_path, mode, transport):
         (turn,) = row["by_turn"]  # the second turn of each conversation: its start was the first turn's
         assert turn["turn"] == 2 and turn["input_tokens"] > turn["cached_tokens"] > 0, turn
         assert row["prefill_tokens"]["thinker"]["cached"] > 0 and row["prefill_tokens"]["thinker"]["computed"] > 0
-        assert set(row["first_output_ms"]) == {"thinker", "talker", "code2wav"}, row["first_output_ms"]
+        assert set(row["first_output_ms"]) == {"thinker", "talker", "code2wav", "api"}, row["first_output_ms"]
     elif mode == "full":
         assert row["turns_without_audio"] == 0 and row["underruns"] is not None
         assert row["reply_audio_s"]["n"] == 2 and 0 < row["reply_audio_s"]["max"] <= 6 * 0.08 + 1e-6, row

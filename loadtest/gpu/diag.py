@@ -160,6 +160,55 @@ async def profiled(c: int) -> None:
           flush=True)
 
 
+def _step_methods(stage) -> tuple[str, ...]:
+    return ("launch", "collect") if stage.schedules_ahead else ("run",)
+
+
+async def traced_round(c: int) -> None:
+    """DIAG_TRACE=c: one more round of c requests with every stage step timed on the host (issue, wait, rows,
+    prefill tokens) until the round's last first packet: which steps a first packet waited for.
+    trace-c{c}.txt has the steps; stdout a summary per stage."""
+    steps: list[tuple] = []
+
+    def timed(stage: str, method: str, fn):
+        def wrapper(arg):
+            t = time.perf_counter()
+            out = fn(arg)
+            rows = len(arg.requests) if hasattr(arg, "requests") else None
+            tokens = sum(arg.num_new_tokens) if getattr(arg, "is_prefill", False) else 0
+            steps.append((stage, method, t, time.perf_counter(), rows, tokens))
+            return out
+        return wrapper
+
+    for st in engine.stages:  # a synchronous stage's run() issues and waits; an async one's two halves apart
+        for method in _step_methods(st):
+            setattr(st.runner, method, timed(st.name, method, getattr(st.runner, method)))
+    t0 = time.perf_counter()
+    res = await asyncio.gather(*(one(800 + i, 145) for i in range(c)))
+    last_first = max(r[0] for r in res)
+    for st in engine.stages:  # back to the runners' own methods
+        for method in _step_methods(st):
+            st.runner.__dict__.pop(method, None)
+    early = [s for s in steps if s[2] - t0 <= last_first]
+    with open(os.path.join(os.environ.get("OUT", "/tmp"), f"trace-c{c}.txt"), "w") as f:
+        f.write("stage method start_ms end_ms rows prefill_tokens\n")
+        for stage, method, a, b, rows, tokens in early:
+            f.write(f"{stage} {method} {1e3 * (a - t0):.1f} {1e3 * (b - t0):.1f} {rows} {tokens}\n")
+    ttfp = sorted(r[0] for r in res)
+    print(f"trace c={c}: TTFP min {1e3 * ttfp[0]:.0f} p50 {1e3 * ttfp[c // 2]:.0f} max {1e3 * ttfp[-1]:.0f} ms; "
+          "steps before the last first packet:", flush=True)
+    for st in engine.stages:
+        for method in _step_methods(st):
+            for prefill in (True, False):
+                part = [s for s in early if s[0] == st.name and s[1] == method and (s[5] > 0) == prefill]
+                if part:
+                    ms = [1e3 * (b - a) for _, _, a, b, _, _ in part]
+                    print(f"  {st.name} {method} {'prefill' if prefill else 'other'}: {len(part)} calls, "
+                          f"{sum(ms):.0f} ms (mean {sum(ms) / len(ms):.1f}, max {max(ms):.1f}), "
+                          f"first from {1e3 * (part[0][2] - t0):.0f} ms, rows {sum(p[4] or 0 for p in part)}, "
+                          f"prefill tokens {sum(p[5] for p in part)}", flush=True)
+
+
 async def main_and_profile() -> None:
     await main()
     if os.environ.get("DIAG_STEPS"):
@@ -167,6 +216,8 @@ async def main_and_profile() -> None:
 
         with torch.inference_mode():  # the graphs' static inputs are inference tensors
             step_times()
+    if os.environ.get("DIAG_TRACE"):
+        await traced_round(int(os.environ["DIAG_TRACE"]))
     if os.environ.get("DIAG_PROFILE"):
         await profiled(int(os.environ["DIAG_PROFILE"]))
 

@@ -12,9 +12,10 @@
 #   reference  `--engine reference` (transformers' generate, one request at a time), c=1
 #   abusive    32 sessions cancelled at first audio, without and beside one abusive session
 #   timeline   where first packets wait, stage by stage (the benches' "engine: first output per stage"): one
-#              server, `omnirt bench` prompt 160 at c 1/16/64, then 1 and 32 Realtime sessions (3 turns)
-#   budgets    the Thinker's prefill token budget against it: a server per max_num_batched_tokens in BUDGETS
-#              (default 1024 2048), prompt 160 at c=64
+#              server, `omnirt bench` prompt 160 at c 1/16/64, then TIMELINE_SESSIONS (1 32; "" for none)
+#              Realtime sessions (3 turns)
+#   budgets    the prefill token budget against it: a server per max_num_batched_tokens B in BUDGETS (default
+#              1024 2048 8192 16384) for the Thinker, max(B, 8192) for the Talker; prompt 160 at c=64
 # Everything but diag.txt lands in $OUT/results-PARTS.tar, appended after each part (a call brings back 8 files
 # at most, and what a part left is kept if a later one runs past the call's limit).
 source loadtest/gpu/common.sh
@@ -31,7 +32,7 @@ rt() {  # rt NAME [bench realtime args...]
     --clients 8 --name "$name" --out "$OUT" "$@" 2>&1 | grep -E "^\| [0-9]|^- |Error|error" | sed "s/^/$name /"
 }
 
-if has diag; then
+if has diag; then  # DIAG_TRACE=c adds a round of c with every stage step timed (trace-c{c}.txt)
   DIAG_CONC="${DIAG_CONC:-1 16 64}" DIAG_TIMEOUT=200 timeout 220 python3 loadtest/gpu/diag.py --model $MODEL \
     --load-format dummy --deploy-config deploy/qwen3_omni_moe_1gpu.yaml > "$OUT/diag.txt" 2> "$OUT/diag.log"
   echo "diag rc=$?"; cat "$OUT/diag.txt"; grep -E "Error|Traceback" "$OUT/diag.log" | head -3; pack
@@ -64,13 +65,15 @@ if has timeline; then
   start_server timeline --realtime-max-sessions 160 && {
     timeout 200 python3 -m app.cli bench --model $MODEL --name h200-timeline --out "$OUT" --prompt-lens 160 \
       --concurrency 1 16 64 --requests-per-point 2 --rounds 1 --warmup 2 2>&1 | grep -E "^\| [0-9]|Error"
-    rt h200-realtime-timeline --sessions 1 32 --turns 3 --mode cancel
+    [ -n "${TIMELINE_SESSIONS-1 32}" ] && rt h200-realtime-timeline --sessions ${TIMELINE_SESSIONS-1 32} --turns 3 \
+      --mode cancel
   }
   stop_server; pack
 fi
 if has budgets; then
-  for b in ${BUDGETS:-1024 2048}; do
-    PT_LIMIT=60 point "budget-$b" 64 --stage-overrides "{\"0\":{\"max_num_batched_tokens\":$b}}"; pack
+  for b in ${BUDGETS:-1024 2048 8192 16384}; do
+    PT_LIMIT=60 point "budget-$b" 64 --stage-overrides \
+      "{\"0\":{\"max_num_batched_tokens\":$b},\"1\":{\"max_num_batched_tokens\":$(( b > 8192 ? b : 8192 ))}}"; pack
   done
 fi
 if has abusive; then
