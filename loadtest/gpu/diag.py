@@ -18,8 +18,10 @@ engine = build_engine(engine_options(build_parser().parse_args(["serve", *sys.ar
 print(f"engine ready {time.perf_counter() - t0:.1f}s", flush=True)
 
 
-async def one(i: int, frames: int) -> tuple[float, float, float]:
-    """One request; returns (TTFP, total seconds, audio seconds)."""
+async def one(i: int, frames: int, first_audio_seen: asyncio.Event | None = None, waiting: list | None = None
+              ) -> tuple[float, float, float]:
+    """One request; returns (TTFP, total seconds, audio seconds). With `waiting` (a one-item count of the
+    requests still owed their first audio), `first_audio_seen` is set once the last of them got it."""
     t = time.perf_counter()
     req = OmniRequest(f"d{i}", [{"role": "user", "content": "hello " * 150}], ("text", "audio"),
                       thinker_sampling={"max_tokens": 40, "min_tokens": 40, "temperature": 0.0},
@@ -31,6 +33,10 @@ async def one(i: int, frames: int) -> tuple[float, float, float]:
         if isinstance(ev, TextDelta) and first_text is None:
             first_text = now
         elif isinstance(ev, AudioChunk):
+            if first_audio is None and waiting is not None:
+                waiting[0] -= 1
+                if waiting[0] == 0:
+                    first_audio_seen.set()
             first_audio = first_audio or now
             n += ev.num_samples
         elif isinstance(ev, Finished) and (ev.error or os.environ.get("DIAG_VERBOSE")):
@@ -209,6 +215,46 @@ async def traced_round(c: int) -> None:
                           f"prefill tokens {sum(p[5] for p in part)}", flush=True)
 
 
+async def profiled_first_packets(c: int) -> None:
+    """DIAG_FIRST_PROFILE=c: one more round of c under torch.profiler, stopped once every request has its first
+    audio: the kernels and CUDA calls that first packets wait for (first-packets-c{c}.txt, and the timeline as a
+    Chrome trace, first-packets-c{c}.json.gz), and the stage threads' Python stacks over the same window
+    (stacks-first-c{c}.txt; the profiler records no Python-level ops of threads it did not start)."""
+    import gzip
+    import shutil
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from loadtest.stack_sampler import StackSampler
+
+    seen, waiting, sampler = asyncio.Event(), [c], StackSampler()
+    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    prof.start()
+    sampler.start()
+    t = time.perf_counter()
+    round_ = asyncio.gather(*(one(700 + i, 145, seen, waiting) for i in range(c)))
+    await seen.wait()
+    wall = time.perf_counter() - t
+    sampler.stop()
+    prof.stop()
+    await round_
+    out = os.environ.get("OUT", "/tmp")
+    with open(os.path.join(out, f"stacks-first-c{c}.txt"), "w") as f:
+        f.write(sampler.report(top=40))
+    table = prof.key_averages()
+    with open(os.path.join(out, f"first-packets-c{c}.txt"), "w") as f:
+        f.write(f"until the last first packet: {wall:.3f}s\n\n")
+        f.write(table.table(sort_by="cpu_time_total", row_limit=60, max_name_column_width=90))
+        f.write("\n\n")
+        f.write(table.table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=90))
+    trace = os.path.join(out, f"first-packets-c{c}.json")
+    prof.export_chrome_trace(trace)
+    with open(trace, "rb") as src, gzip.open(trace + ".gz", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    os.remove(trace)
+    print(f"profiled first packets c={c}: {wall:.3f}s", flush=True)
+
+
 async def main_and_profile() -> None:
     await main()
     if os.environ.get("DIAG_STEPS"):
@@ -218,6 +264,8 @@ async def main_and_profile() -> None:
             step_times()
     if os.environ.get("DIAG_TRACE"):
         await traced_round(int(os.environ["DIAG_TRACE"]))
+    if os.environ.get("DIAG_FIRST_PROFILE"):
+        await profiled_first_packets(int(os.environ["DIAG_FIRST_PROFILE"]))
     if os.environ.get("DIAG_PROFILE"):
         await profiled(int(os.environ["DIAG_PROFILE"]))
 
