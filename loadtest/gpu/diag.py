@@ -13,7 +13,7 @@ if os.environ.get("SWITCH_MS"):  # the interpreter's GIL switch interval (defaul
     sys.setswitchinterval(float(os.environ["SWITCH_MS"]) / 1000)
 dump = open(os.path.join(os.environ.get("OUT", "/tmp"), "stacks.txt"), "w")
 faulthandler.dump_traceback_later(int(os.environ.get("DIAG_TIMEOUT", "200")), exit=True, file=dump)
-t0 = time.perf_counter()
+t0, T_START = time.perf_counter(), time.time()
 engine = build_engine(engine_options(build_parser().parse_args(["serve", *sys.argv[1:]])))
 print(f"engine ready {time.perf_counter() - t0:.1f}s", flush=True)
 
@@ -49,6 +49,35 @@ def stage_stats() -> dict[str, tuple[int, int, float, float, int, float]]:
     """Per stage: steps, rows stepped, busy seconds, device-wait seconds, decode steps, decode seconds."""
     return {s.name: (s.num_steps, sum(b * n for b, n in enumerate(s.batch_size_counts)), s.busy_s, s.device_wait_s,
                      s.num_decode_steps, s.decode_busy_s) for s in engine.stages}
+
+
+def allocator_line() -> str:
+    """The caching allocator's counters since start: a retry frees every cached block and synchronises the device
+    (every stage thread's next CUDA call waits), cudaMalloc and cudaFree calls, and what it holds."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "allocator: no device"
+    m, free = torch.cuda.memory_stats(), torch.cuda.mem_get_info()[0]
+    return (f"allocator: {m.get('num_alloc_retries', 0)} retries, {m.get('num_device_alloc', 0)} cudaMalloc, "
+            f"{m.get('num_device_free', 0)} cudaFree, reserved {m.get('reserved_bytes.all.current', 0) / 2**30:.1f} "
+            f"GiB, free on the device {free / 2**30:.1f} GiB")
+
+
+def triton_compiled_since(since: float) -> str:
+    """Triton kernels compiled (written to its cache) since the wall-clock time `since`: a compile holds the
+    interpreter lock, so every stage thread stalls while it runs."""
+    import glob
+    import json
+
+    from triton import knobs
+
+    names = []
+    for path in glob.glob(os.path.join(knobs.cache.dir, "*", "*.json")):
+        if os.path.getmtime(path) >= since and not os.path.basename(path).startswith("__grp__"):
+            with open(path) as f:
+                names.append(json.load(f).get("name", "?"))
+    return f"triton: {len(names)} kernels compiled" + (f" ({', '.join(sorted(names))})" if names else "")
 
 
 def print_stage_delta(before: dict, after: dict) -> None:
@@ -134,10 +163,11 @@ async def sampled_round(c: int) -> list:
 
 async def main() -> None:
     print("warm-up: ttfp %.3fs total %.2fs audio %.2fs" % await one(0, 20), flush=True)
+    print(f"  start-up and warm-up: {triton_compiled_since(T_START)}", flush=True)
     if os.environ.get("DIAG_SYNC"):
         watch_syncs()
     for c in [int(x) for x in os.environ.get("DIAG_CONC", "1 16 64").split()]:
-        t, before = time.perf_counter(), stage_stats()
+        t, before, started = time.perf_counter(), stage_stats(), time.time()
         res = await sampled_round(c)
         wall = time.perf_counter() - t
         ttfp = sorted(r[0] for r in res)
@@ -145,6 +175,7 @@ async def main() -> None:
         print(f"c={c}: {c / wall:.2f} req/s, TTFP mean {sum(ttfp) / c:.3f}s p50 {ttfp[c // 2]:.3f}s "
               f"max {ttfp[-1]:.3f}s, RTF {rtf:.3f}, wall {wall:.1f}s", flush=True)
         print_stage_delta(before, stage_stats())
+        print(f"  {allocator_line()}; {triton_compiled_since(started)}", flush=True)
 
 
 async def profiled(c: int) -> None:
@@ -189,7 +220,7 @@ async def traced_round(c: int) -> None:
     for st in engine.stages:  # a synchronous stage's run() issues and waits; an async one's two halves apart
         for method in _step_methods(st):
             setattr(st.runner, method, timed(st.name, method, getattr(st.runner, method)))
-    t0 = time.perf_counter()
+    t0, started = time.perf_counter(), time.time()
     res = await asyncio.gather(*(one(800 + i, 145) for i in range(c)))
     last_first = max(r[0] for r in res)
     for st in engine.stages:  # back to the runners' own methods
@@ -201,6 +232,7 @@ async def traced_round(c: int) -> None:
         for stage, method, a, b, rows, tokens in early:
             f.write(f"{stage} {method} {1e3 * (a - t0):.1f} {1e3 * (b - t0):.1f} {rows} {tokens}\n")
     ttfp = sorted(r[0] for r in res)
+    print(f"  {allocator_line()}; {triton_compiled_since(started)}", flush=True)
     print(f"trace c={c}: TTFP min {1e3 * ttfp[0]:.0f} p50 {1e3 * ttfp[c // 2]:.0f} max {1e3 * ttfp[-1]:.0f} ms; "
           "steps before the last first packet:", flush=True)
     for st in engine.stages:
