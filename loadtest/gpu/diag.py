@@ -77,7 +77,11 @@ def triton_compiled_since(since: float) -> str:
         if os.path.getmtime(path) >= since and not os.path.basename(path).startswith("__grp__"):
             with open(path) as f:
                 names.append(json.load(f).get("name", "?"))
-    return f"triton: {len(names)} kernels compiled" + (f" ({', '.join(sorted(names))})" if names else "")
+    from torch._dynamo.utils import counters
+
+    graphs = counters["stats"]["unique_graphs"]  # torch.compile graphs made since start (a recompile adds one)
+    return (f"triton: {len(names)} kernels compiled" + (f" ({', '.join(sorted(names))})" if names else "")
+            + f"; torch.compile graphs since start {graphs}")
 
 
 def print_stage_delta(before: dict, after: dict) -> None:
