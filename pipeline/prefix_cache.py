@@ -48,7 +48,8 @@ class PrefixReuse(Protocol):
         """What `req`'s prompt is, for `match` (None: nothing to reuse for it)."""
 
     def match(self, held: Held, key: Any) -> int:
-        """How many leading positions of the prompt `key` have their KV in the slot that holds `held`."""
+        """How many leading positions of the prompt `key` have their KV in the slot that holds `held` (at most
+        the prompt's length: a slot that holds all of it ends the scheduler's search)."""
 
     def held(self, req: StageRequest) -> Held | None:
         """What `req`'s slot holds now that it ended (None: nothing reusable; the slot is freed)."""
@@ -58,7 +59,21 @@ class PrefixReuse(Protocol):
 
 
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    """The length of the longest common prefix of two 1-d arrays."""
-    n = min(len(a), len(b))
-    differ = np.flatnonzero(a[:n] != b[:n])
-    return int(differ[0]) if differ.size else n
+    """The length of the longest common prefix of two 1-d arrays of one dtype."""
+    return common_prefix_bytes(a.tobytes(), b.tobytes(), a.itemsize)
+
+
+def common_prefix_bytes(a: bytes, b: bytes, itemsize: int) -> int:
+    """The same over the arrays' bytes, in items of `itemsize` bytes. A scheduler compares a new prompt with
+    every resident slot's: byte-string comparisons (memcmp) in a binary search, no array built per call."""
+    n = min(len(a), len(b)) // itemsize
+    if a[:n * itemsize] == b[:n * itemsize]:
+        return n
+    same, differ = 0, n  # the first `same` items agree; the first `differ` do not
+    while differ - same > 1:
+        mid = (same + differ) // 2
+        if a[:mid * itemsize] == b[:mid * itemsize]:
+            same = mid
+        else:
+            differ = mid
+    return same

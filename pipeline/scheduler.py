@@ -146,8 +146,13 @@ class Scheduler:
         key = self.reuse.key(req) if self.reuse is not None else None
         if key is None or not self.kv.resident:
             return None
-        matches = ((self.reuse.match(held, key), slot) for slot, held in reversed(self.kv.resident.items()))
-        n, slot = max(matches, key=lambda m: m[0])  # of equal ones, the most recently used
+        n, slot = -1, None
+        for resident, held in reversed(self.kv.resident.items()):  # most recently used first: it wins ties
+            matched = self.reuse.match(held, key)
+            if matched > n:
+                n, slot = matched, resident
+                if n >= req.num_prompt_tokens:  # the whole prompt: no slot can match more
+                    break
         n = min(n, req.num_prompt_tokens - 1)
         return (slot, n) if n > 0 else None
 

@@ -104,6 +104,21 @@ def test_the_next_turn_takes_the_slot_over_even_where_the_reply_it_resends_diffe
     assert nxt.slot == slot and not kv.resident and nxt.num_computed_tokens == 4
 
 
+def test_the_search_stops_at_a_slot_that_holds_the_whole_prompt():
+    """Residents are searched most recently used first; one holding all of the new prompt cannot be beaten, so
+    the older ones are not compared (a scheduler compares every new prompt with every resident slot)."""
+    kv, s = _setup(slots=4)
+    calls = []
+    s.reuse.match = lambda held, key: calls.append(held) or common_prefix(held.key, key)
+    _run(s, _req("old", list(range(30, 42))))
+    _run(s, _req("recent", list(range(10, 22))))
+    calls.clear()
+    again = _req("again", list(range(10, 22)))
+    s.add(again)
+    s.schedule()
+    assert again.num_computed_tokens == 11 and len(calls) == 1 and calls[0].key[0] == 10
+
+
 def test_a_partial_match_copies_into_another_slot_and_keeps_the_resident_one():
     kv, s = _setup(slots=2)
     _run(s, _req("a", [1, 2, 3, 4, 5, 6]))
@@ -344,3 +359,19 @@ def test_no_prefix_caching_turns_reuse_off_in_every_stage():
     cfg = build_config({}, "cpu", {}, overrides)
     assert [s.prefix_caching for s in cfg.stages[:2]] == [False, False] and cfg.stage("talker").max_num_seqs == 2
     assert all(s.prefix_caching for s in build_config({}, "cpu", {}, stage_overrides(EngineOptions())).stages)
+
+
+def test_common_prefix_over_bytes_is_the_first_differing_item():
+    """The binary search over byte strings finds the first item where two arrays differ (not a byte: an item
+    may differ in its high bytes alone), at every position and for every length."""
+    rng = np.random.default_rng(0)
+    base = rng.integers(0, 1 << 40, 64, dtype=np.int64)
+    for n in (0, 1, 2, 17, 64):
+        for at in range(n + 1):
+            other = base[:n].copy()
+            if at < n:
+                other[at] += 1 << 33  # differs in its high bytes only
+            want = at if at < n else n
+            assert common_prefix(base[:n], other) == want
+            assert common_prefix(base, other) == want  # the shorter one bounds it
+            assert common_prefix(other, base[:n + 3]) == want

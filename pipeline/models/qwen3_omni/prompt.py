@@ -19,7 +19,7 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import _get_feat
 
 from pipeline.api import Message, RequestError
 from pipeline.models.qwen3_omni import images as vision
-from pipeline.prefix_cache import common_prefix
+from pipeline.prefix_cache import common_prefix_bytes
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ class PromptKey:
 
     def common(self, other: PromptKey) -> int:
         """Leading positions on which the two prompts agree (none across salts)."""
-        return common_prefix(self.keys, other.keys) if self.salt == other.salt else 0
+        return common_prefix_bytes(self.data, other.data, 8) if self.salt == other.salt else 0
 
     def head(self, n: int, then: np.ndarray | None = None) -> PromptKey:
         """The key of its first `n` positions, followed by the keys `then` (token ids)."""
