@@ -1,9 +1,10 @@
 """Plot the single-H200 ablation beside vLLM-Omni's published three-GPU steps.
 
-    python -m loadtest.plot_h200 docs/benchmarks/h200-ablation
+    python -m loadtest.plot_h200 docs/benchmarks/h200-ablation [LABEL=NAME ...]
 
-reads the `omnirt bench` JSON files of that folder (one server per variant, prompt 160) and writes
-`h200-ablation.png` there: req/s, mean audio TTFP and mean RTF at concurrency 64, one bar per variant.
+reads the `omnirt bench` JSON files NAME.json of that folder (one server per variant, prompt 160; by default
+the variants of the first ablation) and writes `h200-ablation.png` there: req/s, mean audio TTFP and mean RTF
+at concurrency 64, one bar per variant.
 """
 
 from __future__ import annotations
@@ -29,16 +30,16 @@ def at_concurrency(path: Path, c: int) -> dict:
     return next(r for r in json.loads(path.read_text())["results"] if r["concurrency"] == c)
 
 
-def main(folder: str) -> None:
+def main(folder: str, variants: list[tuple[str, str]] = VARIANTS) -> None:
     root = Path(folder)
-    ours = [at_concurrency(root / f"{name}.json", 64) for _, name in VARIANTS]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    ours = [at_concurrency(root / f"{name}.json", 64) for _, name in variants]
+    fig, axes = plt.subplots(1, 3, figsize=(max(15, 2.6 * len(variants)), 4.2))
     for i, (ax, (key, label)) in enumerate(zip(axes, METRICS)):
-        ax.bar([v[0] for v in VARIANTS], [r[key] for r in ours], color="tab:blue", label="omnirt, one H200")
+        ax.bar([v[0] for v in variants], [r[key] for r in ours], color="tab:blue", label="omnirt, one H200")
         ax.axhline(PUBLISHED[i], color="tab:orange", ls="--", label="vLLM-Omni, 3 GPUs (published)")
         ax.axhline(TARGET[i], color="tab:green", ls=":", label="target")
         ax.set_ylabel(label)
-        ax.tick_params(axis="x", labelsize=8)
+        ax.tick_params(axis="x", labelsize=8, labelrotation=25)
         ax.grid(axis="y", alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.suptitle("Qwen3-Omni-30B-A3B, concurrency 64, 11.6 s of audio per reply: one layer off at a time")
@@ -47,4 +48,5 @@ def main(folder: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "docs/benchmarks/h200-ablation")
+    given = [tuple(arg.split("=", 1)) for arg in sys.argv[2:]]
+    main(sys.argv[1] if len(sys.argv) > 1 else "docs/benchmarks/h200-ablation", given or VARIANTS)
