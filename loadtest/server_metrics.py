@@ -16,14 +16,15 @@ def scrape(url: str) -> list[str]:
 
 def settled_scrape(url: str, tries: int = 10) -> list[str]:
     """/metrics once the engine's snapshot has caught up with what just ended (between points, nothing runs):
-    the first-output counters the same in two scrapes a few snapshot periods apart."""
-    lines = scrape(url)
+    the first-output counters the same in three scrapes, each a few snapshot periods after the last."""
+    lines, same = scrape(url), 0
     for _ in range(tries):
         time.sleep(3 * STATS_PERIOD_S)
         again = scrape(url)
-        if first_outputs(again) == first_outputs(lines):
-            return again
+        same = same + 1 if first_outputs(again) == first_outputs(lines) else 0
         lines = again
+        if same == 2:
+            break
     return lines
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import json
 import re
+import time
 
 import httpx
 import numpy as np
@@ -137,12 +138,26 @@ def test_audio_duration_limit(secure_server):
     assert r.status_code == 400 and r.json()["error"]["code"] == "audio_too_long"
 
 
+def _first_output_counts(url: str) -> list[float]:
+    """Requests timed per stage (Thinker, Talker, Code2Wav), once the engine core's stats snapshot (sent every
+    0.2 s) has the last request's Code2Wav output: read again until it has, never against a clock."""
+    for _ in range(200):
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+        counts = [re.search(rf'omnirt_stage_first_output_seconds_count\{{stage="{stage}"\}} (\S+)', text)
+                  for stage in ("thinker", "talker", "code2wav")]
+        if all(counts) and float(counts[2].group(1)) >= 1:
+            break
+        time.sleep(0.05)
+    return [float(c.group(1)) if c else 0.0 for c in counts]
+
+
 def test_metrics_and_structured_request_logs(secure_server):
     r = httpx.post(f"{secure_server.url}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
                    json={"model": "tiny", "messages": MSG, "max_tokens": 8, "modalities": ["text", "audio"],
                          "audio": {"voice": "ethan", "format": "wav"}})
     rid = r.json()["id"]
     assert httpx.get(f"{secure_server.url}/v1/models", timeout=10).status_code == 401  # counted by type below
+    firsts = _first_output_counts(secure_server.url)  # waits for the engine snapshot that has the request
     text = httpx.get(f"{secure_server.url}/metrics", timeout=10).text
     for name in ("omnirt_requests_total", "omnirt_requests_active", "omnirt_stage_queue_depth",
                  "omnirt_stage_batch_size_bucket", "omnirt_audio_ttfp_seconds_bucket", "omnirt_audio_rtf_bucket",
@@ -156,8 +171,6 @@ def test_metrics_and_structured_request_logs(secure_server):
         assert first and float(first.group(1)) >= 1, stage
         assert f'omnirt_stage_max_wait_steps{{stage="{stage}"}}' in text
         assert f'omnirt_stage_deferred_rows_total{{stage="{stage}"}}' in text
-    firsts = [float(re.search(rf'omnirt_stage_first_output_seconds_count\{{stage="{stage}"\}} (\S+)', text).group(1))
-              for stage in ("thinker", "talker", "code2wav")]
     assert firsts[0] >= firsts[1] >= firsts[2] >= 1  # each stage's first output timed, audio ones downstream too
     lines = [json.loads(line) for line in secure_server.log.read_text().splitlines() if line.startswith("{")]
     done = [rec for rec in lines if rec.get("request_id") == rid]
