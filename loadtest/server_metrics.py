@@ -28,11 +28,15 @@ def settled_scrape(url: str, tries: int = 10) -> list[str]:
     return lines
 
 
+def _summed(lines: list[str], name: str) -> float | None:
+    """Metric `name`'s samples, with or without labels, added up (None: no sample)."""
+    samples = [float(line.split()[-1]) for line in lines if line.startswith((name + " ", name + "{"))]
+    return sum(samples) if samples else None
+
+
 def cpu_seconds(lines: list[str]) -> float | None:
     """The API process's CPU seconds; with `--api-workers`, every worker's (one sample each) added up."""
-    samples = [float(line.split()[-1]) for line in lines
-               if line.startswith(("process_cpu_seconds_total ", "process_cpu_seconds_total{"))]
-    return sum(samples) if samples else None
+    return _summed(lines, "process_cpu_seconds_total")
 
 
 def _labelled(lines: list[str], name: str) -> list[tuple[dict[str, str], float]]:
@@ -59,11 +63,10 @@ def first_outputs(lines: list[str]) -> dict[str, tuple[float, float]]:
     adds the API's share (prompt parsing, the hand-off to and from the engine core) to the last stage's."""
     counts = {t["stage"]: v for t, v in _labelled(lines, "omnirt_stage_first_output_seconds_count")}
     sums = {t["stage"]: v for t, v in _labelled(lines, "omnirt_stage_first_output_seconds_sum")}
-    api = {line.split()[0]: float(line.split()[-1]) for line in lines
-           if line.startswith(("omnirt_audio_ttfp_seconds_count ", "omnirt_audio_ttfp_seconds_sum "))}
     out = {stage: (n, sums.get(stage, 0.0)) for stage, n in counts.items()}
-    if len(api) == 2:
-        out["api"] = (api["omnirt_audio_ttfp_seconds_count"], api["omnirt_audio_ttfp_seconds_sum"])
+    api_n, api_s = _summed(lines, "omnirt_audio_ttfp_seconds_count"), _summed(lines, "omnirt_audio_ttfp_seconds_sum")
+    if api_n is not None and api_s is not None:
+        out["api"] = (api_n, api_s)
     return out
 
 

@@ -392,10 +392,9 @@ def _stage_stats(stage, admission_waiting: int, first_outputs: FirstOutputTimes)
     every stage, when its first outputs came: the engine times those)."""
     free_slots, slots = stage.num_free_slots, stage.num_slots
     counts, sum_s = first_outputs.snapshot()
+    timed = {"first_output_counts": counts, "first_output_s": sum_s}
     if not isinstance(stage, Stage):
-        return StageStats(stage.name, free_slots, slots, admission_waiting, first_output_counts=counts,
-                          first_output_s=sum_s)
+        return StageStats(stage.name, free_slots, slots, admission_waiting, **timed)
     return StageStats(stage.name, free_slots, slots, admission_waiting, stage.scheduler.num_running,
                       stage.num_waiting, list(stage.batch_size_counts), stage.busy_s, stage.device_wait_s,
-                      *stage.prefix_stats(), *stage.scheduler.waits.snapshot(), first_output_counts=counts,
-                      first_output_s=sum_s)
+                      *stage.prefix_stats(), *stage.scheduler.waits.snapshot(), **timed)
