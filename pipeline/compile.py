@@ -28,6 +28,9 @@ RECOMPILE_LIMIT = 64
 def compile_layers(layers: Iterable[torch.nn.Module]) -> list[torch.nn.Module]:
     """Each layer compiled (they reuse one another's compiled code: parameters are graph inputs)."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    # no guard that two sizes are equal because they were at the first call (a batch of 4 rows and the 4 KV heads
+    # of a layer's buffers): such a guard fails on the next batch and costs a compile
+    torch.fx.experimental._config.use_duck_shape = False
     return [torch.compile(layer, dynamic=True) for layer in layers]
 
 
@@ -42,9 +45,9 @@ class TimedStep:
         self.num_compiles = 0
 
     def __call__(self, length: int | None, **tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        before, started = _graphs_compiled(), time.perf_counter()
+        before, started = graphs_compiled(), time.perf_counter()
         out = self.step(length, **tensors)
-        if (new := _graphs_compiled() - before) > 0:
+        if (new := graphs_compiled() - before) > 0:
             elapsed = time.perf_counter() - started
             self.num_compiles += new
             self.seconds += elapsed
@@ -53,7 +56,7 @@ class TimedStep:
         return out
 
 
-def _graphs_compiled() -> int:
+def graphs_compiled() -> int:
     """How many graphs dynamo has compiled in this process (any function)."""
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 

@@ -67,6 +67,7 @@ class StageConfig:
     ray_resources: dict[str, float] = field(default_factory=dict)  # per replica actor, e.g. {num_gpus: 1}
     prefix_caching: bool = True  # an ended request's KV stays resident for a prompt that starts the same way
     compile: str | None = None  # this stage's torch.compile (auto | on | off); None: the engine's `compile`
+    compiled_prefill: bool = True  # where the decode layers are compiled, prefill chunks run them too (warmed)
     async_scheduling: bool = False  # issue step n+1 before step n's tokens reach the host (stage.py); the talker
 
     @property

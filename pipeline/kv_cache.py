@@ -92,8 +92,9 @@ class SlotKVCache:
         self.k[:, dst, :, :num_tokens] = self.k[:, src, :, :num_tokens]
         self.v[:, dst, :, :num_tokens] = self.v[:, src, :, :num_tokens]
 
-    def view(self, slots: list[int], starts: list[int], lengths: list[int]) -> CacheView:
-        """A step over `lengths[i]` new tokens of row i, written from position `starts[i]` of its slot. Where
+    def view(self, slots: list[int], starts: list[int], lengths: list[int], width: int = 0) -> CacheView:
+        """A step over `lengths[i]` new tokens of row i, written from position `starts[i]` of its slot, in a
+        batch at least `width` tokens wide (padding, never written). Where
         each new token goes is worked out here on the host and staged in one pinned copy: a pageable copy,
         or a boolean-mask index on the device, would wait for the stream (the latter in every layer)."""
         kv_len = max(s + n for s, n in zip(starts, lengths, strict=True))
@@ -104,7 +105,7 @@ class SlotKVCache:
         self._staging = self._staging or HostStaging(self.k.device)
         t_slots, t_starts, t_lengths, *writes = self._staging.tensors(slots, starts, lengths, rows, offsets,
                                                                       write_slots, write_pos)
-        return CacheView(self, t_slots, t_starts, t_lengths, max(lengths), kv_len, tuple(writes))
+        return CacheView(self, t_slots, t_starts, t_lengths, max(width, *lengths), kv_len, tuple(writes))
 
     def dense_view(self, slots: torch.Tensor, starts: torch.Tensor, num_new: int, kv_len: int | None) -> CacheView:
         """Every row writes exactly `num_new` tokens: built from tensors only, so it is the shape a

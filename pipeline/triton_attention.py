@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # one variant for every chunk length
 def slot_attention_kernel(Q, K, V, Out, Slots, Starts, Lengths, scale_log2,
                           stride_qb, stride_qh, stride_qt, stride_ks, stride_kh, stride_kl,
                           stride_ob, stride_ot, stride_oh, T,

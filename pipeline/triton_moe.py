@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks"])  # one variant for every batch
 def align_kernel(TopkIds, SortedIds, BlockExpert, NumPost, num_pairs, num_blocks,
                  NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
     """NUM_EXPERTS: the expert count rounded up to a power of two (the extra experts get no pairs)."""
@@ -56,7 +56,7 @@ def _block_pairs(SortedIds, num_pairs, BLOCK_M: tl.constexpr):
     return rows, pairs, pairs < num_pairs
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def gate_up_kernel(X, W, Out, SortedIds, BlockExpert, NumPost, num_pairs, inter, hidden,
                    stride_xm, stride_we, stride_wn, stride_wk, stride_om,
                    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -83,7 +83,7 @@ def gate_up_kernel(X, W, Out, SortedIds, BlockExpert, NumPost, num_pairs, inter,
     tl.store(Out + rows[:, None] * stride_om + n[None, :], act.to(Out.dtype.element_ty), mask=n_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def down_kernel(A, W, Out, SortedIds, BlockExpert, NumPost, RoutingWeights, num_pairs, hidden, inter,
                 stride_am, stride_we, stride_wn, stride_wk, stride_om,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):

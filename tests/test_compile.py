@@ -8,9 +8,11 @@ import asyncio
 import dataclasses
 
 import pytest
+import torch
 
 from pipeline.api import OmniRequest, collect_reply
 from pipeline.compile import TimedStep
+from pipeline.models.decoder import run_decoder
 from tests.test_attention import cpu_only
 from tests.test_parity import assert_greedy_parity, started_engine
 
@@ -61,6 +63,37 @@ async def test_compiled_once_then_served(compiled_engine):
     sizes = [b for s in compiled_engine.stages[:2] for b, n in enumerate(s.batch_size_counts) if n]
     assert 1 in sizes and max(sizes) >= 4  # the steps did run at several batch sizes
     assert all(n > 0 for n in compiled[0]) and compiled[1] == compiled[0]
+
+
+@cpu_only
+@pytest.mark.parametrize("stage", ["thinker", "talker"])
+def test_prefill_runs_the_compiled_layers_and_never_compiles(compiled_engine, stage):
+    """After start-up (which warmed the prefill shapes), chunks of shapes no warm-up ran (one row of one token,
+    five ragged rows) run inductor's code for the layers, compile nothing, and give the eager layers' rows."""
+    from torch.profiler import profile
+
+    from pipeline.compile import graphs_compiled
+
+    model = getattr(compiled_engine.models, stage)
+    prefill, kv = model.prefill, model.kv
+    hidden = model.stack.config.hidden_size
+    gen = torch.Generator().manual_seed(0)
+    before = graphs_compiled()
+    for lengths in ([1], [7, 1, 3, 12, 2], [40, 9]):
+        slots = list(range(len(lengths)))
+        rows = [torch.randn(n, hidden, generator=gen) for n in lengths]
+        positions = [torch.arange(n).expand(3, -1) for n in lengths]
+        with torch.inference_mode():
+            embeds, pos, view = prefill.inputs(slots, [0] * len(lengths), lengths, rows, positions)
+            assert embeds.shape[:2] == (max(2, len(lengths)), max(2, *lengths))  # padded past dynamo's 1s
+            with profile() as prof:
+                served, _ = prefill.run(embeds, pos, view)
+            eager, _ = run_decoder(prefill.stack, embeds, pos, kv.view(slots, [0] * len(lengths), lengths,
+                                                                        embeds.shape[1]))
+        assert any("CompiledFxGraph" in e.name for e in prof.events())  # inductor's code ran, not the modules
+        for i, n in enumerate(lengths):
+            torch.testing.assert_close(served[i, :n], eager[i, :n], rtol=1e-4, atol=1e-4)
+    assert graphs_compiled() == before
 
 
 def test_compile_setting(tiny_config):

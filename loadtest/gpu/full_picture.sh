@@ -8,7 +8,7 @@
 #              warm-up turn), then 32 sessions of whole replies capped at REPLY_FRAMES codec frames (underruns)
 #   ablation   `omnirt bench` at prompt 160, c=64, a server per row of ABLATE (default: all of them, the profile
 #              first): no graphs, no async chunk, no async output, compile off, first-packet priority off,
-#              the Talker's synchronous loop
+#              the Talker's synchronous loop, prefill through the uncompiled layers (eager-prefill)
 #   reference  `--engine reference` (transformers' generate, one request at a time), c=1
 #   abusive    32 sessions cancelled at first audio, without and beside one abusive session
 #   timeline   where first packets wait, stage by stage (the benches' "engine: first output per stage"): one
@@ -53,7 +53,8 @@ fi
 declare -A ABLATION=([profile]="" [no-graphs]="--enforce-eager" [no-async-chunk]="--no-async-chunk"
                      [no-async-output]="--no-async-output" [compile-off]="--compile off"
                      [no-priority]="--no-first-packet-priority"
-                     [sync-talker]="--stage-overrides {\"1\":{\"async_scheduling\":false}}")
+                     [sync-talker]="--stage-overrides {\"1\":{\"async_scheduling\":false}}"
+                     [eager-prefill]="--stage-overrides {\"0\":{\"compiled_prefill\":false},\"1\":{\"compiled_prefill\":false}}")
 if has ablation; then
   for row in ${ABLATE:-profile no-graphs no-async-chunk no-async-output compile-off no-priority}; do
     # shellcheck disable=SC2086  # the serve args split on spaces

@@ -7,11 +7,19 @@ position bookkeeping are ours. Batches are padded [B, T] with per-row starts and
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Sequence
 
 import torch
 
-from pipeline.kv_cache import CacheView
+from pipeline.compile import graphs_compiled
+from pipeline.kv_cache import CacheView, SlotKVCache
+
+log = logging.getLogger(__name__)
+MIN_COMPILED = 2  # rows and tokens a compiled prefill pads to
+WARM_ROWS = 4  # not a length of the warm-ups: no size equals another by chance
+WARM_LENGTHS = (5, 2, 3, 9, 17, 33)  # t x (query heads per KV head) reaches each block size of the slot attention
+WARM_LONG = 512  # x WARM_ROWS x top-k (2 or more) routed pairs: past the fused MoE's limit of 2048
 
 
 def run_decoder(stack: torch.nn.Module, embeds: torch.Tensor, position_ids: torch.Tensor, view: CacheView,
@@ -62,6 +70,71 @@ def last_rows(hidden: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     return hidden[torch.arange(hidden.shape[0], device=hidden.device), lengths - 1]
 
 
-def pad_rows(rows: list[torch.Tensor]) -> torch.Tensor:
-    """Right-pad a list of [T_i, ...] tensors into [B, T_max, ...] (zeros)."""
-    return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
+def pad_rows(rows: list[torch.Tensor], num_rows: int = 0, width: int = 0) -> torch.Tensor:
+    """Right-pad a list of [T_i, ...] tensors into [max(B, num_rows), max(T_max, width), ...] (zeros)."""
+    out = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
+    more_rows, more_cols = max(0, num_rows - out.shape[0]), max(0, width - out.shape[1])
+    if more_rows or more_cols:
+        out = torch.nn.functional.pad(out, (0, 0) * (out.dim() - 2) + (0, more_cols, 0, more_rows))
+    return out
+
+
+class PrefillPass:
+    """The prefill chunks of one decoder stack: padded into one [B, T] batch over the slot cache.
+
+    Where the stack's decode layers are compiled (`pipeline/compile.py`), prefill runs their compiled code
+    too, warmed at start-up for its shapes (`warm_up`), but never compiles while serving: dynamo's run-only
+    mode runs what was compiled and anything else eagerly, so a shape no warm-up covered costs the eager
+    pass (as without compilation), not a compile that holds the interpreter lock for seconds. Compiled, a
+    batch pads to at least `MIN_COMPILED` rows and tokens: dynamo specialises a size of 1, which would need
+    compiles of its own (the batch, the chunk, and the count of tokens written). A padding row is one token
+    written to the scratch slot.
+    """
+
+    def __init__(self, stack: torch.nn.Module, kv: SlotKVCache, compiled: Sequence[torch.nn.Module] | None):
+        self.stack, self.kv, self.compiled = stack, kv, compiled
+        self.layers = None if compiled is None else [torch._dynamo.run(layer) for layer in compiled]
+
+    def inputs(self, slots: list[int], starts: list[int], lengths: list[int], rows: list[torch.Tensor],
+               positions: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, CacheView]:
+        """(embeds [B, T, H], positions [3, B, T], the cache view) of rows [T_i, H] and positions [3, T_i]."""
+        least = MIN_COMPILED if self.layers is not None else 1
+        extra, width = max(0, least - len(slots)), max(least, *lengths)
+        embeds = pad_rows(rows, len(slots) + extra, width)
+        pos = pad_rows([p.T for p in positions], len(slots) + extra, width).permute(2, 0, 1)
+        view = self.kv.view(slots + [self.kv.scratch_slot] * extra, starts + [0] * extra, lengths + [1] * extra,
+                            width)
+        return embeds, pos, view
+
+    def of_requests(self, reqs, starts: list[int], lengths: list[int], rows: str
+                    ) -> tuple[torch.Tensor, torch.Tensor, CacheView]:
+        """`inputs` of stage requests whose state holds the prompt's rows as `state.<rows>` [P, H] and its
+        positions as `state.position_ids` [3, P]."""
+        chunks = list(zip(reqs, starts, lengths, strict=True))
+        return self.inputs([r.slot for r in reqs], starts, lengths,
+                           [getattr(r.state, rows)[s:s + n] for r, s, n in chunks],
+                           [r.state.position_ids[:, s:s + n] for r, s, n in chunks])
+
+    def run(self, embeds: torch.Tensor, pos: torch.Tensor, view: CacheView, tap_layer: int | None = None,
+            deepstack: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return run_decoder(self.stack, embeds, pos, view, tap_layer, self.layers, deepstack)
+
+    @torch.inference_mode()
+    def warm_up(self, name: str, hidden_size: int, dtype: torch.dtype) -> None:
+        """Compile the prefill shapes (a short chunk, one long enough for the MoE's long-chunk path) and run chunk
+        lengths that reach each variant of the Triton kernels (the slot attention's block sizes), so that
+        neither compiles while serving. Writes go to the scratch slot."""
+        if self.compiled is None:
+            return
+        from tqdm import tqdm
+
+        device, before = self.kv.k.device, graphs_compiled()
+        lengths = (WARM_LENGTHS[0], min(self.kv.max_len, WARM_LONG), *WARM_LENGTHS[1:])
+        for t in tqdm(lengths, desc=f"warming {name} prefill", unit="shape"):
+            rows = [torch.zeros(t, hidden_size, dtype=dtype, device=device)] * WARM_ROWS
+            embeds, pos, view = self.inputs([self.kv.scratch_slot] * WARM_ROWS, [0] * WARM_ROWS, [t] * WARM_ROWS,
+                                            rows, [torch.arange(t, device=device).expand(3, -1)] * WARM_ROWS)
+            run_decoder(self.stack, embeds, pos, view, layers=self.compiled)
+        log.info("%s prefill: %d graph(s) of the compiled layers for chunks of %s tokens", name,
+                 graphs_compiled() - before, lengths)
+

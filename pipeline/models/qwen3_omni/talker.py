@@ -18,7 +18,7 @@ import torch
 from pipeline.compile import compile_layers
 from pipeline.cudagraph import GraphCache, batch_buckets
 from pipeline.kv_cache import SlotKVCache
-from pipeline.models.decoder import experts_implementation, last_rows, pad_rows, run_decoder
+from pipeline.models.decoder import PrefillPass, experts_implementation, last_rows, run_decoder
 from pipeline.models.qwen3_omni.prompt import PromptKey
 from pipeline.models.qwen3_omni.rope import rope_positions
 from pipeline.models.qwen3_omni.thinker import ThinkerRows
@@ -61,7 +61,7 @@ class TalkerModel:
 
     def __init__(self, talker, config, kv: SlotKVCache, predictor_kv: SlotKVCache, special_rows: torch.Tensor,
                  platform: Platform, max_num_seqs: int, enforce_eager: bool = True, graph_moe: str | None = None,
-                 compile_step: bool = False):
+                 compile_step: bool = False, compiled_prefill: bool = True):
         self.talker = talker
         self.stack = talker.model
         self.predictor = talker.code_predictor
@@ -88,6 +88,7 @@ class TalkerModel:
         # the decode steps' layers as they run: compiled (pipeline/compile.py) or None, as written
         self.decode_layers = compile_layers(self.stack.layers) if compile_step else None
         self.predictor_layers = compile_layers(self.predictor.model.layers) if compile_step else None
+        self.prefill = PrefillPass(self.stack, kv, self.decode_layers if compiled_prefill else None)
         self.decode_graphs = GraphCache("talker decode", self._decode_step, platform, not eager,
                                         batch_buckets(max_num_seqs), kv.graph_lengths(), compile_step)
         self.predictor_graphs = GraphCache("code predictor", self._predict_step, platform, not eager,
@@ -109,6 +110,7 @@ class TalkerModel:
         self.predictor_graphs.capture(predictor_inputs)
         with experts_implementation(self.stack, self.graph_moe):
             self.decode_graphs.capture(decode_inputs)
+        self.prefill.warm_up("talker", h, self.talker.dtype)
 
     # ---- readiness: which Thinker rows a step needs -------------------------------------------------
 
@@ -172,10 +174,8 @@ class TalkerModel:
         return self._decode(batch.requests, starts)
 
     def _prefill(self, reqs, starts: list[int], n_new: list[int]) -> list[StepOutput]:
-        embeds = pad_rows([r.state.prompt[s:s + n] for r, s, n in zip(reqs, starts, n_new)])
-        pos = pad_rows([r.state.position_ids[:, s:s + n].T for r, s, n in zip(reqs, starts, n_new)]).permute(2, 0, 1)
-        view = self.kv.view([r.slot for r in reqs], starts, n_new)
-        normed, _ = run_decoder(self.stack, embeds, pos, view)
+        embeds, pos, view = self.prefill.of_requests(reqs, starts, n_new, "prompt")
+        normed, _ = self.prefill.run(embeds, pos, view)
         last = last_rows(normed, view.lengths)
         logits = self.talker.codec_head(last)
         outs = []

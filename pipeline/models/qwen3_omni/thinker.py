@@ -11,7 +11,7 @@ import torch
 from pipeline.compile import compile_layers
 from pipeline.cudagraph import GraphCache, batch_buckets
 from pipeline.kv_cache import SlotKVCache
-from pipeline.models.decoder import experts_implementation, last_rows, pad_rows, run_decoder
+from pipeline.models.decoder import PrefillPass, experts_implementation, last_rows, run_decoder
 from pipeline.models.qwen3_omni.encoders import VisualRows, encode_audio, encode_images, num_encoded
 from pipeline.models.qwen3_omni.prompt import EncodedPrompt, PromptKey
 from pipeline.models.qwen3_omni.rope import rope_positions
@@ -59,7 +59,7 @@ class ThinkerRows:
 class ThinkerModel:
     def __init__(self, thinker, config, kv: SlotKVCache, platform: Platform, max_num_seqs: int,
                  enforce_eager: bool = True, graph_moe: str | None = None, compile_step: bool = False,
-                 tool_call_id: int | None = None):
+                 tool_call_id: int | None = None, compiled_prefill: bool = True):
         self.thinker = thinker
         self.tool_call_id = tool_call_id  # the marker that starts a tool call: speech ends there
         self.graph_moe = graph_moe  # experts implementation inside captured graphs
@@ -74,6 +74,7 @@ class ThinkerModel:
         self.eos_ids = [config.im_end_token_id]
         self.staging = HostStaging(self.device)
         self.decode_layers = compile_layers(self.stack.layers) if compile_step else None  # None: as written
+        self.prefill = PrefillPass(self.stack, kv, self.decode_layers if compiled_prefill else None)
         self.graphs = GraphCache("thinker decode", self._decode_step, platform, not enforce_eager,
                                  batch_buckets(max_num_seqs), kv.graph_lengths(), compile_step)
 
@@ -86,6 +87,7 @@ class ThinkerModel:
 
         with experts_implementation(self.stack, self.graph_moe):
             self.graphs.capture(inputs)
+        self.prefill.warm_up("thinker", self.config.thinker_config.text_config.hidden_size, self.thinker.dtype)
 
     def prepare(self, reqs) -> None:
         """Turn each new request's `ThinkerInput` into its `ThinkerState` at its first prefill step: the
@@ -133,12 +135,10 @@ class ThinkerModel:
         return self._decode(batch.requests, starts)
 
     def _prefill(self, reqs, starts: list[int], n_new: list[int]) -> list[StepOutput]:
-        """Prompt chunks, padded into one batch (eager: the shapes vary)."""
-        embeds = pad_rows([r.state.embeds[s:s + n] for r, s, n in zip(reqs, starts, n_new)])
-        pos = pad_rows([r.state.position_ids[:, s:s + n].T for r, s, n in zip(reqs, starts, n_new)]).permute(2, 0, 1)
-        view = self.kv.view([r.slot for r in reqs], starts, n_new)
+        """Prompt chunks, padded into one batch (`PrefillPass`: no graphs, the shapes vary)."""
+        embeds, pos, view = self.prefill.of_requests(reqs, starts, n_new, "embeds")
         deepstack = self._deepstack(reqs, starts, n_new, embeds)
-        normed, tapped = run_decoder(self.stack, embeds, pos, view, self.tap_layer, deepstack=deepstack)
+        normed, tapped = self.prefill.run(embeds, pos, view, self.tap_layer, deepstack)
         logits = self.thinker.lm_head(last_rows(normed, view.lengths))
         for i, (r, s, n) in enumerate(zip(reqs, starts, n_new)):
             r.state.tapped[s:s + n] = tapped[i, :n]
