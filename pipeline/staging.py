@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
+ALIGN_BYTES = 16  # every staged tensor starts here: Triton specialises a kernel on its pointers' 16-byte alignment
 CAPACITY = 1 << 18  # values per dtype (2 MiB of int64): a c=64 Talker step with its history stages ~10 k
 FETCH_CAPACITY = 1 << 13  # values per dtype coming back (a step's sampled tokens and codec frames)
 
@@ -33,13 +34,18 @@ class HostStaging:
         self._half = 0
 
     def tensors(self, *rows: Sequence, dtype: torch.dtype = torch.long) -> list[torch.Tensor]:
-        """Each sequence of numbers as a 1-D device tensor, all through one copy."""
+        """Each sequence of numbers as a 1-D device tensor, all through one copy, each 16-byte aligned (a
+        kernel that takes it is not compiled again for another alignment)."""
         sizes = [len(r) for r in rows]
-        flat = [x for r in rows for x in r]
-        n = len(flat)
-        if self.device.type == "cpu" or n > self.capacity:
-            return list(torch.tensor(flat, dtype=dtype, device=self.device).split(sizes))
-        return list(self._staged(torch.tensor(flat, dtype=dtype)).split(sizes))
+        starts = aligned_starts(sizes, _align(dtype))
+        if self.device.type == "cpu" or starts[-1] > self.capacity:
+            return list(torch.tensor([x for r in rows for x in r], dtype=dtype, device=self.device).split(sizes))
+        flat = torch.zeros(starts[-1], dtype=dtype)
+        for r, a in zip(rows, starts):
+            if len(r):
+                flat[a:a + len(r)] = torch.tensor(r, dtype=dtype)
+        region = self._staged(flat)
+        return [region[a:a + n] for a, n in zip(starts, sizes)]
 
     def copy(self, values: torch.Tensor) -> torch.Tensor:
         """A host tensor on the device, through one asynchronous copy from pinned memory (e.g. a grammar mask)."""
@@ -53,7 +59,7 @@ class HostStaging:
         """1-D host values in the next region of the device buffer of their dtype."""
         n, dtype = flat.numel(), flat.dtype
         host, dev = self._buffers_for(dtype)
-        start = self._offsets.get(dtype, 0)
+        start = aligned_starts([self._offsets.get(dtype, 0)], _align(dtype))[1]
         if start + n > self.capacity:
             start = 0
         host[start:start + n] = flat
@@ -94,6 +100,20 @@ class HostStaging:
             self._buffers[dtype] = (torch.empty(self.capacity, dtype=dtype, pin_memory=True),
                                     torch.empty(self.capacity, dtype=dtype, device=self.device))
         return self._buffers[dtype]
+
+
+def _align(dtype: torch.dtype) -> int:
+    """Values of `dtype` per `ALIGN_BYTES`."""
+    return max(1, ALIGN_BYTES // torch.empty(0, dtype=dtype).element_size())
+
+
+def aligned_starts(sizes: Sequence[int], align: int) -> list[int]:
+    """Where each of `sizes` values starts when each starts at a multiple of `align`, and the end of the last
+    one rounded up the same way."""
+    starts = [0]
+    for n in sizes:
+        starts.append(starts[-1] + -(-n // align) * align)
+    return starts
 
 
 class Fetch:

@@ -145,6 +145,16 @@ def test_host_staging_splits_and_types():
     assert HostStaging(torch.device("cpu")).fetch(torch.tensor([[3, 4], [5, 6]])) == [[3, 4], [5, 6]]
 
 
+def test_host_staging_aligns_every_tensor():
+    """Each staged tensor starts on 16 bytes (2 int64 values, 16 bools): a Triton kernel taking slots or lengths
+    is specialised on that alignment, and a step whose rows landed elsewhere compiled it again while serving."""
+    from pipeline.staging import aligned_starts
+
+    assert aligned_starts([3, 0, 2, 1], 2) == [0, 4, 4, 6, 8]
+    assert aligned_starts([5, 16, 1], 16) == [0, 16, 32, 48]
+    assert aligned_starts([], 2) == [0]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="pinned memory needs a CUDA device")
 def test_host_staging_reuses_its_pinned_regions_round_robin():
@@ -154,7 +164,8 @@ def test_host_staging_reuses_its_pinned_regions_round_robin():
     first = staging.tensors([1, 2, 3], [4, 5])
     torch.cuda.synchronize()  # a stage synchronizes once per step
     assert [t.tolist() for t in first] == [[1, 2, 3], [4, 5]]
-    second = staging.tensor([6, 7, 8, 9])  # 5 + 4 > 8: wraps to the start
+    assert all(t.data_ptr() % 16 == 0 for t in first)
+    second = staging.tensor([6, 7, 8, 9])  # 6 (aligned) + 4 > 8: wraps to the start
     assert second.tolist() == [6, 7, 8, 9] and second.data_ptr() == first[0].data_ptr()
     big = staging.tensor(list(range(20)))  # past the capacity: a plain copy
     assert big.tolist() == list(range(20))

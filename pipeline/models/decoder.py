@@ -91,8 +91,10 @@ class PrefillPass:
     written to the scratch slot.
     """
 
-    def __init__(self, stack: torch.nn.Module, kv: SlotKVCache, compiled: Sequence[torch.nn.Module] | None):
+    def __init__(self, stack: torch.nn.Module, kv: SlotKVCache, compiled: Sequence[torch.nn.Module] | None,
+                 warm_kernels: bool = False):
         self.stack, self.kv, self.compiled = stack, kv, compiled
+        self.warm_kernels = warm_kernels  # Triton compiles its kernels here (a device, not the interpreter)
         self.layers = None if compiled is None else [torch._dynamo.run(layer) for layer in compiled]
 
     def inputs(self, slots: list[int], starts: list[int], lengths: list[int], rows: list[torch.Tensor],
@@ -123,8 +125,9 @@ class PrefillPass:
     def warm_up(self, name: str, hidden_size: int, dtype: torch.dtype) -> None:
         """Compile the prefill shapes (a short chunk, one long enough for the MoE's long-chunk path) and run chunk
         lengths that reach each variant of the Triton kernels (the slot attention's block sizes), so that
-        neither compiles while serving. Writes go to the scratch slot."""
-        if self.compiled is None:
+        neither compiles while serving (the first request on a fresh server waited 0.5 s for them). Writes go
+        to the scratch slot."""
+        if self.compiled is None and not self.warm_kernels:
             return
         from tqdm import tqdm
 

@@ -88,7 +88,8 @@ class TalkerModel:
         # the decode steps' layers as they run: compiled (pipeline/compile.py) or None, as written
         self.decode_layers = compile_layers(self.stack.layers) if compile_step else None
         self.predictor_layers = compile_layers(self.predictor.model.layers) if compile_step else None
-        self.prefill = PrefillPass(self.stack, kv, self.decode_layers if compiled_prefill else None)
+        self.prefill = PrefillPass(self.stack, kv, self.decode_layers if compiled_prefill else None,
+                                   platform.supports_graphs)
         self.decode_graphs = GraphCache("talker decode", self._decode_step, platform, not eager,
                                         batch_buckets(max_num_seqs), kv.graph_lengths(), compile_step)
         self.predictor_graphs = GraphCache("code predictor", self._predict_step, platform, not eager,

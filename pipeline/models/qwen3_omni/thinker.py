@@ -74,7 +74,8 @@ class ThinkerModel:
         self.eos_ids = [config.im_end_token_id]
         self.staging = HostStaging(self.device)
         self.decode_layers = compile_layers(self.stack.layers) if compile_step else None  # None: as written
-        self.prefill = PrefillPass(self.stack, kv, self.decode_layers if compiled_prefill else None)
+        self.prefill = PrefillPass(self.stack, kv, self.decode_layers if compiled_prefill else None,
+                                   platform.supports_graphs)
         self.graphs = GraphCache("thinker decode", self._decode_step, platform, not enforce_eager,
                                  batch_buckets(max_num_seqs), kv.graph_lengths(), compile_step)
 
