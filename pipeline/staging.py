@@ -40,11 +40,11 @@ class HostStaging:
         starts = aligned_starts(sizes, _align(dtype))
         if self.device.type == "cpu" or starts[-1] > self.capacity:
             return list(torch.tensor([x for r in rows for x in r], dtype=dtype, device=self.device).split(sizes))
-        flat = torch.zeros(starts[-1], dtype=dtype)
-        for r, a in zip(rows, starts):
-            if len(r):
-                flat[a:a + len(r)] = torch.tensor(r, dtype=dtype)
-        region = self._staged(flat)
+        flat = []
+        for r, a, b in zip(rows, starts, starts[1:]):
+            flat.extend(r)
+            flat.extend([0] * (b - a - len(r)))
+        region = self._staged(torch.tensor(flat, dtype=dtype))
         return [region[a:a + n] for a, n in zip(starts, sizes)]
 
     def copy(self, values: torch.Tensor) -> torch.Tensor:
@@ -59,7 +59,7 @@ class HostStaging:
         """1-D host values in the next region of the device buffer of their dtype."""
         n, dtype = flat.numel(), flat.dtype
         host, dev = self._buffers_for(dtype)
-        start = aligned_starts([self._offsets.get(dtype, 0)], _align(dtype))[1]
+        start = _round_up(self._offsets.get(dtype, 0), _align(dtype))
         if start + n > self.capacity:
             start = 0
         host[start:start + n] = flat
@@ -104,7 +104,11 @@ class HostStaging:
 
 def _align(dtype: torch.dtype) -> int:
     """Values of `dtype` per `ALIGN_BYTES`."""
-    return max(1, ALIGN_BYTES // torch.empty(0, dtype=dtype).element_size())
+    return max(1, ALIGN_BYTES // dtype.itemsize)
+
+
+def _round_up(n: int, align: int) -> int:
+    return -(-n // align) * align
 
 
 def aligned_starts(sizes: Sequence[int], align: int) -> list[int]:
@@ -112,7 +116,7 @@ def aligned_starts(sizes: Sequence[int], align: int) -> list[int]:
     one rounded up the same way."""
     starts = [0]
     for n in sizes:
-        starts.append(starts[-1] + -(-n // align) * align)
+        starts.append(starts[-1] + _round_up(n, align))
     return starts
 
 

@@ -140,4 +140,3 @@ class PrefillPass:
             run_decoder(self.stack, embeds, pos, view, layers=self.compiled)
         log.info("%s prefill: %d graph(s) of the compiled layers for chunks of %s tokens", name,
                  graphs_compiled() - before, lengths)
-
