@@ -277,3 +277,73 @@ def test_streaming_chunks_join_without_gap(engine):
         assert len(out) == len(full), (initial, chunk, ctx)
         tol = 1e-4 if ctx >= len(frames) else 0.05  # a shorter context only approximates the history
         assert np.abs(out - full).max() < tol, (initial, chunk, ctx)
+
+
+MULTI_TURN = [{"role": "system", "content": "You are a helpful assistant."},
+              {"role": "user", "content": [{"type": "audio", "audio": _noise(6000, 7)},
+                                           {"type": "text", "text": "First question."}]},
+              {"role": "assistant", "content": "A first answer."},
+              {"role": "user", "content": [{"type": "audio", "audio": _audio_1s()}]}]
+
+
+def _generates_talker_input(hf, ids: list[int], embeds: torch.Tensor, hidden: torch.Tensor, speaker: int):
+    """The talker input transformers' generate() builds from Thinker rows (`embeds` [P + 1, H]: the prompt's
+    rows, then the first reply token's; `hidden` [P, H] the tapped layer), as its `generate()` does."""
+    cfg, n = hf.config, len(ids)
+    ids_t = torch.tensor([ids])
+    mm = torch.isin(ids_t, torch.tensor([cfg.thinker_config.audio_token_id, cfg.thinker_config.image_token_id,
+                                         cfg.thinker_config.video_token_id]))
+    user_rows = hf._get_talker_user_parts(0, n, mm, hidden[None], embeds[None, :n])[0]
+    starts = [i for i in range(n) if ids[i] == cfg.im_start_token_id]
+    roles = [ids[starts[max(k for k, s in enumerate(starts) if s <= i)] + 1] if starts and i >= starts[0] else -1
+             for i in range(n)]
+    user = [i for i in range(n) if roles[i] == cfg.user_token_id]
+    special = torch.tensor([[cfg.tts_bos_token_id, cfg.tts_eos_token_id, cfg.tts_pad_token_id]])
+    bos, eos, pad = hf.talker.text_projection(hf.thinker.get_input_embeddings()(special)).chunk(3, dim=1)
+    assistant = max(i for i in range(n - 1) if ids[i] == cfg.im_start_token_id
+                    and ids[i + 1] == cfg.assistant_token_id)
+    head, _, _ = hf._get_talker_assistant_parts(assistant, n + 1, speaker, embeds[None], pad, bos, eos)
+    return torch.cat([user_rows[user], head[0]])
+
+
+def test_talker_prompts_built_in_one_batch_are_generates_talker_inputs(engine, reference_model):
+    """A step's new Talker prompts, built together (`TalkerModel.prepare`: one projection per kind of row, one
+    gather), are the talker inputs that transformers' generate() builds for each alone from the same Thinker
+    rows (text, audio, and a second turn after an assistant reply; Thinker rows arriving in two chunks)."""
+    from pipeline.models.qwen3_omni.talker import TalkerState
+    from pipeline.models.qwen3_omni.thinker import ThinkerRows
+
+    models, gen = engine.models, torch.Generator().manual_seed(0)
+    talker, width = models.talker, reference_model.config.thinker_config.text_config.hidden_size
+    states, expected = [], []
+    for messages in (PROMPTS["text"], PROMPTS["audio"], MULTI_TURN):
+        prompt = models.encoder.encode(messages)
+        n = len(prompt.input_ids)
+        embeds, hidden = torch.randn(n + 1, width, generator=gen), torch.randn(n, width, generator=gen)
+        st = TalkerState(models.voices["ethan"], prompt.input_ids, prompt.audio_lengths, None)
+        for part in (slice(0, n // 2), slice(n // 2, n)):
+            st.add(ThinkerRows(prompt_embeds=embeds[part], prompt_hidden=hidden[part]))
+        st.add(ThinkerRows(token_embed=embeds[n]))
+        assert talker.plan_prompt(st) == len(st.user_positions) + 9
+        states.append(st)
+        expected.append(_generates_talker_input(reference_model, prompt.input_ids, embeds, hidden,
+                                                models.voices["ethan"]))
+    with torch.inference_mode():
+        talker.prepare([dataclasses.make_dataclass("Req", ["state"])(st) for st in states])
+    for st, want in zip(states, expected, strict=True):
+        torch.testing.assert_close(st.prompt, want)
+        assert torch.equal(st.position_ids, torch.arange(len(want)).expand(3, -1))
+
+
+def test_rope_positions_without_images_are_get_rope_indexs(engine, reference_model):
+    """Text and audio prompts take the plain positions without calling `get_rope_index` (whose host round trips
+    made each new turn wait for the stage's stream): they are what it gives."""
+    from pipeline.models.qwen3_omni.rope import rope_positions
+
+    model = reference_model.thinker.model
+    for messages in (PROMPTS["text"], PROMPTS["audio"], MULTI_TURN):
+        prompt = engine.models.encoder.encode(messages)
+        ids = torch.tensor([prompt.input_ids])
+        want, delta = model.get_rope_index(ids, None, None, torch.ones_like(ids), False, prompt.audio_lengths, None)
+        got, offset = rope_positions(model, prompt.input_ids, prompt.audio_lengths, None, torch.device("cpu"))
+        assert torch.equal(got, want[:, 0].long()) and offset == int(delta.flatten()[0]) == 0

@@ -65,7 +65,7 @@ def _talker_may_step(talker, async_chunk: bool, req: StageRequest) -> bool:
     if req.num_prompt_tokens == 0:
         if not talker.can_prefill(st) or not (async_chunk or st.thinker_done):
             return False
-        req.num_prompt_tokens = talker.build_prompt(st)
+        req.num_prompt_tokens = talker.plan_prompt(st)
         return True
     return req.is_prefill or talker.can_decode(st, req.num_outputs - 1)
 

@@ -56,6 +56,60 @@ class TalkerState:
             self.text_rows.append(rows.token_embed)
 
 
+@dataclass(slots=True)
+class PromptLayout:
+    """Where each row of a step's new Talker prompts comes from, worked out on the host (`TalkerModel.prepare`).
+
+    A prompt is its user rows (a text row through `text_projection`, a multimodal one through
+    `hidden_projection`), then the 9-position assistant prefix: the text track (the assistant header's 3 rows
+    and the first reply token projected, tts_pad x 4, tts_bos) plus the codec track (zeros x 3, then nothink,
+    think_bos, think_eos, the speaker, pad, bos), as transformers' `generate()` builds it."""
+
+    text_rows: list[int]  # into the Thinker embeddings of all the prompts (each its P rows, then its first reply token)
+    mm_rows: list[int]  # into the Thinker hidden rows of all the prompts (P each)
+    row_pick: list[int]  # per prompt row, into [projected text rows; projected multimodal rows; tts_pad; tts_bos]
+    codec_pick: list[int]  # per prompt row, into [a zero row; the codec embeddings of codec_ids]
+    codec_ids: list[int]  # six per prompt
+    lengths: list[int]
+
+    @classmethod
+    def of(cls, config, states: list[TalkerState]) -> PromptLayout:
+        tc = config.talker_config
+        mm_ids = [config.thinker_config.audio_token_id, config.thinker_config.image_token_id,
+                  config.thinker_config.video_token_id]
+        is_mm = [np.isin(np.asarray(st.prompt_ids)[st.user_positions], mm_ids) for st in states]
+        num_text = sum(len(m) - int(m.sum()) + 4 for m in is_mm)  # the user text rows, and 4 of the prefix
+        num_rows = num_text + sum(int(m.sum()) for m in is_mm)
+        pad, bos = num_rows, num_rows + 1
+        out = cls([], [], [], [], [], [])
+        offset = 0  # of this prompt's rows in the Thinker rows of all of them
+        for i, (st, mm) in enumerate(zip(states, is_mm)):
+            n = len(st.prompt_ids)
+            user = st.user_positions
+            picks = np.empty(len(user), dtype=np.int64)
+            picks[~mm] = np.arange(len(out.text_rows), len(out.text_rows) + len(user) - int(mm.sum()))
+            picks[mm] = num_text + np.arange(len(out.mm_rows), len(out.mm_rows) + int(mm.sum()))
+            out.text_rows.extend((offset + i + user[~mm]).tolist())
+            out.mm_rows.extend((offset + user[mm]).tolist())
+            head = len(out.text_rows)
+            out.text_rows.extend(offset + i + _assistant_start(config, st.prompt_ids) + k for k in range(3))
+            out.text_rows.append(offset + i + n)  # the first reply token, after the prompt's rows
+            out.row_pick.extend(picks.tolist() + [head, head + 1, head + 2, pad, pad, pad, pad, bos, head + 3])
+            codec = 1 + 6 * i
+            out.codec_pick.extend([0] * (len(user) + 3) + list(range(codec, codec + 6)))
+            out.codec_ids.extend([tc.codec_nothink_id, tc.codec_think_bos_id, tc.codec_think_eos_id, st.speaker_id,
+                                  tc.codec_pad_id, tc.codec_bos_id])
+            out.lengths.append(len(user) + NUM_ASSISTANT_PREFIX)
+            offset += n
+        return out
+
+
+def _assistant_start(config, ids: list[int]) -> int:
+    """The position of the last `<|im_start|>assistant` in a prompt (the turn being answered)."""
+    return max(i for i in range(len(ids) - 1)
+               if ids[i] == config.im_start_token_id and ids[i + 1] == config.assistant_token_id)
+
+
 class TalkerModel:
     reads_device_tokens = True  # decode steps take the last sampled codes from `last_codes`
 
@@ -131,39 +185,42 @@ class TalkerModel:
 
     # ---- prompt -----------------------------------------------------------------------------------------
 
-    @torch.inference_mode()
-    def build_prompt(self, st: TalkerState) -> int:
-        """Assemble the talker prompt from the Thinker's prompt rows; returns its length."""
-        cfg, tc = self.config, self.tc
-        # which rows are what, on the host (the ids are there): masks on the device would make this thread wait
-        # for its stream, where steps are in flight
+    def plan_prompt(self, st: TalkerState) -> int:
+        """The prompt's length, and the Thinker position behind each of its user rows: host work only, done
+        when the request is admitted (prefix reuse matches on these positions). The rows themselves are built
+        at its first prefill step, with every other new request's (`prepare`)."""
         ids = np.asarray(st.prompt_ids)
-        im_start = np.where(ids == cfg.im_start_token_id, np.arange(len(ids)), -1)
+        im_start = np.where(ids == self.config.im_start_token_id, np.arange(len(ids)), -1)
         prev = np.maximum.accumulate(im_start).clip(min=0)
-        user = ids[np.minimum(prev + 1, len(ids) - 1)] == cfg.user_token_id
-        mm = np.isin(ids, [cfg.thinker_config.audio_token_id, cfg.thinker_config.image_token_id,
-                           cfg.thinker_config.video_token_id])
-        pad = cfg.tts_pad_token_id
-        mm_at, text_at, user_at, codec_ids, talker_ids = self.staging.tensors(
-            np.flatnonzero(mm).tolist(), np.flatnonzero(~mm).tolist(), np.flatnonzero(user).tolist(),
-            [tc.codec_nothink_id, tc.codec_think_bos_id, tc.codec_think_eos_id, st.speaker_id, tc.codec_pad_id,
-             tc.codec_bos_id], ids[user].tolist() + [pad] * NUM_ASSISTANT_PREFIX)
-        embeds, hidden = torch.cat(st.embed_chunks), torch.cat(st.hidden_chunks)
-        rows = torch.empty(len(ids), tc.text_config.hidden_size, device=self.device, dtype=self.talker.dtype)
-        if mm.any():
-            rows[mm_at] = self.talker.hidden_projection(hidden[mm_at])
-        rows[text_at] = self.talker.text_projection(embeds[text_at])
-        a = max(i for i in range(len(ids) - 1)
-                if st.prompt_ids[i] == cfg.im_start_token_id and st.prompt_ids[i + 1] == cfg.assistant_token_id)
-        head = self.talker.text_projection(torch.cat([embeds[a:a + 3], st.text_rows[0][None]]))
-        text_track = torch.cat([head[:3], self.tts_pad.expand(4, -1), self.tts_bos[None], head[3:4]])
-        codec_track = torch.cat([torch.zeros(3, rows.shape[1], device=self.device, dtype=rows.dtype),
-                                 self.stack.codec_embedding(codec_ids)])
-        st.prompt = torch.cat([rows[user_at], text_track + codec_track])
-        st.user_positions = np.flatnonzero(user)
-        st.position_ids, st.rope_delta = rope_positions(self.talker, talker_ids[None], st.audio_lengths,
-                                                        st.image_grid_thw)
-        return st.prompt.shape[0]
+        st.user_positions = np.flatnonzero(ids[np.minimum(prev + 1, len(ids) - 1)] == self.config.user_token_id)
+        return len(st.user_positions) + NUM_ASSISTANT_PREFIX
+
+    def prepare(self, reqs) -> None:
+        """Build the prompt rows of the step's requests that have none yet, all in one set of device ops: one
+        projection of every text row they take, one of every multimodal row, one codec embedding lookup, then
+        one gather laying the rows out prompt by prompt. (Built request by request, the 62 prompts of a c=64
+        round held the Talker's thread for 240 ms before its first prefill step.)"""
+        new = [r.state for r in reqs if r.state.prompt is None]
+        if new:
+            self._build_prompts(new, PromptLayout.of(self.config, new))
+
+    def _build_prompts(self, states: list[TalkerState], at: PromptLayout) -> None:
+        text_in, mm_in, row_at, codec_at, codec_ids = self.staging.tensors(at.text_rows, at.mm_rows, at.row_pick,
+                                                                           at.codec_pick, at.codec_ids)
+        embeds = torch.cat([c for st in states for c in (*st.embed_chunks, st.text_rows[0][None])])
+        parts = [self.talker.text_projection(embeds[text_in])]
+        if at.mm_rows:
+            hidden = torch.cat([c for st in states for c in st.hidden_chunks])
+            parts.append(self.talker.hidden_projection(hidden[mm_in]))
+        rows = torch.cat([*parts, self.tts_pad[None], self.tts_bos[None]])
+        codec = self.stack.codec_embedding(codec_ids)
+        codec = torch.cat([codec.new_zeros(1, codec.shape[1]), codec])
+        prompts = (rows[row_at] + codec[codec_at]).split(at.lengths)
+        for st, prompt in zip(states, prompts):
+            st.prompt = prompt
+            talker_ids = [st.prompt_ids[p] for p in st.user_positions] + [self.config.tts_pad_token_id] * 9
+            st.position_ids, st.rope_delta = rope_positions(self.talker, talker_ids, st.audio_lengths,
+                                                            st.image_grid_thw, self.device)
 
     # ---- steps --------------------------------------------------------------------------------------------
 
@@ -175,6 +232,7 @@ class TalkerModel:
         return self._decode(batch.requests, starts)
 
     def _prefill(self, reqs, starts: list[int], n_new: list[int]) -> list[StepOutput]:
+        self.prepare(reqs)
         embeds, pos, view = self.prefill.of_requests(reqs, starts, n_new, "prompt")
         normed, _ = self.prefill.run(embeds, pos, view)
         last = last_rows(normed, view.lengths)

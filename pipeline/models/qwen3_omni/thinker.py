@@ -91,9 +91,10 @@ class ThinkerModel:
         self.prefill.warm_up("thinker", self.config.thinker_config.text_config.hidden_size, self.thinker.dtype)
 
     def prepare(self, reqs) -> None:
-        """Turn each new request's `ThinkerInput` into its `ThinkerState` at its first prefill step: the
-        audio (images) of every request in the step goes through the audio (vision) encoder in one batch, but
-        for those inside a prefix it took from a resident slot (whose rows that slot kept)."""
+        """Turn each new request's `ThinkerInput` into its `ThinkerState` at its first prefill step: the token
+        ids of all of them go to the device in one copy and through the embedding in one lookup, the audio
+        (images) through the audio (vision) encoder in one batch, but for those inside a prefix it took from a
+        resident slot (whose rows that slot kept)."""
         new = [r for r in reqs if isinstance(r.state, ThinkerInput)]
         if not new:
             return
@@ -102,21 +103,21 @@ class ThinkerModel:
         image_firsts = [num_encoded(p.image_spans, r.num_computed_tokens) for p, r in zip(prompts, new)]
         audios = encode_audio(self.thinker, self.device, prompts, audio_firsts)
         images = encode_images(self.thinker, self.device, prompts, image_firsts)
-        for r, a, first, v in zip(new, audios, audio_firsts, images):
-            r.state = self._state(r.state, a, first, v, r.num_computed_tokens)
+        ids = self.staging.tensor([t for p in prompts for t in p.input_ids])
+        embeds = self.stack.embed_tokens(ids).split([len(p.input_ids) for p in prompts])
+        for r, e, a, first, v in zip(new, embeds, audios, audio_firsts, images):
+            r.state = self._state(r.state, e.clone(), a, first, v, r.num_computed_tokens)
 
-    def _state(self, inp: ThinkerInput, audio_rows: torch.Tensor | None, first_audio: int,
+    def _state(self, inp: ThinkerInput, embeds: torch.Tensor, audio_rows: torch.Tensor | None, first_audio: int,
                visual: VisualRows | None, num_cached: int) -> ThinkerState:
-        """Token embeddings with the rows of audios `first_audio`.. and of the `visual` images scattered in, the
-        first `num_cached` rows from the resident slot it starts from (if any), and the multimodal rope
-        positions."""
+        """The prompt's token `embeds` with the rows of audios `first_audio`.. and of the `visual` images
+        scattered in, the first `num_cached` rows from the resident slot it starts from (if any), and the
+        multimodal rope positions."""
         prompt = inp.prompt
-        ids = torch.tensor([prompt.input_ids], device=self.device)
-        embeds = self.stack.embed_tokens(ids)[0]
         # the rows of reply tokens it starts from stay zero: the Talker reads no tapped row there (prefix.py)
         tapped = torch.zeros_like(embeds)
         if audio_rows is not None:
-            at = torch.cat([torch.arange(a, b, device=self.device) for a, b in prompt.audio_spans[first_audio:]])
+            at = self.staging.tensor([i for a, b in prompt.audio_spans[first_audio:] for i in range(a, b)])
             embeds[at] = audio_rows.to(embeds.dtype)
         if visual is not None:
             embeds[visual.positions.to(self.device)] = visual.embeds.to(embeds.dtype)
@@ -124,7 +125,7 @@ class ThinkerModel:
             n = min(num_cached, len(inp.cached.embeds))
             embeds[:n], tapped[:n] = inp.cached.embeds[:n], inp.cached.tapped[:n]
         lengths = prompt.audio_lengths
-        pos, delta = rope_positions(self.thinker.model, ids, lengths, prompt.image_grid_thw)
+        pos, delta = rope_positions(self.thinker.model, prompt.input_ids, lengths, prompt.image_grid_thw, self.device)
         return ThinkerState(prompt.input_ids, embeds, tapped, pos, delta, lengths, inp.wants_rows, visual, inp.key)
 
     @torch.inference_mode()
