@@ -251,6 +251,92 @@ async def traced_round(c: int) -> None:
                           f"prefill tokens {sum(p[5] for p in part)}", flush=True)
 
 
+SPANS = {  # DIAG_SPANS: (stage, path of the object from its runner, method)
+    "thinker": [("runner", "launch"), ("runner", "collect"), ("runner.model", "prepare"),
+                ("runner.model", "_prefill"), ("runner.model", "_decode"), ("runner.model.prefill", "of_requests"),
+                ("runner.model.prefill", "run"), ("runner.model", "complete"), ("scheduler", "schedule")],
+    "talker": [("runner", "launch"), ("runner", "collect"), ("runner.model", "build_prompt"),
+               ("runner.model", "_prefill"), ("runner.model", "_decode"), ("runner.model.prefill", "run"),
+               ("scheduler", "schedule")],
+    "code2wav": [("runner", "run"), ("scheduler", "schedule")],
+}
+
+
+def _resolve(stage, path: str):
+    obj = stage
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+async def spans_round(c: int) -> None:
+    """DIAG_SPANS=c: one more round of c requests with the stage threads' main methods timed on the host (wall
+    time per call, until the round's last first packet: where a first packet's time goes inside each step), and
+    the first Thinker prefill step of 8 rows or more run under torch.profiler (its own thread's ops, with the
+    spans as ranges; a device sync before and after it): spans-c{c}.txt, thinker-prefill-profile.txt."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    calls: list[tuple[str, float, float]] = []
+    patched: list[tuple[object, str]] = []
+    profiled: list[str] = []
+
+    def timed(label: str, fn):
+        def wrapper(*args, **kwargs):
+            t = time.perf_counter()
+            with record_function(label):
+                out = fn(*args, **kwargs)
+            calls.append((label, t, time.perf_counter()))
+            return out
+        return wrapper
+
+    def profiling(fn):
+        def wrapper(batch):
+            if profiled or not batch.is_prefill or len(batch.requests) < 8:
+                return fn(batch)
+            sync = torch.cuda.synchronize if torch.cuda.is_available() else lambda: None
+            sync()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                t = time.perf_counter()
+                out = fn(batch)
+                sync()
+                wall = time.perf_counter() - t
+            table = prof.key_averages()
+            profiled.append(f"thinker prefill step, {len(batch.requests)} rows, {sum(batch.num_new_tokens)} "
+                            f"tokens: {1e3 * wall:.1f} ms with a sync at its end\n\n"
+                            + table.table(sort_by="cpu_time_total", row_limit=45, max_name_column_width=70)
+                            + "\n\n" + table.table(sort_by="self_device_time_total", row_limit=25,
+                                                     max_name_column_width=70))
+            return out
+        return wrapper
+
+    by_name = {st.name: st for st in engine.stages}
+    for name, methods in SPANS.items():
+        for path, method in methods:
+            obj = _resolve(by_name[name], path)
+            setattr(obj, method, timed(f"{name}.{path.split('.')[-1]}.{method}", getattr(obj, method)))
+            patched.append((obj, method))
+    runner = by_name["thinker"].runner
+    runner.launch = profiling(runner.launch)
+    t0 = time.perf_counter()
+    res = await asyncio.gather(*(one(600 + i, 145) for i in range(c)))
+    last_first = max(r[0] for r in res)
+    for obj, method in patched + [(runner, "launch")]:
+        obj.__dict__.pop(method, None)
+    out = os.environ.get("OUT", "/tmp")
+    early = [(label, a - t0, b - t0) for label, a, b in calls if a - t0 <= last_first]
+    with open(os.path.join(out, f"spans-c{c}.txt"), "w") as f:
+        f.write(f"until the last first packet: {1e3 * last_first:.0f} ms\nspan calls total_ms mean_ms max_ms\n")
+        for label in dict.fromkeys(label for label, _, _ in early):
+            ms = [1e3 * (b - a) for name, a, b in early if name == label]
+            f.write(f"{label} {len(ms)} {sum(ms):.1f} {sum(ms) / len(ms):.2f} {max(ms):.1f}\n")
+        f.write("\nlabel start_ms end_ms\n")
+        f.writelines(f"{label} {1e3 * a:.1f} {1e3 * b:.1f}\n" for label, a, b in early)
+    with open(os.path.join(out, "thinker-prefill-profile.txt"), "w") as f:
+        f.write(profiled[0] if profiled else "no Thinker prefill step of 8 rows or more\n")
+    print(f"spans c={c}: last first packet {1e3 * last_first:.0f} ms (spans-c{c}.txt)", flush=True)
+
+
 async def profiled_first_packets(c: int) -> None:
     """DIAG_FIRST_PROFILE=c: one more round of c under torch.profiler, stopped once every request has its first
     audio: the kernels and CUDA calls that first packets wait for (first-packets-c{c}.txt, and the timeline as a
@@ -300,6 +386,8 @@ async def main_and_profile() -> None:
             step_times()
     if os.environ.get("DIAG_TRACE"):
         await traced_round(int(os.environ["DIAG_TRACE"]))
+    if os.environ.get("DIAG_SPANS"):
+        await spans_round(int(os.environ["DIAG_SPANS"]))
     if os.environ.get("DIAG_FIRST_PROFILE"):
         await profiled_first_packets(int(os.environ["DIAG_FIRST_PROFILE"]))
     if os.environ.get("DIAG_PROFILE"):
