@@ -20,7 +20,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 from app.server import ServerSettings, create_app
 from pipeline.api import RequestError
 from pipeline.models.qwen3_omni import released
-from pipeline.models.qwen3_omni.prompt import PromptConfigError, PromptEncoder
+from pipeline.models.qwen3_omni.prompt import LruCache, PromptConfigError, PromptEncoder
 from pipeline.models.tiny import ensure_tiny_model
 from tests.test_truncation import Driver, turn_text
 
@@ -114,6 +114,48 @@ def test_token_ids_and_features_equal_the_released_processors(case, processor, e
         torch.testing.assert_close(ours.input_features[i, :, :n - 1], ref["input_features"][i, :, :n - 1],
                                    atol=1e-6, rtol=0)
 
+
+
+class _Counting:
+    """The feature extractor, counting its calls."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.inner(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_a_conversations_earlier_audio_is_extracted_once(checkpoint):
+    """Each turn of a voice conversation carries every earlier turn's audio again: only the new audio is
+    extracted (the others' features come from the encoder's cache), and the prompt is the one a fresh encoder
+    makes (ids, features, cache key)."""
+    cached = _encoder(checkpoint)
+    cached.features = _Counting(cached.features)
+    conversation = []
+    for turn in range(3):
+        conversation.append(_user(_audio(0.5 + turn, 10 + turn)))
+        ours, fresh = cached.encode(conversation), _encoder(checkpoint).encode(conversation)
+        assert ours.input_ids == fresh.input_ids and ours.cache_key == fresh.cache_key
+        torch.testing.assert_close(ours.input_features, fresh.input_features, atol=0, rtol=0)
+        assert torch.equal(ours.feature_mask, fresh.feature_mask)
+        assert cached.features.calls == turn + 1
+        conversation.append({"role": "assistant", "content": f"Answer {turn}."})
+
+
+def test_the_feature_cache_keeps_the_most_recently_used_within_its_bytes():
+    cache = LruCache(max_bytes=2500)
+    kib = (torch.zeros(256),)  # 1 KiB
+    for key in (b"a", b"b"):
+        cache.put(key, kib)
+    assert cache.get(b"a") is kib  # now the most recent
+    cache.put(b"c", kib)
+    assert cache.get(b"b") is None and cache.get(b"a") is kib and cache.get(b"c") is kib
+    assert len(cache) == 2 and cache.num_bytes == 2048
 
 def test_the_tiny_model_ships_the_released_template_and_feature_extractor(checkpoint, encoder):
     assert encoder.chat_template == released.CHAT_TEMPLATE.read_text()
