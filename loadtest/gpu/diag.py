@@ -11,6 +11,8 @@ from pipeline.core import build_engine
 
 if os.environ.get("SWITCH_MS"):  # the interpreter's GIL switch interval (default 5 ms), for the host-path ablation
     sys.setswitchinterval(float(os.environ["SWITCH_MS"]) / 1000)
+# DIAG_SWITCHES="5 0.2": each round (and the spans round) once per switch interval, in this order, same process
+SWITCHES = os.environ.get("DIAG_SWITCHES", "").split() or [None]
 dump = open(os.path.join(os.environ.get("OUT", "/tmp"), "stacks.txt"), "w")
 faulthandler.dump_traceback_later(int(os.environ.get("DIAG_TIMEOUT", "200")), exit=True, file=dump)
 t0, T_START = time.perf_counter(), time.time()
@@ -170,13 +172,16 @@ async def main() -> None:
     print(f"  start-up and warm-up: {triton_compiled_since(T_START)}", flush=True)
     if os.environ.get("DIAG_SYNC"):
         watch_syncs()
-    for c in [int(x) for x in os.environ.get("DIAG_CONC", "1 16 64").split()]:
+    for c, switch_ms in [(int(x), ms) for x in os.environ.get("DIAG_CONC", "1 16 64").split() for ms in SWITCHES]:
+        if switch_ms is not None:
+            sys.setswitchinterval(float(switch_ms) / 1000)
         t, before, started = time.perf_counter(), stage_stats(), time.time()
         res = await sampled_round(c)
         wall = time.perf_counter() - t
         ttfp = sorted(r[0] for r in res)
         rtf = sum(r[1] / max(r[2], 1e-9) for r in res) / c
-        print(f"c={c}: {c / wall:.2f} req/s, TTFP mean {sum(ttfp) / c:.3f}s p50 {ttfp[c // 2]:.3f}s "
+        label = "" if switch_ms is None else f" (switch interval {switch_ms} ms)"
+        print(f"c={c}{label}: {c / wall:.2f} req/s, TTFP mean {sum(ttfp) / c:.3f}s p50 {ttfp[c // 2]:.3f}s "
               f"max {ttfp[-1]:.3f}s, RTF {rtf:.3f}, wall {wall:.1f}s", flush=True)
         print_stage_delta(before, stage_stats())
         print(f"  {allocator_line()}; {triton_compiled_since(started)}", flush=True)
@@ -255,7 +260,7 @@ SPANS = {  # DIAG_SPANS: (stage, path of the object from its runner, method)
     "thinker": [("runner", "launch"), ("runner", "collect"), ("runner.model", "prepare"),
                 ("runner.model", "_prefill"), ("runner.model", "_decode"), ("runner.model.prefill", "of_requests"),
                 ("runner.model.prefill", "run"), ("runner.model", "complete"), ("scheduler", "schedule")],
-    "talker": [("runner", "launch"), ("runner", "collect"), ("runner.model", "build_prompt"),
+    "talker": [("runner", "launch"), ("runner", "collect"), ("runner.model", "prepare"),
                ("runner.model", "_prefill"), ("runner.model", "_decode"), ("runner.model.prefill", "run"),
                ("scheduler", "schedule")],
     "code2wav": [("runner", "run"), ("scheduler", "schedule")],
@@ -269,7 +274,7 @@ def _resolve(stage, path: str):
     return obj
 
 
-async def spans_round(c: int) -> None:
+async def spans_round(c: int, suffix: str = "") -> None:
     """DIAG_SPANS=c: one more round of c requests with the stage threads' main methods timed on the host (wall
     time per call, until the round's last first packet: where a first packet's time goes inside each step), and
     the first Thinker prefill step of 8 rows or more run under torch.profiler (its own thread's ops, with the
@@ -325,16 +330,16 @@ async def spans_round(c: int) -> None:
         obj.__dict__.pop(method, None)
     out = os.environ.get("OUT", "/tmp")
     early = [(label, a - t0, b - t0) for label, a, b in calls if a - t0 <= last_first]
-    with open(os.path.join(out, f"spans-c{c}.txt"), "w") as f:
+    with open(os.path.join(out, f"spans-c{c}{suffix}.txt"), "w") as f:
         f.write(f"until the last first packet: {1e3 * last_first:.0f} ms\nspan calls total_ms mean_ms max_ms\n")
         for label in dict.fromkeys(label for label, _, _ in early):
             ms = [1e3 * (b - a) for name, a, b in early if name == label]
             f.write(f"{label} {len(ms)} {sum(ms):.1f} {sum(ms) / len(ms):.2f} {max(ms):.1f}\n")
         f.write("\nlabel start_ms end_ms\n")
         f.writelines(f"{label} {1e3 * a:.1f} {1e3 * b:.1f}\n" for label, a, b in early)
-    with open(os.path.join(out, "thinker-prefill-profile.txt"), "w") as f:
+    with open(os.path.join(out, f"thinker-prefill-profile{suffix}.txt"), "w") as f:
         f.write(profiled[0] if profiled else "no Thinker prefill step of 8 rows or more\n")
-    print(f"spans c={c}: last first packet {1e3 * last_first:.0f} ms (spans-c{c}.txt)", flush=True)
+    print(f"spans c={c}{suffix}: last first packet {1e3 * last_first:.0f} ms (spans-c{c}{suffix}.txt)", flush=True)
 
 
 async def profiled_first_packets(c: int) -> None:
@@ -386,8 +391,10 @@ async def main_and_profile() -> None:
             step_times()
     if os.environ.get("DIAG_TRACE"):
         await traced_round(int(os.environ["DIAG_TRACE"]))
-    if os.environ.get("DIAG_SPANS"):
-        await spans_round(int(os.environ["DIAG_SPANS"]))
+    for switch_ms in SWITCHES if os.environ.get("DIAG_SPANS") else ():
+        if switch_ms is not None:
+            sys.setswitchinterval(float(switch_ms) / 1000)
+        await spans_round(int(os.environ["DIAG_SPANS"]), "" if switch_ms is None else f"-s{switch_ms}")
     if os.environ.get("DIAG_FIRST_PROFILE"):
         await profiled_first_packets(int(os.environ["DIAG_FIRST_PROFILE"]))
     if os.environ.get("DIAG_PROFILE"):
