@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU call: this build against another one, served, in the same call (same machine, same inductor cache):
-# for each of ORDER (default "base new"), a server of that build, `omnirt bench` at prompt 160 and c 1/16/64
+# for each of ORDER (default "base new"; "new-switch": this build with the GIL switch interval at SWITCH_MS,
+# default 0.2 ms, in every process of the server), a server of that build, `omnirt bench` at prompt 160 and c 1/16/64
 # (the benches' per-stage first outputs: where first packets wait), then Realtime sessions (SESSIONS, default
 # "1 32", 3 turns cancelled at first audio). BASE: the other build's source tree, carried, e.g.
 #   mkdir -p build/base && git archive REV app pipeline deploy | tar -x -C build/base
@@ -9,7 +10,12 @@ source loadtest/gpu/common.sh
 export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor
 for which in ${ORDER:-base new}; do
   src=.; [ "$which" = base ] && src=${BASE:-build/base}
-  SRC=$src start_server "$which" --realtime-max-sessions 160 || continue
+  if [ "$which" = new-switch ]; then
+    SWITCH_MS=${SWITCH_MS:-0.2} EXTRA_PATH=$PWD/loadtest/gpu/switch SRC=$src start_server "$which" \
+      --realtime-max-sessions 160 || continue
+  else
+    SRC=$src start_server "$which" --realtime-max-sessions 160 || continue
+  fi
   timeout 200 python3 -m app.cli bench --model $MODEL --name "h200-$which-timeline" --out "$OUT" --prompt-lens 160 \
     --concurrency 1 16 64 --requests-per-point 2 --rounds 1 --warmup 2 2>&1 | grep -E "^\| [0-9]|Error" | sed "s/^/$which /"
   [ -n "${SESSIONS-1 32}" ] && timeout "${RT_LIMIT:-200}" python3 -m app.cli bench realtime --url http://127.0.0.1:8091 \

@@ -13,7 +13,7 @@ MODEL=qwen3-omni-30b-a3b
 
 start_server() {  # start_server NAME [serve args...]: background server on :8091, wait until healthy (SRC: the
   local name=$1; shift  # source tree it runs from, default this one; ab_builds.sh runs another build's)
-  (cd "${SRC:-.}" && PYTHONPATH=/tmp/site:$PWD exec python3 -m app.cli serve --model $MODEL --load-format dummy \
+  (cd "${SRC:-.}" && PYTHONPATH=${EXTRA_PATH:+$EXTRA_PATH:}/tmp/site:$PWD exec python3 -m app.cli serve --model $MODEL --load-format dummy \
     --deploy-config deploy/qwen3_omni_moe_1gpu.yaml --port 8091 --log-level warning "$@") > "$OUT/server-$name.log" 2>&1 &
   SERVER_PID=$!
   local t0=$(date +%s)
