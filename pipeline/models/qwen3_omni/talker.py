@@ -77,7 +77,10 @@ class PromptLayout:
         tc = config.talker_config
         mm_ids = [config.thinker_config.audio_token_id, config.thinker_config.image_token_id,
                   config.thinker_config.video_token_id]
-        is_mm = [np.isin(np.asarray(st.prompt_ids)[st.user_positions], mm_ids) for st in states]
+        # the config's ids read once: a transformers config's attribute access costs microseconds
+        im_start, assistant = config.im_start_token_id, config.assistant_token_id
+        ids = [np.asarray(st.prompt_ids) for st in states]
+        is_mm = [np.isin(i[st.user_positions], mm_ids) for i, st in zip(ids, states)]
         num_text = sum(len(m) - int(m.sum()) + 4 for m in is_mm)  # the user text rows, and 4 of the prefix
         num_rows = num_text + sum(int(m.sum()) for m in is_mm)
         pad, bos = num_rows, num_rows + 1
@@ -92,7 +95,7 @@ class PromptLayout:
             out.text_rows.extend((offset + i + user[~mm]).tolist())
             out.mm_rows.extend((offset + user[mm]).tolist())
             head = len(out.text_rows)
-            out.text_rows.extend(offset + i + _assistant_start(config, st.prompt_ids) + k for k in range(3))
+            out.text_rows.extend(offset + i + _assistant_start(ids[i], im_start, assistant) + k for k in range(3))
             out.text_rows.append(offset + i + n)  # the first reply token, after the prompt's rows
             out.row_pick.extend(picks.tolist() + [head, head + 1, head + 2, pad, pad, pad, pad, bos, head + 3])
             codec = 1 + 6 * i
@@ -104,10 +107,9 @@ class PromptLayout:
         return out
 
 
-def _assistant_start(config, ids: list[int]) -> int:
+def _assistant_start(ids: np.ndarray, im_start: int, assistant: int) -> int:
     """The position of the last `<|im_start|>assistant` in a prompt (the turn being answered)."""
-    return max(i for i in range(len(ids) - 1)
-               if ids[i] == config.im_start_token_id and ids[i + 1] == config.assistant_token_id)
+    return int(np.flatnonzero((ids[:-1] == im_start) & (ids[1:] == assistant))[-1])
 
 
 class TalkerModel:
