@@ -218,9 +218,10 @@ class TalkerModel:
         codec = self.stack.codec_embedding(codec_ids)
         codec = torch.cat([codec.new_zeros(1, codec.shape[1]), codec])
         prompts = (rows[row_at] + codec[codec_at]).split(at.lengths)
+        pad = [self.config.tts_pad_token_id] * NUM_ASSISTANT_PREFIX  # the config read once, not per request
         for st, prompt in zip(states, prompts):
             st.prompt = prompt
-            talker_ids = [st.prompt_ids[p] for p in st.user_positions] + [self.config.tts_pad_token_id] * 9
+            talker_ids = np.asarray(st.prompt_ids)[st.user_positions].tolist() + pad
             st.position_ids, st.rope_delta = rope_positions(self.talker, talker_ids, st.audio_lengths,
                                                             st.image_grid_thw, self.device)
 
