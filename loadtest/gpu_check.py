@@ -72,8 +72,10 @@ def divergence(rows: dict, i: int) -> dict | None:
 
 
 def plain_path(engine) -> None:
-    """Graphs off, steps as written (not compiled), and attention over a dense copy of the cache (SDPA)."""
+    """Graphs off (prefill's too), steps as written (not compiled), and attention over a dense copy of the cache
+    (SDPA)."""
     m = engine.models
+    m.thinker.prefill.graphs.enabled = m.talker.prefill.graphs.enabled = False
     for kv in (m.thinker.kv, m.talker.kv, m.talker.predictor_kv):
         kv.in_place = False
     m.thinker.decode_layers = m.talker.decode_layers = m.talker.predictor_layers = None
@@ -111,6 +113,8 @@ async def main_async(args) -> dict:
             "seconds_graphed": t_graph, "seconds_eager": t_eager, "attention_in_place": in_place,
             "compile_seconds": compiled,
             "thinker_graphs": len(t), "thinker_replays": t.num_replays,
+            "prefill_graphs": {m.prefill.name: (len(m.prefill.graphs), m.prefill.graphs.num_replays)
+                               for m in (engine.models.thinker, engine.models.talker)},
             "divergence": {stage: [divergence(rows, i) for i in range(len(prompts))] for stage, rows in top2.items()
                            if rows}}
 

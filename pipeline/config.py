@@ -68,6 +68,7 @@ class StageConfig:
     prefix_caching: bool = True  # an ended request's KV stays resident for a prompt that starts the same way
     compile: str | None = None  # this stage's torch.compile (auto | on | off); None: the engine's `compile`
     compiled_prefill: bool = True  # where the decode layers are compiled, prefill chunks run them too (warmed)
+    prefill_graph_tokens: int = 2048  # graphs on: a prefill batch of at most this many padded tokens replays one
     async_scheduling: bool = False  # issue step n+1 before step n's tokens reach the host (stage.py); the talker
 
     @property
@@ -93,6 +94,7 @@ class StageConfig:
         _check(self.num_replicas >= 1, f"stages[{self.stage_id}].num_replicas", "must be >= 1")
         _check(self.max_num_seqs >= 1, f"stages[{self.stage_id}].max_num_seqs", "must be >= 1")
         _check(self.max_num_batched_tokens >= 1, f"stages[{self.stage_id}].max_num_batched_tokens", "must be >= 1")
+        _check(self.prefill_graph_tokens >= 0, f"stages[{self.stage_id}].prefill_graph_tokens", "must be >= 0")
         _check(self.max_waiting >= 0, f"stages[{self.stage_id}].max_waiting", "must be >= 0")
         _check(self.max_model_len >= 16, f"stages[{self.stage_id}].max_model_len", "must be >= 16")
         key = f"stages[{self.stage_id}]"

@@ -54,12 +54,15 @@ class GraphCache:
     """Graphs of one step function, keyed by (batch bucket, length bucket or None)."""
 
     def __init__(self, name: str, fn: Callable[..., tuple[torch.Tensor, ...]], platform: Platform, enabled: bool,
-                 batch_sizes: Sequence[int], lengths: Sequence[int] | None = None, compile_step: bool = False):
-        """`fn(length, **tensors)` returns a tuple of tensors; (batch, length) fixes every shape."""
+                 batch_sizes: Sequence[int], lengths: Sequence[int] | None = None, compile_step: bool = False,
+                 max_cells: int | None = None):
+        """`fn(length, **tensors)` returns a tuple of tensors; (batch, length) fixes every shape. `max_cells`:
+        only the keys whose batch x length is at most that get a graph (prefill steps: the tokens of a chunk)."""
         self.name, self.platform = name, platform
         self.fn = step_function(name, fn, compile_step)
         self.enabled = enabled and platform.supports_graphs
         self.batch_sizes, self.lengths = list(batch_sizes), None if lengths is None else list(lengths)
+        self.max_cells = max_cells
         self._graphs: dict[Hashable, _Captured] = {}
         self._pool = None
         self.num_replays = self.num_eager = 0
@@ -69,7 +72,8 @@ class GraphCache:
 
     @property
     def keys(self) -> list[tuple[int, int | None]]:
-        return [(b, n) for b in self.batch_sizes for n in (self.lengths or [None])]
+        return [(b, n) for b in self.batch_sizes for n in (self.lengths or [None])
+                if self.max_cells is None or n is None or b * n <= self.max_cells]
 
     def capture(self, make_inputs: Callable[[Hashable], dict[str, torch.Tensor]]) -> None:
         """Capture one graph per key, largest first (the first capture sizes the shared pool). A step
@@ -115,13 +119,19 @@ class GraphCache:
             return None
         return bucket_for(length, self.lengths)
 
+    def holds(self, n: int, length: int | None) -> bool:
+        """Whether `n` rows needing `length` replay a captured graph (else `run` runs the step eagerly)."""
+        return self.enabled and self._key(n, length) in self._graphs
+
+    def _key(self, n: int, length: int | None) -> tuple[int | None, int | None]:
+        size = None if self.lengths is None or length is None else bucket_for(length, self.lengths)
+        return bucket_for(n, self.batch_sizes), size
+
     def run(self, n: int, length: int | None, inputs: dict[str, torch.Tensor],
             pads: dict[str, int]) -> tuple[torch.Tensor, ...]:
         """Run the step for `n` rows needing `length`: replay the smallest bucket that holds them, with
         rows padded by `pads` (e.g. the scratch slot), or run eagerly at the exact shape."""
-        b = bucket_for(n, self.batch_sizes)
-        size = None if self.lengths is None or length is None else bucket_for(length, self.lengths)
-        captured = self._graphs.get((b, size)) if self.enabled else None
+        captured = self._graphs.get(self._key(n, length)) if self.enabled else None
         if captured is None:
             self.num_eager += 1  # a step without length buckets needs no length (nor a recompile per value)
             return self.fn(None if self.lengths is None else length, **inputs)

@@ -107,6 +107,19 @@ class SlotKVCache:
                                                                       write_slots, write_pos)
         return CacheView(self, t_slots, t_starts, t_lengths, max(width, *lengths), kv_len, tuple(writes))
 
+    def padded_view(self, slots: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, width: int) -> CacheView:
+        """A prefill step over a [B, width] batch whose row i has `lengths[i]` real tokens, built from tensors
+        only (the shape a captured prefill graph replays, in place only): every position of the batch writes,
+        the padding ones to the scratch slot, so the count of writes is fixed by the shape."""
+        assert self.in_place, "prefill graphs need the slot attention (no dense copy)"
+        offsets = torch.arange(width, device=slots.device)
+        valid = offsets[None, :] < lengths[:, None]  # [B, width]
+        rows = torch.arange(slots.shape[0], device=slots.device)[:, None].expand_as(valid).reshape(-1)
+        write_slots = torch.where(valid, slots[:, None], self.scratch_slot).reshape(-1)
+        write_pos = torch.where(valid, starts[:, None] + offsets, offsets).reshape(-1)
+        writes = (rows, offsets.expand_as(valid).reshape(-1), write_slots, write_pos)
+        return CacheView(self, slots, starts, lengths, width, None, writes)
+
     def dense_view(self, slots: torch.Tensor, starts: torch.Tensor, num_new: int, kv_len: int | None) -> CacheView:
         """Every row writes exactly `num_new` tokens: built from tensors only, so it is the shape a
         captured graph replays (decode steps, the code predictor's fixed-length loop). `kv_len` bounds the

@@ -87,7 +87,7 @@ def test_prefill_runs_the_compiled_layers_and_never_compiles(compiled_engine, st
             embeds, pos, view = prefill.inputs(slots, [0] * len(lengths), lengths, rows, positions)
             assert embeds.shape[:2] == (max(2, len(lengths)), max(2, *lengths))  # padded past dynamo's 1s
             with profile() as prof:
-                served, _ = prefill.run(embeds, pos, view)
+                served, _ = run_decoder(prefill.stack, embeds, pos, view, layers=prefill.layers)
             eager, _ = run_decoder(prefill.stack, embeds, pos, kv.view(slots, [0] * len(lengths), lengths,
                                                                         embeds.shape[1]))
         assert any("CompiledFxGraph" in e.name for e in prof.events())  # inductor's code ran, not the modules
@@ -142,3 +142,58 @@ def test_a_stages_own_compile_setting_and_the_conv_backend(tiny_config):
     assert gemm.conv_backend == "gemm"
     with pytest.raises(ProfileError, match="conv_backend must be one of native, gemm, channels_last, triton"):
         build_config({**raw, "conv_backend": "winograd"}, "cuda", {}, {})
+
+
+def _chunks(model, lengths: list[int], starts: list[int], gen: torch.Generator):
+    """Stage requests as `PrefillPass.run` reads them: slots 0.., random rows, multimodal-shaped positions."""
+    from types import SimpleNamespace
+
+    hidden, total = model.stack.config.hidden_size, max(s + n for s, n in zip(starts, lengths))
+    return [SimpleNamespace(slot=i, state=SimpleNamespace(rows=torch.randn(total, hidden, generator=gen),
+                                                          position_ids=torch.arange(total).expand(3, -1) + i))
+            for i in range(len(lengths))]
+
+
+@cpu_only
+@pytest.mark.parametrize("stage", ["thinker", "talker"])
+def test_prefill_graphs_replay_the_padded_step_as_the_ragged_batch(compiled_engine, stage):
+    """Prefill graphs, captured on a stand-in platform whose graph replays the step on its static inputs (a
+    CUDA graph replays the kernels the step issued): a batch padded to its (rows, width) bucket gives each
+    chunk's last row, the tapped rows and the slots' keys and values of the ragged batch, and its padding
+    writes nothing but the scratch slot."""
+    from pipeline.models.decoder import PrefillPass
+    from tests.test_cudagraph import _FakeGraphPlatform
+
+    model = getattr(compiled_engine.models, stage)
+    served, kv = model.prefill, model.kv
+    graphs = PrefillPass("test", served.stack, kv, served.compiled, _FakeGraphPlatform(), graphs=True, max_rows=4,
+                         max_tokens=64, tap_layer=served.tap_layer)
+    assert graphs.graphs.keys == [(b, w) for b in (2, 4) for w in (2, 4, 8, 16, 32) if b * w <= 64]
+    with torch.inference_mode():
+        graphs.capture(None)
+    step = graphs._graph_step
+    for key, c in graphs.graphs._graphs.items():
+        c.graph.replay = lambda c=c, k=key: [o.copy_(n) for o, n in zip(c.outputs, step(k[1], **c.inputs))]
+    gen = torch.Generator().manual_seed(1)
+    lengths, starts = [3, 7, 1], [0, 5, 2]
+    reqs = _chunks(model, lengths, starts, gen)
+    assert graphs.graphs.holds(3, 7) and not graphs.graphs.holds(3, 40)
+    before = (kv.k.clone(), kv.v.clone())
+    with torch.inference_mode():
+        last, tapped = served.run(reqs, starts, lengths, "rows")  # the CPU's own pass: no graphs, ragged
+        ragged = (kv.k.clone(), kv.v.clone())
+        kv.k.copy_(before[0]), kv.v.copy_(before[1])
+        replays = graphs.graphs.num_replays
+        g_last, g_tapped = graphs.run(reqs, starts, lengths, "rows")
+    assert graphs.graphs.num_replays == replays + 1 and g_last.shape == last.shape
+    torch.testing.assert_close(g_last, last, rtol=1e-4, atol=1e-4)
+    if stage == "thinker":
+        for i, n in enumerate(lengths):
+            torch.testing.assert_close(g_tapped[i, :n], tapped[i, :n], rtol=1e-4, atol=1e-4)
+    else:
+        assert tapped is None and g_tapped is None
+    scratch = kv.scratch_slot
+    for buf, want in zip((kv.k, kv.v), ragged):
+        torch.testing.assert_close(buf[:, :scratch], want[:, :scratch], rtol=1e-4, atol=1e-4)
+    changed = [s for s in range(scratch) if not torch.equal(kv.k[:, s], before[0][:, s])]
+    assert changed == [0, 1, 2]  # the chunks' own slots, nothing else

@@ -137,3 +137,4 @@ def test_cuda_graphs_match_eager_on_the_tiny_model():
 
     result = asyncio.run(main_async(Args))
     assert result["identical_text"] == 4 and result["thinker_graphs"] > 0 and result["thinker_replays"] > 0
+    assert all(graphs and replays for graphs, replays in result["prefill_graphs"].values())  # prefill replayed

@@ -137,7 +137,8 @@ def load_models(cfg: EngineConfig, platform: Platform, stages: tuple[str, ...] =
                         dtype, in_place)
         thinker = ThinkerModel(hf.thinker, hc, th_kv, platform, th_cfg.max_num_seqs, th_cfg.enforce_eager, graph_moe,
                                cfg.compiles("thinker", platform.supports_graphs),
-                               tokenizer.convert_tokens_to_ids(CALL_START), th_cfg.compiled_prefill)
+                               tokenizer.convert_tokens_to_ids(CALL_START), th_cfg.compiled_prefill,
+                               th_cfg.prefill_graph_tokens)
         kv_bytes["thinker"] = thinker.kv.num_bytes
     has_talker = getattr(hf, "has_talker", False)
     if has_talker and "talker" in stages:
@@ -149,7 +150,8 @@ def load_models(cfg: EngineConfig, platform: Platform, stages: tuple[str, ...] =
         talker_kv = _kv_for(tkc.text_config, plan.num_slots["talker"], tk_cfg.max_model_len, platform, dtype, in_place)
         talker = TalkerModel(hf.talker, hc, talker_kv, predictor_kv, _special_rows(hf, device), platform,
                              tk_cfg.max_num_seqs, tk_cfg.enforce_eager, graph_moe,
-                             cfg.compiles("talker", platform.supports_graphs), tk_cfg.compiled_prefill)
+                             cfg.compiles("talker", platform.supports_graphs), tk_cfg.compiled_prefill,
+                             tk_cfg.prefill_graph_tokens)
         kv_bytes["talker"] = talker.kv.num_bytes + predictor_kv.num_bytes
     if has_talker and "code2wav" in stages:
         if cfg.conv_backend == "triton" and not available():

@@ -8,18 +8,22 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from pipeline.compile import graphs_compiled
+from pipeline.cudagraph import GraphCache
 from pipeline.kv_cache import CacheView, SlotKVCache
+from pipeline.platform import Platform
+from pipeline.staging import HostStaging
 
 log = logging.getLogger(__name__)
 MIN_COMPILED = 2  # rows and tokens a compiled prefill pads to
 WARM_ROWS = 4  # not a length of the warm-ups: no size equals another by chance
 WARM_LENGTHS = (5, 2, 3, 9, 17, 33)  # t x (query heads per KV head) reaches each block size of the slot attention
 WARM_LONG = 512  # x WARM_ROWS x top-k (2 or more) routed pairs: past the fused MoE's limit of 2048
+PREFILL_SIZES = tuple(2 ** i for i in range(1, 15))  # the rows and widths of prefill graphs
 
 
 def run_decoder(stack: torch.nn.Module, embeds: torch.Tensor, position_ids: torch.Tensor, view: CacheView,
@@ -89,13 +93,75 @@ class PrefillPass:
     batch pads to at least `MIN_COMPILED` rows and tokens: dynamo specialises a size of 1, which would need
     compiles of its own (the batch, the chunk, and the count of tokens written). A padding row is one token
     written to the scratch slot.
+
+    With graphs (a stage whose decode steps are captured, attention in place), a chunk batch of at most
+    `max_tokens` padded tokens replays a graph captured at start-up for its (rows, width) bucket: rows padded to
+    a power of two, the width to one (`prefill_buckets`). Issuing the layers one by one cost the host ~2 ms per
+    compiled layer (the inductor wrapper, the custom ops' Python, dynamo's guards): 107 ms for a Thinker step
+    whose kernels took 7 ms on an H200. Chunks with image rows (deepstack) and larger batches run as above.
     """
 
-    def __init__(self, stack: torch.nn.Module, kv: SlotKVCache, compiled: Sequence[torch.nn.Module] | None,
-                 warm_kernels: bool = False):
-        self.stack, self.kv, self.compiled = stack, kv, compiled
-        self.warm_kernels = warm_kernels  # Triton compiles its kernels here (a device, not the interpreter)
+    def __init__(self, name: str, stack: torch.nn.Module, kv: SlotKVCache, compiled: Sequence[torch.nn.Module] | None,
+                 platform: Platform, graphs: bool = False, max_rows: int = 1, max_tokens: int = 0,
+                 tap_layer: int | None = None):
+        self.name, self.stack, self.kv, self.compiled, self.tap_layer = name, stack, kv, compiled, tap_layer
+        self.warm_kernels = platform.supports_graphs  # Triton compiles its kernels here (a device, not the interpreter)
         self.layers = None if compiled is None else [torch._dynamo.run(layer) for layer in compiled]
+        rows, widths = prefill_buckets(max_rows, kv.max_len, max_tokens)
+        self.graphs = GraphCache(f"{name} prefill", self._graph_step, platform, graphs and kv.in_place and bool(rows),
+                                 rows, widths, compiled is not None, max_cells=max_tokens)
+        self.staging = HostStaging(kv.k.device)
+
+    def run(self, reqs, starts: list[int], lengths: list[int], rows: str,
+            deepstack_of: Callable[[torch.Tensor], torch.Tensor | None] | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the final normed row of each chunk's last token [B, H], the `tap_layer` rows [B, T, H] or None) for
+        chunks [starts[i], starts[i] + lengths[i]) of stage requests whose state holds the prompt's rows as
+        `state.<rows>` [P, H] and its positions as `state.position_ids` [3, P]. `deepstack_of(embeds)`: the rows
+        the first layers add (`run_decoder`), for the padded batch (never through a graph)."""
+        if deepstack_of is None and self.graphs.holds(len(reqs), max(lengths)):
+            width = self.graphs.length_bucket(max(lengths))
+            out = self.graphs.run(len(reqs), width, self.graph_inputs(reqs, starts, lengths, rows, width),
+                                  {"slots": self.kv.scratch_slot})
+            return out[0], out[1] if len(out) > 1 else None
+        embeds, pos, view = self.of_requests(reqs, starts, lengths, rows)
+        deepstack = None if deepstack_of is None else deepstack_of(embeds)
+        normed, tapped = run_decoder(self.stack, embeds, pos, view, self.tap_layer, self.layers, deepstack)
+        return last_rows(normed, view.lengths), tapped
+
+    def graph_inputs(self, reqs, starts: list[int], lengths: list[int], rows: str, width: int
+                     ) -> dict[str, torch.Tensor]:
+        """The chunks as a graph of `width` takes them (rows not yet padded to its bucket): embeds [B, width, H],
+        positions [B, width, 3] (the batch first, as `GraphCache` pads it), slots, starts, lengths [B]."""
+        chunks = list(zip(reqs, starts, lengths, strict=True))
+        embeds = pad_rows([getattr(r.state, rows)[s:s + n] for r, s, n in chunks], width=width)
+        pos = pad_rows([r.state.position_ids[:, s:s + n].T for r, s, n in chunks], width=width)
+        slots, t_starts, t_lengths = self.staging.tensors([r.slot for r in reqs], starts, lengths)
+        return {"embeds": embeds, "positions": pos, "slots": slots, "starts": t_starts, "lengths": t_lengths}
+
+    def _graph_step(self, _width, embeds: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                    starts: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The fixed-shape prefill step graphs capture: padding rows have length 0, padding tokens write to the
+        scratch slot (`SlotKVCache.padded_view`)."""
+        view = self.kv.padded_view(slots, starts, lengths, embeds.shape[1])
+        normed, tapped = run_decoder(self.stack, embeds, positions.permute(2, 0, 1), view, self.tap_layer,
+                                     self.compiled)
+        last = last_rows(normed, lengths.clamp(min=1))
+        return (last,) if tapped is None else (last, tapped)
+
+    def capture(self, graph_moe: str | None) -> None:
+        """The prefill graphs, after `warm_up` (their warm-up runs compile what the buckets' shapes still need)."""
+        hidden, dtype, device = self.stack.config.hidden_size, self.stack.dtype, self.kv.k.device
+
+        def inputs(key):
+            b, width = key
+            zeros = torch.zeros(b, dtype=torch.long, device=device)
+            return {"embeds": torch.zeros(b, width, hidden, dtype=dtype, device=device),
+                    "positions": torch.arange(width, device=device)[None, :, None].expand(b, width, 3).contiguous(),
+                    "slots": zeros + self.kv.scratch_slot, "starts": zeros.clone(), "lengths": zeros + width}
+
+        with experts_implementation(self.stack, graph_moe):
+            self.graphs.capture(inputs)
 
     def inputs(self, slots: list[int], starts: list[int], lengths: list[int], rows: list[torch.Tensor],
                positions: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, CacheView]:
@@ -110,19 +176,14 @@ class PrefillPass:
 
     def of_requests(self, reqs, starts: list[int], lengths: list[int], rows: str
                     ) -> tuple[torch.Tensor, torch.Tensor, CacheView]:
-        """`inputs` of stage requests whose state holds the prompt's rows as `state.<rows>` [P, H] and its
-        positions as `state.position_ids` [3, P]."""
+        """`inputs` of the chunks `run` takes."""
         chunks = list(zip(reqs, starts, lengths, strict=True))
         return self.inputs([r.slot for r in reqs], starts, lengths,
                            [getattr(r.state, rows)[s:s + n] for r, s, n in chunks],
                            [r.state.position_ids[:, s:s + n] for r, s, n in chunks])
 
-    def run(self, embeds: torch.Tensor, pos: torch.Tensor, view: CacheView, tap_layer: int | None = None,
-            deepstack: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return run_decoder(self.stack, embeds, pos, view, tap_layer, self.layers, deepstack)
-
     @torch.inference_mode()
-    def warm_up(self, name: str, hidden_size: int, dtype: torch.dtype) -> None:
+    def warm_up(self) -> None:
         """Compile the prefill shapes (a short chunk, one long enough for the MoE's long-chunk path) and run chunk
         lengths that reach each variant of the Triton kernels (the slot attention's block sizes), so that
         neither compiles while serving (the first request on a fresh server waited 0.5 s for them). Writes go
@@ -131,12 +192,24 @@ class PrefillPass:
             return
         from tqdm import tqdm
 
+        hidden, dtype = self.stack.config.hidden_size, self.stack.dtype
         device, before = self.kv.k.device, graphs_compiled()
         lengths = (WARM_LENGTHS[0], min(self.kv.max_len, WARM_LONG), *WARM_LENGTHS[1:])
-        for t in tqdm(lengths, desc=f"warming {name} prefill", unit="shape"):
-            rows = [torch.zeros(t, hidden_size, dtype=dtype, device=device)] * WARM_ROWS
+        for t in tqdm(lengths, desc=f"warming {self.name} prefill", unit="shape"):
+            rows = [torch.zeros(t, hidden, dtype=dtype, device=device)] * WARM_ROWS
             embeds, pos, view = self.inputs([self.kv.scratch_slot] * WARM_ROWS, [0] * WARM_ROWS, [t] * WARM_ROWS,
                                             rows, [torch.arange(t, device=device).expand(3, -1)] * WARM_ROWS)
             run_decoder(self.stack, embeds, pos, view, layers=self.compiled)
-        log.info("%s prefill: %d graph(s) of the compiled layers for chunks of %s tokens", name,
+        log.info("%s prefill: %d graph(s) of the compiled layers for chunks of %s tokens", self.name,
                  graphs_compiled() - before, lengths)
+
+
+def prefill_buckets(max_rows: int, max_len: int, max_tokens: int) -> tuple[list[int], list[int]]:
+    """(row buckets, width buckets) of prefill graphs: powers of two from 2 (dynamo specialises a size of 1), up
+    to `max_rows` rows (itself the last bucket) and `max_len` tokens; a graph's rows x width is at most
+    `max_tokens` (`GraphCache`'s `max_cells`). None when `max_tokens` holds no 2 x 2 batch."""
+    if max_tokens < MIN_COMPILED * MIN_COMPILED:
+        return [], []
+    rows = [b for b in PREFILL_SIZES if b < max_rows] + [max(MIN_COMPILED, max_rows)]
+    widths = [w for w in PREFILL_SIZES if w < max_len and w * MIN_COMPILED <= max_tokens]
+    return rows, widths + ([max_len] if max_len * MIN_COMPILED <= max_tokens else [])

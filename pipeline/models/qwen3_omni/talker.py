@@ -18,7 +18,7 @@ import torch
 from pipeline.compile import compile_layers
 from pipeline.cudagraph import GraphCache, batch_buckets
 from pipeline.kv_cache import SlotKVCache
-from pipeline.models.decoder import PrefillPass, experts_implementation, last_rows, run_decoder
+from pipeline.models.decoder import PrefillPass, experts_implementation, run_decoder
 from pipeline.models.qwen3_omni.prompt import PromptKey
 from pipeline.models.qwen3_omni.rope import rope_positions
 from pipeline.models.qwen3_omni.thinker import ThinkerRows
@@ -117,7 +117,7 @@ class TalkerModel:
 
     def __init__(self, talker, config, kv: SlotKVCache, predictor_kv: SlotKVCache, special_rows: torch.Tensor,
                  platform: Platform, max_num_seqs: int, enforce_eager: bool = True, graph_moe: str | None = None,
-                 compile_step: bool = False, compiled_prefill: bool = True):
+                 compile_step: bool = False, compiled_prefill: bool = True, prefill_graph_tokens: int = 0):
         self.talker = talker
         self.stack = talker.model
         self.predictor = talker.code_predictor
@@ -144,8 +144,8 @@ class TalkerModel:
         # the decode steps' layers as they run: compiled (pipeline/compile.py) or None, as written
         self.decode_layers = compile_layers(self.stack.layers) if compile_step else None
         self.predictor_layers = compile_layers(self.predictor.model.layers) if compile_step else None
-        self.prefill = PrefillPass(self.stack, kv, self.decode_layers if compiled_prefill else None,
-                                   platform.supports_graphs)
+        self.prefill = PrefillPass("talker", self.stack, kv, self.decode_layers if compiled_prefill else None,
+                                   platform, not eager, max_num_seqs, prefill_graph_tokens)
         self.decode_graphs = GraphCache("talker decode", self._decode_step, platform, not eager,
                                         batch_buckets(max_num_seqs), kv.graph_lengths(), compile_step)
         self.predictor_graphs = GraphCache("code predictor", self._predict_step, platform, not eager,
@@ -167,7 +167,8 @@ class TalkerModel:
         self.predictor_graphs.capture(predictor_inputs)
         with experts_implementation(self.stack, self.graph_moe):
             self.decode_graphs.capture(decode_inputs)
-        self.prefill.warm_up("talker", h, self.talker.dtype)
+        self.prefill.warm_up()
+        self.prefill.capture(self.graph_moe)
 
     # ---- readiness: which Thinker rows a step needs -------------------------------------------------
 
@@ -236,9 +237,7 @@ class TalkerModel:
 
     def _prefill(self, reqs, starts: list[int], n_new: list[int]) -> list[StepOutput]:
         self.prepare(reqs)
-        embeds, pos, view = self.prefill.of_requests(reqs, starts, n_new, "prompt")
-        normed, _ = self.prefill.run(embeds, pos, view)
-        last = last_rows(normed, view.lengths)
+        last, _ = self.prefill.run(reqs, starts, n_new, "prompt")
         logits = self.talker.codec_head(last)
         outs = []
         for i, (r, s, n) in enumerate(zip(reqs, starts, n_new)):

@@ -11,7 +11,7 @@ import torch
 from pipeline.compile import compile_layers
 from pipeline.cudagraph import GraphCache, batch_buckets
 from pipeline.kv_cache import SlotKVCache
-from pipeline.models.decoder import PrefillPass, experts_implementation, last_rows, run_decoder
+from pipeline.models.decoder import PrefillPass, experts_implementation, run_decoder
 from pipeline.models.qwen3_omni.encoders import VisualRows, encode_audio, encode_images, num_encoded
 from pipeline.models.qwen3_omni.prompt import EncodedPrompt, PromptKey
 from pipeline.models.qwen3_omni.rope import rope_positions
@@ -59,7 +59,7 @@ class ThinkerRows:
 class ThinkerModel:
     def __init__(self, thinker, config, kv: SlotKVCache, platform: Platform, max_num_seqs: int,
                  enforce_eager: bool = True, graph_moe: str | None = None, compile_step: bool = False,
-                 tool_call_id: int | None = None, compiled_prefill: bool = True):
+                 tool_call_id: int | None = None, compiled_prefill: bool = True, prefill_graph_tokens: int = 0):
         self.thinker = thinker
         self.tool_call_id = tool_call_id  # the marker that starts a tool call: speech ends there
         self.graph_moe = graph_moe  # experts implementation inside captured graphs
@@ -74,8 +74,8 @@ class ThinkerModel:
         self.eos_ids = [config.im_end_token_id]
         self.staging = HostStaging(self.device)
         self.decode_layers = compile_layers(self.stack.layers) if compile_step else None  # None: as written
-        self.prefill = PrefillPass(self.stack, kv, self.decode_layers if compiled_prefill else None,
-                                   platform.supports_graphs)
+        self.prefill = PrefillPass("thinker", self.stack, kv, self.decode_layers if compiled_prefill else None,
+                                   platform, not enforce_eager, max_num_seqs, prefill_graph_tokens, self.tap_layer)
         self.graphs = GraphCache("thinker decode", self._decode_step, platform, not enforce_eager,
                                  batch_buckets(max_num_seqs), kv.graph_lengths(), compile_step)
 
@@ -88,7 +88,8 @@ class ThinkerModel:
 
         with experts_implementation(self.stack, self.graph_moe):
             self.graphs.capture(inputs)
-        self.prefill.warm_up("thinker", self.config.thinker_config.text_config.hidden_size, self.thinker.dtype)
+        self.prefill.warm_up()
+        self.prefill.capture(self.graph_moe)
 
     def prepare(self, reqs) -> None:
         """Turn each new request's `ThinkerInput` into its `ThinkerState` at its first prefill step: the token
@@ -137,11 +138,12 @@ class ThinkerModel:
         return self._decode(batch.requests, starts)
 
     def _prefill(self, reqs, starts: list[int], n_new: list[int]) -> list[StepOutput]:
-        """Prompt chunks, padded into one batch (`PrefillPass`: no graphs, the shapes vary)."""
-        embeds, pos, view = self.prefill.of_requests(reqs, starts, n_new, "embeds")
-        deepstack = self._deepstack(reqs, starts, n_new, embeds)
-        normed, tapped = self.prefill.run(embeds, pos, view, self.tap_layer, deepstack)
-        logits = self.thinker.lm_head(last_rows(normed, view.lengths))
+        """Prompt chunks, padded into one batch (`PrefillPass`: a graph of its bucket where one holds them and
+        no image is in the batch)."""
+        has_images = any(r.state.visual is not None for r in reqs)
+        deepstack_of = (lambda embeds: self._deepstack(reqs, starts, n_new, embeds)) if has_images else None
+        last, tapped = self.prefill.run(reqs, starts, n_new, "embeds", deepstack_of)
+        logits = self.thinker.lm_head(last)
         for i, (r, s, n) in enumerate(zip(reqs, starts, n_new)):
             r.state.tapped[s:s + n] = tapped[i, :n]
         return [self._output(r, s, s + n, logits[i]) for i, (r, s, n) in enumerate(zip(reqs, starts, n_new))]
