@@ -94,8 +94,10 @@ def uvicorn_config(app, args: argparse.Namespace, port: int):
     import uvicorn
 
     limits = app.state.server.settings.realtime
-    # frames a bit over the realtime event limit still arrive, so that they get an `error` event
-    return uvicorn.Config(app, host=args.host, port=port, log_level=args.log_level,
+    # frames a bit over the realtime event limit still arrive, so that they get an `error` event. The asyncio loop
+    # whether or not uvloop is installed: aiortc's ICE fails on uvloop (encode/uvicorn#840); HTTP is parsed by
+    # httptools (a dependency) where uvicorn finds it
+    return uvicorn.Config(app, host=args.host, port=port, log_level=args.log_level, loop="asyncio",
                           ws_max_size=limits.max_event_bytes + 2**20,
                           timeout_graceful_shutdown=args.shutdown_timeout + 5)
 

@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import aiohttp
 import httpx
 
 from app.audio.playback import PlaybackClock, pcm16_seconds
@@ -52,14 +53,15 @@ def _underruns(arrivals: list[tuple[float, float]]) -> int:
     return clock.num_underruns
 
 
-async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> Sample:
+async def one_request(client: aiohttp.ClientSession, url: str, body: dict) -> Sample:
     s, arrivals, t0 = Sample(), [], time.perf_counter()
     try:
-        async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
-            if r.status_code != 200:
-                s.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+        async with client.post(f"{url}/v1/chat/completions", json=body) as r:
+            if r.status != 200:
+                s.error = f"HTTP {r.status}: {(await r.read())[:200]!r}"
                 return s
-            async for line in r.aiter_lines():
+            async for raw in r.content:  # line by line
+                line = raw.decode().rstrip("\r\n")
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
@@ -74,7 +76,7 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> Sample
                     if audio.get("data"):
                         dur = pcm16_seconds(base64.b64decode(audio["data"]), PCM16.sample_rate)
                         arrivals.append((now, dur))
-    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+    except (TimeoutError, aiohttp.ClientError, json.JSONDecodeError, ValueError) as exc:
         s.error = f"{type(exc).__name__}: {exc}"
         return s
     s.latency_s = time.perf_counter() - t0
@@ -100,13 +102,13 @@ def request_body(args: argparse.Namespace, words: int) -> dict:
     return body
 
 
-async def calibrate(client: httpx.AsyncClient, url: str, model: str, target: int) -> int:
+async def calibrate(client: aiohttp.ClientSession, url: str, model: str, target: int) -> int:
     """How many prompt words give `target` prompt tokens on this server (system prompt included)."""
     async def count(words: int) -> int:
-        r = await client.post(f"{url}/v1/chat/completions", json={
-            "model": model, "max_tokens": 1, "messages": [{"role": "user", "content": " ".join(["hello"] * words)}]})
-        r.raise_for_status()
-        return r.json()["usage"]["prompt_tokens"]
+        async with client.post(f"{url}/v1/chat/completions", raise_for_status=True, json={
+                "model": model, "max_tokens": 1,
+                "messages": [{"role": "user", "content": " ".join(["hello"] * words)}]}) as r:
+            return (await r.json())["usage"]["prompt_tokens"]
 
     base, per = await count(1), (await count(101) - await count(1)) / 100
     return max(1, round(1 + (target - base) / max(per, 1e-6)))
@@ -146,10 +148,9 @@ def summarize(samples: list[Sample], wall_s: float, prompt_len: int, concurrency
 
 
 async def sweep(args: argparse.Namespace) -> list[dict]:
-    limits = httpx.Limits(max_connections=max(args.concurrency) + 8)
     results = []
     points, t0 = [(p, c) for p in args.prompt_lens for c in args.concurrency], time.perf_counter()
-    async with httpx.AsyncClient(timeout=args.timeout, limits=limits) as client:
+    async with _session(max(args.concurrency) + 8, args.timeout) as client:
         for prompt_len in args.prompt_lens:
             words = await calibrate(client, args.url, args.model, prompt_len)
             for c in args.concurrency:
@@ -164,6 +165,15 @@ async def sweep(args: argparse.Namespace) -> list[dict]:
                 print(format_row(row), flush=True)
                 _progress(len(results), len(points), time.perf_counter() - t0)
     return results
+
+
+def _session(max_connections: int, timeout_s: float) -> aiohttp.ClientSession:
+    """The client of a sweep: aiohttp, whose per-stream cost stays small at c=64 (httpx's added 20-30 ms to a
+    mean first packet at c=64 on a 2-core host, `python -m loadtest.http_clients`); a 4 MiB line limit holds
+    the largest SSE event (a 2 s audio chunk is 128 KiB of base64)."""
+    connector = aiohttp.TCPConnector(limit=max_connections)
+    return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=timeout_s),
+                                 read_bufsize=2**22)
 
 
 def _progress(done: int, total: int, elapsed_s: float) -> None:
