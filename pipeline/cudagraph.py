@@ -119,12 +119,9 @@ class GraphCache:
             return None
         return bucket_for(length, self.lengths)
 
-    def max_batch(self, length: int | None) -> int:
-        """The most rows one replay holds at `length` (0: no graph holds that length, or graphs are off)."""
-        if not self.enabled:
-            return 0
-        size = None if self.lengths is None or length is None else bucket_for(length, self.lengths)
-        return max((b for b, n in self._graphs if n == size), default=0)
+    def holds(self, n: int, length: int | None) -> bool:
+        """Whether `n` rows needing `length` replay a captured graph (else `run` runs the step eagerly)."""
+        return self.enabled and self._key(n, length) in self._graphs
 
     def _key(self, n: int, length: int | None) -> tuple[int | None, int | None]:
         size = None if self.lengths is None or length is None else bucket_for(length, self.lengths)

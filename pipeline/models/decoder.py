@@ -94,12 +94,11 @@ class PrefillPass:
     compiles of its own (the batch, the chunk, and the count of tokens written). A padding row is one token
     written to the scratch slot.
 
-    With graphs (a stage whose decode steps are captured, attention in place), a chunk batch replays graphs captured
-    at start-up for (rows, width) buckets of at most `max_tokens` padded tokens: rows padded to a power of two, the
-    width to one (`prefill_buckets`); more rows than its width's largest bucket holds run as several replays.
-    Issuing the layers one by one cost the host ~2 ms per compiled layer (the inductor wrapper, the custom ops'
-    Python, dynamo's guards): 107 ms for a Thinker step whose kernels took 7 ms on an H200. Chunks with image rows
-    (deepstack) or wider than every bucket run as above.
+    With graphs (a stage whose decode steps are captured, attention in place), a chunk batch of at most
+    `max_tokens` padded tokens replays a graph captured at start-up for its (rows, width) bucket: rows padded to
+    a power of two, the width to one (`prefill_buckets`). Issuing the layers one by one cost the host ~2 ms per
+    compiled layer (the inductor wrapper, the custom ops' Python, dynamo's guards): 107 ms for a Thinker step
+    whose kernels took 7 ms on an H200. Chunks with image rows (deepstack) and larger batches run as above.
     """
 
     def __init__(self, name: str, stack: torch.nn.Module, kv: SlotKVCache, compiled: Sequence[torch.nn.Module] | None,
@@ -120,26 +119,15 @@ class PrefillPass:
         chunks [starts[i], starts[i] + lengths[i]) of stage requests whose state holds the prompt's rows as
         `state.<rows>` [P, H] and its positions as `state.position_ids` [3, P]. `deepstack_of(embeds)`: the rows
         the first layers add (`run_decoder`), for the padded batch (never through a graph)."""
-        piece = 0 if deepstack_of is not None else self.graphs.max_batch(max(lengths))
-        if piece:
-            return self._replay(reqs, starts, lengths, rows, piece)
+        if deepstack_of is None and self.graphs.holds(len(reqs), max(lengths)):
+            width = self.graphs.length_bucket(max(lengths))
+            out = self.graphs.run(len(reqs), width, self.graph_inputs(reqs, starts, lengths, rows, width),
+                                  {"slots": self.kv.scratch_slot})
+            return out[0], out[1] if len(out) > 1 else None
         embeds, pos, view = self.of_requests(reqs, starts, lengths, rows)
         deepstack = None if deepstack_of is None else deepstack_of(embeds)
         normed, tapped = run_decoder(self.stack, embeds, pos, view, self.tap_layer, self.layers, deepstack)
         return last_rows(normed, view.lengths), tapped
-
-    def _replay(self, reqs, starts: list[int], lengths: list[int], rows: str, piece: int
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`run` through graphs, `piece` rows at a time (prefill rows are independent, each in its own slot): a batch
-        past the largest bucket of its width runs as several replays, each one's outputs copied before the next
-        replay of that graph overwrites them."""
-        width, outs = self.graphs.length_bucket(max(lengths)), []
-        for i in range(0, len(reqs), piece):
-            inputs = self.graph_inputs(reqs[i:i + piece], starts[i:i + piece], lengths[i:i + piece], rows, width)
-            out = self.graphs.run(len(inputs["slots"]), width, inputs, {"slots": self.kv.scratch_slot})
-            outs.append(out if len(reqs) <= piece else tuple(t.clone() for t in out))
-        merged = [torch.cat(parts) if len(parts) > 1 else parts[0] for parts in zip(*outs)]
-        return merged[0], merged[1] if len(merged) > 1 else None
 
     def graph_inputs(self, reqs, starts: list[int], lengths: list[int], rows: str, width: int
                      ) -> dict[str, torch.Tensor]:
