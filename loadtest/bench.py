@@ -15,9 +15,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import itertools
 import json
 import statistics
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -91,10 +93,13 @@ async def one_request(client: aiohttp.ClientSession, url: str, body: dict) -> Sa
     return s
 
 
-def request_body(args: argparse.Namespace, words: int) -> dict:
+def request_body(args: argparse.Namespace, words: int, serial: int = 0) -> dict:
+    """A streaming chat request of `words` words; with --distinct-prompts its first word is `serial`, so that no two
+    requests of a run share more than the system prompt (prefix reuse then finds no whole prompt to reuse)."""
+    text = [str(serial)] + ["hello"] * max(words - 1, 1) if args.distinct_prompts else ["hello"] * max(words, 1)
     body = {"model": args.model, "stream": True, "stream_options": {"include_usage": True},
             "modalities": ["text", "audio"], "audio": {"voice": args.voice, "format": "pcm16"},
-            "messages": [{"role": "user", "content": " ".join(["hello"] * max(words, 1))}],
+            "messages": [{"role": "user", "content": " ".join(text)}],
             "max_tokens": args.thinker_tokens, "temperature": 0.0}
     if args.fixed_lengths:
         body["min_tokens"] = args.thinker_tokens
@@ -114,7 +119,8 @@ async def calibrate(client: aiohttp.ClientSession, url: str, model: str, target:
     return max(1, round(1 + (target - base) / max(per, 1e-6)))
 
 
-async def run_point(client, args, words: int, concurrency: int, num_requests: int) -> tuple[list[Sample], float]:
+async def run_point(client, args, words: int, concurrency: int, num_requests: int,
+                    serials: Iterator[int]) -> tuple[list[Sample], float]:
     queue: asyncio.Queue[int] = asyncio.Queue()
     for i in range(num_requests):
         queue.put_nowait(i)
@@ -123,7 +129,7 @@ async def run_point(client, args, words: int, concurrency: int, num_requests: in
     async def worker():
         while not queue.empty():
             queue.get_nowait()
-            samples.append(await one_request(client, args.url, request_body(args, words)))
+            samples.append(await one_request(client, args.url, request_body(args, words, next(serials))))
 
     t0 = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -150,14 +156,15 @@ def summarize(samples: list[Sample], wall_s: float, prompt_len: int, concurrency
 async def sweep(args: argparse.Namespace) -> list[dict]:
     results = []
     points, t0 = [(p, c) for p in args.prompt_lens for c in args.concurrency], time.perf_counter()
+    serials = itertools.count()  # of every request of the run (--distinct-prompts)
     async with _session(max(args.concurrency) + 8, args.timeout) as client:
         for prompt_len in args.prompt_lens:
             words = await calibrate(client, args.url, args.model, prompt_len)
             for c in args.concurrency:
-                await run_point(client, args, words, min(c, args.warmup), args.warmup)
+                await run_point(client, args, words, min(c, args.warmup), args.warmup, serials)
                 n = max(args.requests_per_point, c * args.rounds)
                 before = await asyncio.to_thread(server_metrics.settled_scrape, args.url)
-                samples, wall = await run_point(client, args, words, c, n)
+                samples, wall = await run_point(client, args, words, c, n, serials)
                 after = await asyncio.to_thread(server_metrics.settled_scrape, args.url)
                 row = {**summarize(samples, wall, prompt_len, c), "first_output_ms": server_metrics.first_output_ms(
                     server_metrics.first_outputs(after), server_metrics.first_outputs(before))}
@@ -282,6 +289,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--talker-frames", type=int, default=145, help="codec frames per reply (80 ms each)")
     p.add_argument("--fixed-lengths", action=argparse.BooleanOptionalAction, default=True,
                    help="pin reply lengths (min_tokens = max_tokens) so that runs compare, even with random weights")
+    p.add_argument("--distinct-prompts", action="store_true",
+                   help="no two requests share more than the system prompt (by default all of a point's prompts are "
+                        "the same, and the server reuses their prefixes)")
     p.add_argument("--requests-per-point", type=int, default=8, help="at least this many requests per point")
     p.add_argument("--rounds", type=int, default=2, help="requests per worker at each point")
     p.add_argument("--warmup", type=int, default=4, help="requests before each point, not counted")

@@ -71,6 +71,17 @@ def test_bench_writes_into_an_untracked_run_folder_by_default(server, tmp_path):
     assert ignored.returncode == 0  # in a checkout, that folder is one git ignores
 
 
+def test_distinct_prompts_differ_from_their_first_word_on():
+    """--distinct-prompts: each request's prompt begins with its own serial (no whole prompt to reuse), at the
+    same word count; without it a point's prompts are all the same."""
+    from loadtest.bench import build_parser, request_body
+
+    same, distinct = build_parser().parse_args([]), build_parser().parse_args(["--distinct-prompts"])
+    a, b = (request_body(distinct, 5, i)["messages"][0]["content"].split() for i in (3, 4))
+    assert a[0] != b[0] and a[1:] == b[1:] and len(a) == len(b) == 5
+    assert request_body(same, 5, 3) == request_body(same, 5, 4)
+
+
 @pytest.mark.parametrize(("mode", "transport"), [("cancel", "websocket"), ("no-responses", "websocket"),
                                                ("cancel", "webrtc"), ("full", "websocket")])
 def test_bench_realtime_short_run(server, tmp_path, mode, transport):
