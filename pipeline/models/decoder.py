@@ -133,9 +133,9 @@ class PrefillPass:
                      ) -> dict[str, torch.Tensor]:
         """The chunks as a graph of `width` takes them (rows not yet padded to its bucket): embeds [B, width, H],
         positions [B, width, 3] (the batch first, as `GraphCache` pads it), slots, starts, lengths [B]."""
-        chunks = list(zip(reqs, starts, lengths, strict=True))
-        embeds = pad_rows([getattr(r.state, rows)[s:s + n] for r, s, n in chunks], width=width)
-        pos = pad_rows([r.state.position_ids[:, s:s + n].T for r, s, n in chunks], width=width)
+        chunk_rows, positions = _chunks(reqs, starts, lengths, rows)
+        embeds = pad_rows(chunk_rows, width=width)
+        pos = pad_rows([p.T for p in positions], width=width)
         slots, t_starts, t_lengths = self.staging.tensors([r.slot for r in reqs], starts, lengths)
         return {"embeds": embeds, "positions": pos, "slots": slots, "starts": t_starts, "lengths": t_lengths}
 
@@ -177,10 +177,7 @@ class PrefillPass:
     def of_requests(self, reqs, starts: list[int], lengths: list[int], rows: str
                     ) -> tuple[torch.Tensor, torch.Tensor, CacheView]:
         """`inputs` of the chunks `run` takes."""
-        chunks = list(zip(reqs, starts, lengths, strict=True))
-        return self.inputs([r.slot for r in reqs], starts, lengths,
-                           [getattr(r.state, rows)[s:s + n] for r, s, n in chunks],
-                           [r.state.position_ids[:, s:s + n] for r, s, n in chunks])
+        return self.inputs([r.slot for r in reqs], starts, lengths, *_chunks(reqs, starts, lengths, rows))
 
     @torch.inference_mode()
     def warm_up(self) -> None:
@@ -202,6 +199,13 @@ class PrefillPass:
             run_decoder(self.stack, embeds, pos, view, layers=self.compiled)
         log.info("%s prefill: %d graph(s) of the compiled layers for chunks of %s tokens", self.name,
                  graphs_compiled() - before, lengths)
+
+
+def _chunks(reqs, starts: list[int], lengths: list[int], rows: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Each chunk's rows [n, H] (`state.<rows>`) and positions [3, n] (`state.position_ids`)."""
+    chunks = list(zip(reqs, starts, lengths, strict=True))
+    return ([getattr(r.state, rows)[s:s + n] for r, s, n in chunks],
+            [r.state.position_ids[:, s:s + n] for r, s, n in chunks])
 
 
 def prefill_buckets(max_rows: int, max_len: int, max_tokens: int) -> tuple[list[int], list[int]]:
