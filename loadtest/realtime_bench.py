@@ -540,7 +540,8 @@ def _by_turn(turns: list[dict]) -> list[dict]:
     for index in sorted({t["index"] for t in turns}):
         at = [t for t in turns if t["index"] == index]
         prompt, cached = _mean([t["input_tokens"] for t in at]), _mean([t["cached_tokens"] for t in at])
-        rows.append({"turn": index + 1, "response_ms": summary([t["response_ms"] for t in at]),
+        rows.append({"turn": index + 1, "vad_lag_ms": summary([t["vad_lag_ms"] for t in at]),
+                     "response_ms": summary([t["response_ms"] for t in at]),
                      "voice_to_voice_ms": summary([t["voice_to_voice_ms"] for t in at]), "input_tokens": prompt,
                      "cached_tokens": cached,
                      "prefilled_tokens": None if prompt is None or cached is None else prompt - cached})

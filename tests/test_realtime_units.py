@@ -12,7 +12,7 @@ import soxr
 from scipy.signal import resample_poly
 
 from app.audio.resample import LowDelayResampler, StreamResampler
-from app.audio.vad import WINDOW, TurnDetector, VadBatcher, VadConfig, VadStream
+from app.audio.vad import VAD_RATE, WINDOW, TurnDetector, VadBatcher, VadConfig, VadStream
 from app.audio.wire import G711_ALAW, G711_ULAW, decode, encode
 from app.ops.limits import TokenBucket
 from app.realtime.config import (
@@ -149,6 +149,27 @@ async def test_input_buffer_stays_bounded_with_vad(tmp_path):
     with pytest.raises(BufferFull):
         await manual.append(samples[:24000], 24000)
     assert len(manual.commit()) > 23000 and manual.num_samples == 0
+
+
+@pytest.mark.parametrize("rate", [24000, 8000])
+async def test_turn_end_is_decided_on_current_audio_and_keeps_the_clean_audio(tmp_path, rate):
+    """The VAD hears each 20 ms chunk as it arrives (libsoxr's quick quality holds back nothing), so the
+    turn ends on the chunk that completes its 500 ms of silence, not ~21-66 ms of input later (the high
+    quality's buffering); the turn's audio is still the high-quality stream's, short only of the tail
+    that one still holds back."""
+    samples, _ = espeak_utterance(tmp_path)
+    samples = soxr.resample(samples, 24000, rate)
+    buf, chunk, events = InputBuffer(30.0, VadConfig(), VadBatcher()), rate // 50, []
+    for i in range(0, len(samples), chunk):
+        events += await buf.append(samples[i:i + chunk], rate)
+        if events and isinstance(events[-1], TurnEnded):
+            break
+    (started, turn), heard = events, (i + chunk) * VAD_RATE // rate  # 16 kHz samples the client had sent
+    commit = turn.audio_end_ms * 16 + 16 * WINDOW  # the stop: 16 windows after the silence began
+    assert 0 <= heard - commit < VAD_RATE // 50 + 16
+    clean, start = soxr.resample(samples[:i + chunk], rate, VAD_RATE), started.audio_start_ms * 16
+    assert any(np.array_equal(turn.audio, clean[s:s + len(turn.audio)]) for s in range(start, start + 16))
+    assert commit - 70 * 16 < start + len(turn.audio) <= commit + 16  # short of the held-back tail alone
 
 
 class PlaybackSink:

@@ -1,6 +1,6 @@
 """Resampling: a whole clip, and two streaming resamplers whose chunked output equals resampling the whole
-stream: libsoxr for input audio (cheap per chunk, ~20 ms buffered), polyphase for output audio (~1 ms
-delay)."""
+stream: libsoxr for input audio (cheap per chunk; ~20 ms buffered at its high quality, none at its quick
+one), polyphase for output audio (~1 ms delay)."""
 
 from __future__ import annotations
 
@@ -27,13 +27,16 @@ class StreamResampler:
     there): a periodic click the VAD and the Thinker would hear. soxr keeps its filter state across
     chunks, so the output equals the one-shot resampling of the whole stream, bit for bit, at ~10 µs
     per 20 ms chunk (scipy's `resample_poly` designed its filter again on every call: ~300 µs). The
-    price is soxr's buffering: at its default (high) quality the output trails the input by ~24 ms
-    (24 or 48 kHz in) to ~58 ms (8 kHz in).
+    price is soxr's buffering: at its default high quality (`"HQ"`) the output trails the input by ~21 ms
+    (24 or 48 kHz in) to ~66 ms (8 kHz in); its quick quality (`"QQ"`: cubic interpolation, no
+    anti-aliasing filter) holds back nothing, for a view of the audio that must be current rather than
+    clean (the VAD's).
     """
 
-    def __init__(self, from_rate: int, to_rate: int):
+    def __init__(self, from_rate: int, to_rate: int, quality: str = "HQ"):
         self.from_rate, self.to_rate = from_rate, to_rate
-        self._stream = None if self.is_identity else soxr.ResampleStream(from_rate, to_rate, 1, dtype="float32")
+        self._stream = (None if self.is_identity else
+                        soxr.ResampleStream(from_rate, to_rate, 1, dtype="float32", quality=quality))
 
     @property
     def is_identity(self) -> bool:

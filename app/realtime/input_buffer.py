@@ -1,6 +1,12 @@
 """A session's input audio buffer: audio at any rate -> one stream at the VAD's rate -> a bounded buffer,
 with server VAD turning it into user turns (or the client committing it by hand).
 
+The audio is resampled twice: the turns' audio (what the model hears) through libsoxr's high quality,
+which holds back ~21 ms of 24 kHz input (~66 ms of 8 kHz G.711), and the VAD's view through its quick
+quality, which holds back nothing, so that the end of a turn is not decided that much later. Both streams
+count the same samples, so the VAD's positions index the buffer; a turn's end may lie past what the
+buffer holds yet (the held-back tail of its trailing silence), and is cut there.
+
 Positions are absolute samples of the session's stream at `VAD_RATE`, so `audio_start_ms` / `audio_end_ms`
 count from the first audio of the session, as in OpenAI's events.
 """
@@ -43,9 +49,10 @@ class InputBuffer:
     def __init__(self, max_buffer_s: float, vad_config: VadConfig | None, vad: VadBatcher):
         self.vad = vad
         self.max_samples = int(max_buffer_s * VAD_RATE)
-        self._resamplers: dict[int, StreamResampler] = {}
+        self._resamplers: dict[tuple[int, str], StreamResampler] = {}  # by (input rate, quality)
         self._chunks: list[np.ndarray] = []
         self._start = self._end = 0  # absolute positions of the buffered samples
+        self._vad_end = 0  # the VAD view's end: ahead of `_end` by what the high quality holds back
         self._turn_start: int | None = None
         self.detector: TurnDetector | None = None
         self.set_vad(vad_config)
@@ -57,7 +64,7 @@ class InputBuffer:
             return
         self.detector = TurnDetector(cfg) if cfg is not None else None
         if self.detector is not None:
-            self.detector.position = self._end
+            self.detector.position = self._vad_end
         self._turn_start = None
 
     @property
@@ -75,8 +82,7 @@ class InputBuffer:
     async def append(self, samples: np.ndarray, sample_rate: int) -> list[TurnEvent]:
         """Add audio; past the limit a turn in progress is ended there, otherwise BufferFull is raised
         (and none of the audio kept). One append at a time per session (the session's lock)."""
-        resampler = self._resamplers.setdefault(sample_rate, StreamResampler(sample_rate, VAD_RATE))
-        x = resampler(samples)
+        x, view = self._resample(samples, sample_rate, "HQ"), self._resample(samples, sample_rate, "QQ")
         events: list[TurnEvent] = []
         if self.num_samples + len(x) > self.max_samples:
             if self._turn_start is None or len(x) > self.max_samples:
@@ -86,10 +92,11 @@ class InputBuffer:
             self._turn_start, self.detector.is_speaking = None, False
         self._chunks.append(x)
         self._end += len(x)
+        self._vad_end += len(view)
         if self.detector is None:
             return events
         detector = self.detector
-        windows = detector.windows(x)
+        windows = detector.windows(view)
         for ev in detector.decide(await self.vad.probabilities(detector.stream, windows)):
             if isinstance(ev, SpeechStarted):
                 self._turn_start = max(ev.start_sample, self._start)
@@ -112,7 +119,14 @@ class InputBuffer:
     def clear(self) -> None:
         self.commit()
 
+    def _resample(self, samples: np.ndarray, sample_rate: int, quality: str) -> np.ndarray:
+        key = (sample_rate, quality)
+        if key not in self._resamplers:
+            self._resamplers[key] = StreamResampler(sample_rate, VAD_RATE, quality)
+        return self._resamplers[key](samples)
+
     def _take(self, start: int, end: int) -> np.ndarray:
+        end = min(end, self._end)  # a VAD position past what the high quality has delivered yet
         whole = np.concatenate(self._chunks) if self._chunks else np.zeros(0, np.float32)
         audio = whole[start - self._start:end - self._start]
         self._chunks = [whole[end - self._start:]]
