@@ -12,7 +12,18 @@ import soxr
 from scipy.signal import resample_poly
 
 from app.audio.resample import LowDelayResampler, StreamResampler
-from app.audio.vad import VAD_RATE, WINDOW, TurnDetector, VadBatcher, VadConfig, VadStream
+from app.audio.vad import (
+    QUIET_DB,
+    VAD_RATE,
+    WINDOW,
+    SileroBatch,
+    SpeechStarted,
+    SpeechStopped,
+    TurnDetector,
+    VadBatcher,
+    VadConfig,
+    VadStream,
+)
 from app.audio.wire import G711_ALAW, G711_ULAW, decode, encode
 from app.ops.limits import TokenBucket
 from app.realtime.config import (
@@ -317,7 +328,7 @@ async def test_batched_vad_equals_one_session_at_a_time_and_batches(tmp_path):
             windows = detectors[i].windows(x[start:start + 320])
             p = await batcher.probabilities(detectors[i].stream, windows)
             probs.append(p)
-            events += detectors[i].decide(p)
+            events += detectors[i].decide(windows, p)
         return np.concatenate(probs), events
 
     results = await asyncio.gather(*(session(i) for i in range(len(streams))))
@@ -325,8 +336,40 @@ async def test_batched_vad_equals_one_session_at_a_time_and_batches(tmp_path):
         lite = _lite_probabilities(x)
         assert len(probs) == len(lite) and np.abs(probs - lite).max() < 1e-4
         solo = TurnDetector(VadConfig())
-        assert events == solo.decide(lite) and len(events) >= 2  # speech started, speech stopped
+        whole = x[:len(lite) * WINDOW].reshape(-1, WINDOW)
+        assert events == solo.decide(whole, lite) and len(events) >= 2  # speech started, speech stopped
     assert batcher.num_calls < batcher.num_windows  # sessions' windows went through the model together
+
+
+def _turns(x: np.ndarray, quiet_db: float | None) -> list:
+    detector, model = TurnDetector(VadConfig(), quiet_db), SileroBatch()
+    windows = detector.windows(x)
+    probs = np.concatenate([model.step([detector.stream], w[None]) for w in windows])
+    return detector.decide(windows, probs)
+
+
+def test_silence_counts_from_the_end_of_speech_not_from_silero_s_hangover(tmp_path):
+    """Silero's probability stays above `threshold - 0.15` for a few windows after the speech has ended; a window
+    far below the turn's loudest counts as silence all the same. On a clean recording every turn's silence then
+    begins within a window of its last speech sample, at every alignment of the speech to the window grid, where
+    the probability alone begins it later at some; under noise louder than the gate both decide alike."""
+    speech = soxr.resample(espeak_utterance(tmp_path)[0], 24000, VAD_RATE)
+    loud = np.flatnonzero(np.abs(speech) > 0.02)
+    speech = speech[loud[0]:loud[-1] + 1]
+    noise = np.random.default_rng(0).standard_normal(len(speech) + 3 * VAD_RATE).astype(np.float32)
+    late = []
+    for shift in range(0, WINDOW, 64):  # the speech's alignment to the 32 ms windows
+        x = np.concatenate([np.zeros(VAD_RATE // 2 + shift, np.float32), speech, np.zeros(VAD_RATE, np.float32)])
+        speech_end = VAD_RATE // 2 + shift + len(speech)
+        gated, alone = _turns(x, QUIET_DB), _turns(x, None)
+        assert [type(e) for e in gated] == [type(e) for e in alone] == [SpeechStarted, SpeechStopped]
+        assert gated[0] == alone[0]  # where speech starts is the probability's alone
+        assert -WINDOW < gated[1].end_sample - speech_end <= WINDOW
+        assert gated[1].end_sample <= alone[1].end_sample
+        late.append(alone[1].end_sample - speech_end)
+        noisy = x + noise[:len(x)] * np.abs(speech).max() * 0.1  # 20 dB below the peak: louder than the gate
+        assert _turns(noisy, QUIET_DB) == _turns(noisy, None)
+    assert max(late) > 2 * WINDOW  # the hangover the gate leaves out
 
 
 async def test_a_long_append_does_not_hold_up_other_sessions():

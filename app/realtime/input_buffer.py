@@ -97,7 +97,7 @@ class InputBuffer:
             return events
         detector = self.detector
         windows = detector.windows(view)
-        for ev in detector.decide(await self.vad.probabilities(detector.stream, windows)):
+        for ev in detector.decide(windows, await self.vad.probabilities(detector.stream, windows)):
             if isinstance(ev, SpeechStarted):
                 self._turn_start = max(ev.start_sample, self._start)
                 events.append(TurnStarted(_ms(self._turn_start)))

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# GPU call (issue: voice sessions at scale): the issue's Realtime targets on one server of this build, one point per
+# bench run so that a call cut short still brings back the points it finished, most wanted first (POINTS, default
+# "32 64 1 full32"): N sessions of 3 turns cancelled at first audio, then 32 sessions of whole replies capped at 50
+# frames and 40 text tokens. Each point's files go into $OUT/results.tar as it ends (a call brings back 8 files).
+source loadtest/gpu/common.sh
+export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor
+START_LIMIT=${START_LIMIT:-300} start_server targets --realtime-max-sessions 160 || exit 1
+for point in ${POINTS:-32 64 1 full32}; do
+  case $point in
+    full*) n=${point#full} args=(--mode full --reply-frames 50 --reply-tokens 40) ;;
+    *) n=$point args=(--mode cancel) ;;
+  esac
+  name=h200-realtime-$point
+  timeout "${PT_LIMIT:-150}" python3 -m app.cli bench realtime --url http://127.0.0.1:8091 --model $MODEL \
+    --sessions "$n" --turns 3 --clients 8 --turn-timeout 30 "${args[@]}" --name $name --out "$OUT" 2>&1 \
+    | grep -E "^\| [0-9]|^- |Error|error" | grep -v "^| sessions" | sort -u | sed "s/^/$point /"
+  (cd "$OUT" && ls $name.* >/dev/null 2>&1 && tar rf results.tar $name.* && rm -f $name.*)
+done
+stop_server
+tr '\r' '\n' < "$OUT/server-targets.log" | grep -E "100%|engine ready|Traceback|Error" | sort -u | head -40 \
+  > "$OUT/server-startup.txt"
