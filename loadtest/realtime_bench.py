@@ -94,8 +94,9 @@ class ClientResult:
     cpu_s: float = 0.0
 
 
-def utterance(wav: str | None) -> tuple[np.ndarray, float]:
-    """(24 kHz float32 samples, seconds of speech in them): `wav`, else an espeak-ng phrase made now."""
+def utterance(wav: str | None, synthetic: bool = False) -> tuple[np.ndarray, float]:
+    """(24 kHz float32 samples, seconds of speech in them): `wav`, else an espeak-ng phrase made now (or the
+    synthetic signal, where espeak-ng is missing or `synthetic`)."""
     if wav:
         import soundfile
         import soxr
@@ -106,7 +107,7 @@ def utterance(wav: str | None) -> tuple[np.ndarray, float]:
     else:
         from loadtest.speech import speech
 
-        audio = speech(RATE)
+        audio = speech(RATE, synthetic)
     loud = np.flatnonzero(np.abs(audio) > 0.02)
     audio = audio[loud[0]:loud[-1] + 1] if loud.size else audio  # speech from its first to its last sample
     return audio.astype(np.float32), len(audio) / RATE
