@@ -2,16 +2,19 @@
 # GPU call (issue: voice sessions at scale): the issue's Realtime targets on one server of this build, one point per
 # bench run so that a call cut short still brings back the points it finished, most wanted first (POINTS, default
 # "32 64 1 full32"): N sessions of 3 turns cancelled at first audio, then 32 sessions of whole replies capped at 50
-# frames and 40 text tokens. Each point's files go into $OUT/results.tar as it ends (a call brings back 8 files).
+# frames and 40 text tokens. A point may come twice (POINTS="32 64 32": a fresh server's first point against a later
+# one). Each point's files go into $OUT/results.tar as it ends (a call brings back 8 files), named by its place.
 source loadtest/gpu/common.sh
 export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor
 START_LIMIT=${START_LIMIT:-300} start_server targets --realtime-max-sessions 160 || exit 1
+i=0
 for point in ${POINTS:-32 64 1 full32}; do
+  i=$((i + 1))
   case $point in
     full*) n=${point#full} args=(--mode full --reply-frames 50 --reply-tokens 40) ;;
     *) n=$point args=(--mode cancel) ;;
   esac
-  name=h200-realtime-$point
+  name=h200-realtime-$i-$point
   timeout "${PT_LIMIT:-150}" python3 -m app.cli bench realtime --url http://127.0.0.1:8091 --model $MODEL \
     --sessions "$n" --turns 3 --clients 8 --turn-timeout 30 "${args[@]}" --name $name --out "$OUT" 2>&1 \
     | grep -E "^\| [0-9]|^- |Error|error" | grep -v "^| sessions" | sort -u | sed "s/^/$point /"
