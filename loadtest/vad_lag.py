@@ -16,26 +16,19 @@ import argparse
 import numpy as np
 
 from app.audio.resample import StreamResampler
-from app.audio.vad import QUIET_DB, SpeechStopped, TurnDetector, VadConfig, VadStream
+from app.audio.vad import QUIET_DB, SileroBatch, SpeechStopped, TurnDetector, VadConfig, VadStream
 from loadtest.realtime_bench import CHUNK_S, RATE, SILENCE_MS, utterance
 from loadtest.stats import cell, summary
 
 LEAD_S = 0.4  # silence before the speech
 
 
-class _Silero:
-    """One stream's probabilities, one window at a time (the batcher's results for a lone session)."""
-
-    def __init__(self):
-        from app.audio.vad import SileroBatch
-
-        self.model = SileroBatch()
-
-    def __call__(self, stream: VadStream, windows: np.ndarray) -> np.ndarray:
-        return np.array([self.model.step([stream], w[None])[0] for w in windows], np.float32)
+def _probabilities(model: SileroBatch, stream: VadStream, windows: np.ndarray) -> np.ndarray:
+    """One stream's windows, one model call each (the batcher's results for a lone session)."""
+    return np.array([model.step([stream], w[None])[0] for w in windows], np.float32)
 
 
-def lag_ms(speech: np.ndarray, shift: int, quiet_db: float | None, silero: _Silero) -> float | None:
+def lag_ms(speech: np.ndarray, shift: int, quiet_db: float | None, model: SileroBatch) -> float | None:
     """One turn's VAD lag: the speech after LEAD_S and `shift` samples of silence, then silence."""
     chunk = int(RATE * CHUNK_S)
     lead = int(RATE * LEAD_S) + shift
@@ -44,7 +37,8 @@ def lag_ms(speech: np.ndarray, shift: int, quiet_db: float | None, silero: _Sile
     view, detector = StreamResampler(RATE, 16000, "QQ"), TurnDetector(VadConfig(), quiet_db)
     for k in range(len(x) // chunk):
         windows = detector.windows(view(x[k * chunk:(k + 1) * chunk]))
-        if any(isinstance(e, SpeechStopped) for e in detector.decide(windows, silero(detector.stream, windows))):
+        events = detector.decide(windows, _probabilities(model, detector.stream, windows))
+        if any(isinstance(e, SpeechStopped) for e in events):
             return (k - last_speech_chunk) * CHUNK_S * 1000 - SILENCE_MS
     return None
 
@@ -57,13 +51,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--shifts", type=int, default=32, help="alignments of the speech to the 32 ms window grid")
     args = p.parse_args(argv)
     speech, seconds = utterance(args.wav, args.synthetic)
-    silero = _Silero()
+    model = SileroBatch()
     shifts = np.linspace(0, 32e-3 * RATE, args.shifts, endpoint=False).astype(int)
     print(f"{seconds:.2f} s of speech, {len(shifts)} alignments to the window grid; VAD lag ms")
     print("| silence | p50 / p90 | min | max |\n|---|---|---|---|")
     for label, quiet_db in ((f"level ({QUIET_DB:.0f} dB below the turn's loudest) or probability", QUIET_DB),
                             ("probability alone", None)):
-        lags = [lag for s in shifts if (lag := lag_ms(speech, int(s), quiet_db, silero)) is not None]
+        lags = [lag for s in shifts if (lag := lag_ms(speech, int(s), quiet_db, model)) is not None]
         s = summary(lags)
         print(f"| {label} | {cell(s, ('p50', 'p90'))} | {min(lags, default=0):.0f} | {s['max'] or 0:.0f} |"
               + ("" if len(lags) == len(shifts) else f" ({len(shifts) - len(lags)} turns never ended)"))

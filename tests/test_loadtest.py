@@ -167,13 +167,13 @@ def test_bench_realtime_abusive_session_leaves_others_whole(tmp_path):
 def test_vad_lag_ends_every_turn_and_the_gate_none_later(capsys):
     """`python -m loadtest.vad_lag`: at each alignment of the bench's utterance to the window grid the turn ends,
     no later with the level gate than with the probability alone; the report has a row for each."""
-    from app.audio.vad import QUIET_DB
+    from app.audio.vad import QUIET_DB, SileroBatch
     from loadtest.realtime_bench import utterance
-    from loadtest.vad_lag import _Silero, lag_ms, main
+    from loadtest.vad_lag import lag_ms, main
 
-    speech, silero = utterance(None)[0], _Silero()
+    speech, model = utterance(None)[0], SileroBatch()
     for shift in (0, 256, 512):
-        gated, alone = lag_ms(speech, shift, QUIET_DB, silero), lag_ms(speech, shift, None, silero)
+        gated, alone = lag_ms(speech, shift, QUIET_DB, model), lag_ms(speech, shift, None, model)
         assert gated is not None and alone is not None and -40 <= gated <= alone  # a window early at most
     main(["--shifts", "3"])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "---" not in line]
