@@ -167,7 +167,8 @@ async def sweep(args: argparse.Namespace) -> list[dict]:
                 samples, wall = await run_point(client, args, words, c, n, serials)
                 after = await asyncio.to_thread(server_metrics.settled_scrape, args.url)
                 row = {**summarize(samples, wall, prompt_len, c), "first_output_ms": server_metrics.first_output_ms(
-                    server_metrics.first_outputs(after), server_metrics.first_outputs(before))}
+                    server_metrics.first_outputs(after), server_metrics.first_outputs(before)),
+                    "engine": server_metrics.engine_counters(after, before)}
                 results.append(row)
                 print(format_row(row), flush=True)
                 _progress(len(results), len(points), time.perf_counter() - t0)
@@ -215,7 +216,9 @@ def format_row(row: dict) -> str:
 def markdown(rows: list[dict], title: str) -> str:
     head = "| " + " | ".join(col[1] for col in COLUMNS) + " |\n|" + "---|" * len(COLUMNS) + "\n"
     body = "".join("| " + " | ".join(_value(r, col[0], *col[2:]) for col in COLUMNS) + " |\n" for r in rows)
-    return f"### {title}\n\n{head}{body}\n{NOTE}\n"
+    engine = "".join(f"- prompt {r['prompt_len']}, c={r['concurrency']}, engine steps over the point: "
+                     f"{server_metrics.engine_cell(r['engine'])}\n" for r in rows if r.get("engine"))
+    return f"### {title}\n\n{head}{body}\n{engine}\n{NOTE}\n"
 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:

@@ -481,7 +481,8 @@ def run_point(args: argparse.Namespace, n: int, abusive: int = 0, transcribe: bo
             "prefill_tokens": server_metrics.delta(server_metrics.prefill_tokens(after),
                                                    server_metrics.prefill_tokens(before)),
             "first_output_ms": server_metrics.first_output_ms(server_metrics.first_outputs(after),
-                                                              server_metrics.first_outputs(before))}
+                                                              server_metrics.first_outputs(before)),
+            "engine": server_metrics.engine_counters(after, before)}
 
 
 def _abuse_summary(records: list[dict]) -> dict:
@@ -575,7 +576,8 @@ def _turns_markdown(rows: list[dict]) -> str:
             + "; ".join(f"{stage} {c.get('computed', 0):.0f} computed, {c.get('cached', 0):.0f} reused"
                         for stage, c in r.get("prefill_tokens", {}).items())
             + f"; engine, submission to each stage's first output, mean ms: "
-              f"{server_metrics.first_output_cell(r.get('first_output_ms', {}))}" for r in rows]
+              f"{server_metrics.first_output_cell(r.get('first_output_ms', {}))}; engine steps over the point: "
+              f"{server_metrics.engine_cell(r.get('engine', {}))}" for r in rows]
     return "".join(out) + "\n"
 
 

@@ -219,6 +219,8 @@ class StageStats(msgspec.Struct, frozen=True):
     deferred_rows: int | None = None  # rows steps had no room for
     first_output_counts: list[int] | None = None  # requests per bucket of submission -> first output here
     first_output_s: float | None = None  # those seconds, summed (pipeline/timeline.py)
+    decode_steps: int | None = None  # the steps that were decode steps (the others: prefill chunks)
+    decode_busy_s: float | None = None  # the part of busy_s in them
 
 
 class EngineStats(msgspec.Struct, frozen=True, tag=True):
@@ -228,6 +230,7 @@ class EngineStats(msgspec.Struct, frozen=True, tag=True):
     stages: list[StageStats] = msgspec.field(default_factory=list)
     admission_refused: int = 0
     replicas: dict[str, list[dict[str, Any]]] = msgspec.field(default_factory=dict)
+    allocator: dict[str, int] = msgspec.field(default_factory=dict)  # Platform.allocator_counters of the engine
 
 
 class EngineHealth(msgspec.Struct, frozen=True):

@@ -33,6 +33,7 @@ from pipeline.detokenizer import IncrementalDetokenizer
 from pipeline.grammar import Constraint, ConstraintError, response_format_spec
 from pipeline.models import OmniModels
 from pipeline.output import RequestOutput
+from pipeline.platform import get_platform
 from pipeline.replicas import make_stage, replica_status
 from pipeline.request import FINISH_REASONS, Finish, RequestStatus, StepResult
 from pipeline.sampling import SamplingError, SamplingParams, numerically_safe
@@ -195,7 +196,8 @@ class OmniEngine(EngineBase):
         """Queues, slots, batch sizes and step times, read without stopping the step loops."""
         stages = [_stage_stats(s, self.admission.num_waiting(s.name), self._first_outputs[s.name])
                   for s in self.stages]
-        return EngineStats(len(self._streams), stages, self.admission.num_refused, self.replica_status())
+        return EngineStats(len(self._streams), stages, self.admission.num_refused, self.replica_status(),
+                           get_platform(self.cfg.platform).allocator_counters())
 
     @property
     def num_active_requests(self) -> int:
@@ -397,4 +399,5 @@ def _stage_stats(stage, admission_waiting: int, first_outputs: FirstOutputTimes)
         return StageStats(stage.name, free_slots, slots, admission_waiting, **timed)
     return StageStats(stage.name, free_slots, slots, admission_waiting, stage.scheduler.num_running,
                       stage.num_waiting, list(stage.batch_size_counts), stage.busy_s, stage.device_wait_s,
-                      *stage.prefix_stats(), *stage.scheduler.waits.snapshot(), **timed)
+                      *stage.prefix_stats(), *stage.scheduler.waits.snapshot(), **timed,
+                      decode_steps=stage.num_decode_steps, decode_busy_s=stage.decode_busy_s)

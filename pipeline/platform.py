@@ -74,6 +74,20 @@ class Platform:
         return {"allocated": mod.memory_allocated(device), "reserved": mod.memory_reserved(device),
                 "free": free, "total": total}
 
+    def allocator_counters(self) -> dict[str, int]:
+        """The caching allocator's counters over the devices this process sees, since it started (empty on the
+        CPU): a retry frees every cached block and synchronises the device, and a device allocation
+        (cudaMalloc) is slow and may synchronise too, so either while serving stalls every stage thread."""
+        if self.device_type == "cpu":
+            return {}
+        mod, out = self._module(), {"alloc_retries": 0, "device_allocs": 0, "reserved_bytes": 0}
+        for index in range(mod.device_count()):
+            m = mod.memory_stats(index)
+            out["alloc_retries"] += m.get("num_alloc_retries", 0)
+            out["device_allocs"] += m.get("num_device_alloc", 0)
+            out["reserved_bytes"] += m.get("reserved_bytes.all.current", 0)
+        return out
+
     # ---- graphs ---------------------------------------------------------------------------------------
 
     def new_graph(self) -> Any:

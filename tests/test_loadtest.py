@@ -67,6 +67,11 @@ def test_bench_writes_into_an_untracked_run_folder_by_default(server, tmp_path):
     assert (row["prompt_len"], row["concurrency"], row["ok"], row["failed"]) == (10, 1, 2, 0), row
     firsts = row["first_output_ms"]  # from the server's /metrics (tests/test_first_packet.py checks their order)
     assert list(firsts) == ["thinker", "talker", "code2wav", "api"] and all(v > 0 for v in firsts.values()), firsts
+    steps = row["engine"]["steps"]  # the point's steps: each request took a prefill and decode steps in each stage
+    assert set(steps) == {"thinker", "talker", "code2wav"} and steps["thinker"]["prefill_steps"] >= 1, steps
+    assert steps["thinker"]["decode_steps"] >= 2 and steps["thinker"]["rows"] >= steps["thinker"]["decode_steps"]
+    assert row["engine"]["allocator"] == {}  # the CPU has no device allocator
+    assert "engine steps over the point: thinker: " in (folder / "bench.md").read_text()
     ignored = subprocess.run(["git", "check-ignore", "-q", "bench-results/bench-x/bench.json"], cwd=ROOT)
     assert ignored.returncode == 0  # in a checkout, that folder is one git ignores
 
@@ -104,6 +109,7 @@ def test_bench_realtime_short_run(server, tmp_path, mode, transport):
         assert turn["turn"] == 2 and turn["input_tokens"] > turn["cached_tokens"] > 0, turn
         assert row["prefill_tokens"]["thinker"]["cached"] > 0 and row["prefill_tokens"]["thinker"]["computed"] > 0
         assert set(row["first_output_ms"]) == {"thinker", "talker", "code2wav", "api"}, row["first_output_ms"]
+        assert row["engine"]["steps"]["thinker"]["first_steps"] == 4  # every turn's response took its first step
     elif mode == "full":
         assert row["turns_without_audio"] == 0 and row["underruns"] is not None
         assert row["reply_audio_s"]["n"] == 2 and 0 < row["reply_audio_s"]["max"] <= 6 * 0.08 + 1e-6, row

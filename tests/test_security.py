@@ -24,6 +24,7 @@ from app.errors import APIError
 from app.ops.keys import KeyRing
 from app.ops.security import AccessCheck, authenticate
 from app.realtime.client_secrets import SecretStore
+from loadtest.server_metrics import steps
 from tests.conftest import ServerProcess, until
 from tests.realtime_helpers import ask, recv_type, ws_url
 
@@ -166,6 +167,8 @@ def test_metrics_and_structured_request_logs(secure_server):
     assert 'omnirt_errors_total{type="authentication_error"}' in text
     step_s = re.search(r'omnirt_stage_step_seconds_total\{part="host",stage="thinker"\} (\S+)', text)
     assert step_s and float(step_s.group(1)) > 0  # the request's steps were timed
+    thinker = steps(text.splitlines())["thinker"]  # one prefill step of the prompt, a decode step a token after it
+    assert thinker["prefill_steps"] >= 1 and thinker["decode_steps"] >= 1 and thinker["decode_s"] > 0, thinker
     for stage in ("thinker", "talker", "code2wav"):  # the request took its first step in each stage
         first = re.search(rf'omnirt_stage_first_step_wait_steps_count\{{stage="{stage}"\}} (\S+)', text)
         assert first and float(first.group(1)) >= 1, stage

@@ -123,6 +123,8 @@ class EngineCollector:
         yield slots
         yield _batch_histogram([st for st in stats.stages if st.batch_size_counts is not None])
         yield _step_seconds([st for st in stats.stages if st.busy_s is not None])
+        yield from _step_kinds([st for st in stats.stages if st.decode_steps is not None])
+        yield from _allocator(stats.allocator)
         yield from _prefix_reuse([st for st in stats.stages if st.prefill_tokens is not None and st.slots])
         yield from _waits([st for st in stats.stages if st.first_steps is not None])
         yield _first_outputs([st for st in stats.stages if st.first_output_counts is not None])
@@ -161,6 +163,34 @@ def _step_seconds(stages: list[StageStats]) -> CounterMetricFamily:
         c.add_metric([stage.name, "host"], stage.busy_s - stage.device_wait_s)
         c.add_metric([stage.name, "device_wait"], stage.device_wait_s)
     return c
+
+
+def _step_kinds(stages: list[StageStats]):
+    """Steps and their seconds by kind: a slow point tells slow prefill chunks from slow decode steps."""
+    steps = CounterMetricFamily("omnirt_stage_steps", "Steps by stage and kind (prefill: a step of prompt "
+                                "chunks; decode)", labels=["stage", "kind"])
+    seconds = CounterMetricFamily("omnirt_stage_kind_seconds", "Seconds inside steps, by stage and kind",
+                                  labels=["stage", "kind"])
+    for st in stages:
+        num_steps = sum(st.batch_size_counts or [])
+        steps.add_metric([st.name, "prefill"], num_steps - st.decode_steps)
+        steps.add_metric([st.name, "decode"], st.decode_steps)
+        seconds.add_metric([st.name, "prefill"], st.busy_s - st.decode_busy_s)
+        seconds.add_metric([st.name, "decode"], st.decode_busy_s)
+    yield from (steps, seconds)
+
+
+def _allocator(counters: dict[str, int]):
+    """The engine process's device allocator (none on the CPU): retries and device allocations while serving
+    stall every stage thread."""
+    if not counters:
+        return
+    yield CounterMetricFamily("omnirt_device_alloc_retries", "Allocations the device allocator retried after "
+                              "freeing its cache (each synchronises the device)", value=counters["alloc_retries"])
+    yield CounterMetricFamily("omnirt_device_allocs", "Device memory allocations (cudaMalloc) by the allocator",
+                              value=counters["device_allocs"])
+    yield GaugeMetricFamily("omnirt_device_reserved_bytes", "Device memory the allocator holds",
+                            value=counters["reserved_bytes"])
 
 
 def _prefix_reuse(stages: list[StageStats]):

@@ -4,9 +4,20 @@
 # "32 64 1 full32"): N sessions of 3 turns cancelled at first audio, then 32 sessions of whole replies capped at 50
 # frames and 40 text tokens. A point may come twice (POINTS="32 64 32": a fresh server's first point against a later
 # one). Each point's files go into $OUT/results.tar as it ends (a call brings back 8 files), named by its place.
+# After each point: the Triton kernels and inductor files written during it (a compile while serving holds the
+# engine's interpreter lock), beside the engine's steps and device allocations that the bench's report lists.
 source loadtest/gpu/common.sh
 export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor
 START_LIMIT=${START_LIMIT:-300} start_server targets --realtime-max-sessions 160 || exit 1
+compiled_since() {  # compiled_since POINT: what the compilers wrote since the last call, then a new mark
+  local triton=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
+  echo "$1 compiled: $(find "$triton" -name '*.json' ! -name '__grp__*' -newer /tmp/mark 2>/dev/null | wc -l) Triton" \
+    "kernels ($(find "$triton" -name '*.json' ! -name '__grp__*' -newer /tmp/mark -exec basename {} .json \; \
+    2>/dev/null | sort | uniq -c | sort -rn | head -5 | tr -s ' \n' ' ')), $(find $TORCHINDUCTOR_CACHE_DIR -type f \
+    -newer /tmp/mark 2>/dev/null | wc -l) inductor files"
+  touch /tmp/mark
+}
+touch /tmp/mark
 i=0
 for point in ${POINTS:-32 64 1 full32}; do
   i=$((i + 1))
@@ -18,6 +29,8 @@ for point in ${POINTS:-32 64 1 full32}; do
   timeout "${PT_LIMIT:-150}" python3 -m app.cli bench realtime --url http://127.0.0.1:8091 --model $MODEL \
     --sessions "$n" --turns 3 --clients 8 --turn-timeout 30 "${args[@]}" --name $name --out "$OUT" 2>&1 \
     | grep -E "^\| [0-9]|^- |Error|error" | grep -v "^| sessions" | sort -u | sed "s/^/$point /"
+  grep -h "engine steps" "$OUT/$name.md" 2>/dev/null | sed "s/^/$point /"
+  compiled_since "$point"
   (cd "$OUT" && ls $name.* >/dev/null 2>&1 && tar rf results.tar $name.* && rm -f $name.*)
 done
 stop_server
