@@ -38,7 +38,7 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
         prefix_caching=not args.no_prefix_caching, engine=args.engine,
         platform=args.platform, distributed=args.distributed, threads=args.threads,
         max_output_buffer_bytes=args.max_output_buffer_bytes, process=args.engine_process,
-        gpu_memory_utilization=args.gpu_memory_utilization,
+        gpu_memory_utilization=args.gpu_memory_utilization, step_log=args.step_log,
         log_level=args.log_level, log_format=args.log_format)
 
 

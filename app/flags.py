@@ -154,6 +154,9 @@ def add_engine_args(s: argparse.ArgumentParser) -> None:
     g.add_argument("--distributed", choices=DISTRIBUTED, default=None,
                    help="where stage replicas run: local worker processes (none) or Ray actors (needs omnirt[ray]) "
                         "(default: the profile's, else none)")
+    g.add_argument("--step-log", default=None, metavar="FILE",
+                   help="append a line per engine step to FILE (time, stage, prefill or decode, requests, tokens, "
+                        "ms): where a slow load's time went (docs/reliability.md, Observability)")
     g.add_argument("--threads", type=number(int, 1), default=int(os.environ.get("OMNIRT_THREADS", "0")) or None,
                    help="torch intra-op threads (default: $OMNIRT_THREADS, else torch's own choice)")
 

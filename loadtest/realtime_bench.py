@@ -33,6 +33,7 @@ import contextlib
 import json
 import multiprocessing
 import queue
+import random
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -49,7 +50,6 @@ from loadtest.stats import NOTE, cell, summary
 RATE = PCM16.sample_rate
 CHUNK_S = 0.02
 SILENCE_MS = 500  # the VAD's silence_duration_ms
-GAP_S = 1.0  # silence between a turn's end and the next utterance
 TRANSCRIPTION = "conversation.item.input_audio_transcription"
 
 
@@ -129,6 +129,7 @@ class Mic:
         self.turn_over = asyncio.Event()
         self._arrivals: list[tuple[float, float]] = []  # (arrival, seconds of audio) per delta
         self._playback: dict | None = None  # the server's own playback report (WebRTC)
+        self._gaps = random.Random(index)  # each session's own gaps, the same in every run
 
     async def run(self, start_at: float) -> None:
         await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
@@ -139,7 +140,13 @@ class Mic:
                 self.result.errors.append(f"session {self.index} turn {t}: no end within "
                                           f"{self.args.turn_timeout:.0f} s")
             self._finish_turn()
-            await self.silence_until(None, GAP_S)
+            await self.silence_until(None, self.gap())
+
+    def gap(self) -> float:
+        """Seconds of silence before the next utterance: `--gap`, give or take `--gap-jitter` (uniform). People
+        answer after their own pause; a fixed one would keep sessions whose replies came together speaking
+        together for the rest of the point, every turn a burst."""
+        return max(0.0, self.args.gap + self._gaps.uniform(-self.args.gap_jitter, self.args.gap_jitter))
 
     async def speak(self, t: int) -> float:
         """Send the utterance in real time; the perf_counter at which its last sample went out."""
@@ -670,6 +677,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="webrtc: each session is an aiortc call whose microphone track carries the speech")
     p.add_argument("--clients", type=int, default=4, help="client processes the sessions are spread over")
     p.add_argument("--stagger", type=float, default=0.1, help="seconds between session starts")
+    p.add_argument("--gap", type=float, default=1.0, help="mean seconds of silence between a turn's end (its "
+                   "response.done) and the next utterance")
+    p.add_argument("--gap-jitter", type=float, default=0.5, help="each gap drawn uniformly within --gap +- this, "
+                   "per session (seeded: the same every run); 0: every gap --gap, and sessions whose turns ended "
+                   "together stay in step")
     p.add_argument("--wav", help="the utterance (any rate, mono or not) (default: an espeak-ng phrase)")
     p.add_argument("--turn-timeout", type=float, default=120.0, help="seconds a turn may take")
     p.add_argument("--abusive", type=int, default=0, help="also run each point with this many abusive sessions "

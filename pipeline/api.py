@@ -293,6 +293,7 @@ class EngineOptions:
     threads: int | None = None
     max_output_buffer_bytes: int | None = None
     gpu_memory_utilization: float | None = None  # the profile's top-level one, overridden
+    step_log: str | None = None  # a file each stage appends a line per step to
     process: Literal["auto", "core", "inproc"] = "auto"
     log_level: str = "info"
     log_format: str = "text"

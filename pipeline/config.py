@@ -159,6 +159,7 @@ class EngineConfig:
     max_output_buffer_bytes: int = 8 * 2**20  # events a request may hold unread before it is aborted
     retry_after_s: float = 1.0  # what a refused request is told when the engine is full
     gpu_memory_utilization: float | None = None  # the device share of the stages without their own (pipeline/memory.py)
+    step_log: str | None = None  # a file every stage appends one line per step to (`Stage`)
 
     def __post_init__(self):
         _check(self.load_format in ("auto", "dummy"), "load_format", "must be 'auto' or 'dummy'")
@@ -247,7 +248,7 @@ def engine_config(opts: EngineOptions, platform: str) -> EngineConfig:
                  "attention": opts.attention, "compile": "off" if opts.enforce_eager else opts.compile,
                  "conv_backend": opts.conv_backend,
                  "distributed": opts.distributed, "max_output_buffer_bytes": opts.max_output_buffer_bytes,
-                 "gpu_memory_utilization": opts.gpu_memory_utilization}
+                 "gpu_memory_utilization": opts.gpu_memory_utilization, "step_log": opts.step_log}
     cfg = load_profile(profile_path(opts), platform, overrides, stage_overrides(opts))
     if not opts.async_chunk:
         cfg = dataclasses.replace(cfg, connector=dataclasses.replace(cfg.connector, async_chunk=False))

@@ -116,8 +116,10 @@ class Stage:
     def __init__(self, name: str, scheduler: Any, runner: Any, on_step: StepSink,
                  on_input: Callable[[StageRequest, Any], None] | None = None,
                  on_input_done: Callable[[Stage, StageRequest], None] | None = None, stream: Any = None,
-                 schedules_ahead: bool = False):
+                 schedules_ahead: bool = False, step_log: str | None = None):
         self.name = name
+        # one line per step, appended whole (several stages, and worker processes, share the file)
+        self._step_log = open(step_log, "a", buffering=1) if step_log else None  # closed in stop()
         self.schedules_ahead = schedules_ahead  # async scheduling: issue step n+1 before step n's tokens land
         self._inflight: tuple[Batch, InFlight] | None = None  # the step issued and not yet landed
         self._stopping = False
@@ -170,6 +172,8 @@ class Stage:
     def stop(self) -> None:
         self._inbox.put(None)
         self._thread.join(timeout=10)
+        if self._step_log is not None:
+            self._step_log.close()
 
     def send(self, msg: StageMessage) -> None:
         self._inbox.put(msg)
@@ -217,9 +221,18 @@ class Stage:
             self._inflight = (batch, issued)
         elapsed = time.perf_counter() - started
         self.busy_s += elapsed
+        if self._step_log is not None:
+            self._log_step(batch, elapsed)
         if not batch.is_prefill:
             self.decode_busy_s += elapsed
             self.num_decode_steps += 1
+
+    def _log_step(self, batch: Batch, elapsed: float) -> None:
+        """`--step-log`: wall-clock time, stage, kind, requests, tokens, milliseconds (with async scheduling,
+        the time to issue this step and land the one before)."""
+        kind = "prefill" if batch.is_prefill else "decode"
+        self._step_log.write(f"{time.time():.4f} {self.name} {kind} {len(batch.requests)} "
+                             f"{sum(batch.num_new_tokens)} {elapsed * 1000:.2f}\n")
 
     def _launch(self, batch: Batch) -> InFlight | None:
         """Issue a step without waiting for it; None if that raised (it then runs on its own, isolating failures)."""
@@ -347,4 +360,4 @@ def build_stage(name: str, cfg: Any, models: Any, on_step: StepSink) -> Stage:
         raise ProfileError(f"stages[{sc.stage_id}].async_scheduling: the {name} stage cannot issue a step before "
                            "the last one's tokens reach the host (its model reads them there, or a grammar must)")
     return Stage(name, parts.scheduler, parts.runner, on_step, parts.on_input, parts.on_input_done,
-                 stream=models.platform.stage_stream(), schedules_ahead=sc.async_scheduling)
+                 stream=models.platform.stage_stream(), schedules_ahead=sc.async_scheduling, step_log=cfg.step_log)

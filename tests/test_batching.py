@@ -94,3 +94,30 @@ def test_audio_of_requests_that_prefill_together_is_encoded_in_one_batch(engine)
     for a, t in zip(alone, together):
         assert torch.allclose(a.state.embeds, t.state.embeds, atol=1e-5)
         assert torch.equal(a.state.position_ids, t.state.position_ids)
+
+
+async def test_step_log_has_a_line_per_step_of_every_stage(tiny_config, tmp_path):
+    """`--step-log`: each stage appends one whole line per step (time, stage, kind, requests, tokens, ms); the
+    lines add up to the steps the stage counted, a decode step carries a token per request."""
+    import dataclasses
+
+    from pipeline.engine import OmniEngine
+    from pipeline.models import load_models
+    from pipeline.platform import get_platform
+
+    path = tmp_path / "steps.log"
+    cfg = dataclasses.replace(tiny_config, step_log=str(path))
+    eng = OmniEngine(cfg, load_models(cfg, get_platform("cpu")))
+    eng.start()
+    try:
+        await asyncio.gather(*(run(eng, f"log-{i}", t, a) for i, (t, a) in enumerate(PROMPTS[:3])))
+        counted = {s.name: sum(s.batch_size_counts) for s in eng.stages}
+    finally:
+        eng.stop()
+    lines = [line.split() for line in path.read_text().splitlines()]
+    assert lines and all(len(f) == 6 and f[2] in ("prefill", "decode") for f in lines), lines[:3]
+    assert {name: sum(f[1] == name for f in lines) for name in counted} == counted
+    thinker = [f for f in lines if f[1] == "thinker"]
+    assert {f[2] for f in thinker} == {"prefill", "decode"}
+    assert all(int(f[4]) == int(f[3]) for f in thinker if f[2] == "decode")  # a token per request
+    assert sum(int(f[4]) for f in thinker if f[2] == "prefill") == eng.stages[0].scheduler.num_prefill_tokens

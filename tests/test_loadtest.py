@@ -76,6 +76,20 @@ def test_bench_writes_into_an_untracked_run_folder_by_default(server, tmp_path):
     assert ignored.returncode == 0  # in a checkout, that folder is one git ignores
 
 
+def test_turn_gaps_are_each_session_s_own_and_the_same_every_run():
+    """--gap-jitter: a session's pauses between turns vary within the bound, differ between sessions and come
+    the same in every run (seeded by the session); 0 gives every pause --gap."""
+    from loadtest.realtime_bench import Mic, build_parser
+
+    args = build_parser().parse_args(["--gap", "1.0", "--gap-jitter", "0.5"])
+    runs = [[Mic(i, args, None) for i in range(3)] for _ in range(2)]
+    series = [[[m.gap() for _ in range(20)] for m in run] for run in runs]
+    assert series[0] == series[1] and series[0][0] != series[0][1]
+    assert all(0.5 <= g <= 1.5 for s in series[0] for g in s) and max(series[0][0]) - min(series[0][0]) > 0.5
+    fixed = build_parser().parse_args(["--gap", "0.7", "--gap-jitter", "0"])
+    assert {Mic(i, fixed, None).gap() for i in range(4)} == {0.7}
+
+
 def test_distinct_prompts_differ_from_their_first_word_on():
     """--distinct-prompts: each request's prompt begins with its own serial (no whole prompt to reuse), at the
     same word count; without it a point's prompts are all the same."""

@@ -8,7 +8,8 @@
 # engine's interpreter lock), beside the engine's steps and device allocations that the bench's report lists.
 source loadtest/gpu/common.sh
 export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor
-START_LIMIT=${START_LIMIT:-300} start_server targets --realtime-max-sessions 160 || exit 1
+# SERVE_ARGS: more server flags (e.g. "--step-log $OUT/steps.log"); BENCH_ARGS: more bench flags, every point
+START_LIMIT=${START_LIMIT:-300} start_server targets --realtime-max-sessions 160 ${SERVE_ARGS:-} || exit 1
 compiled_since() {  # compiled_since POINT: what the compilers wrote since the last call, then a new mark
   local triton=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
   echo "$1 compiled: $(find "$triton" -name '*.json' ! -name '__grp__*' -newer /tmp/mark 2>/dev/null | wc -l) Triton" \
@@ -27,7 +28,7 @@ for point in ${POINTS:-32 64 1 full32}; do
   esac
   name=h200-realtime-$i-$point
   timeout "${PT_LIMIT:-150}" python3 -m app.cli bench realtime --url http://127.0.0.1:8091 --model $MODEL \
-    --sessions "$n" --turns 3 --clients 8 --turn-timeout 30 "${args[@]}" --name $name --out "$OUT" 2>&1 \
+    --sessions "$n" --turns 3 --clients 8 --turn-timeout 30 "${args[@]}" ${BENCH_ARGS:-} --name $name --out "$OUT" 2>&1 \
     | grep -E "^\| [0-9]|^- |Error|error" | grep -v "^| sessions" | sort -u | sed "s/^/$point /"
   grep -h "engine steps" "$OUT/$name.md" 2>/dev/null | sed "s/^/$point /"
   compiled_since "$point"
