@@ -27,9 +27,11 @@ for point in ${POINTS:-32 64 1 full32}; do
     *) n=$point args=(--mode cancel) ;;
   esac
   name=h200-realtime-$i-$point
+  echo "$point from $(date +%s.%N)"  # the point's span, to cut a --step-log by
   timeout "${PT_LIMIT:-150}" python3 -m app.cli bench realtime --url http://127.0.0.1:8091 --model $MODEL \
     --sessions "$n" --turns 3 --clients 8 --turn-timeout 30 "${args[@]}" ${BENCH_ARGS:-} --name $name --out "$OUT" 2>&1 \
     | grep -E "^\| [0-9]|^- |Error|error" | grep -v "^| sessions" | sort -u | sed "s/^/$point /"
+  echo "$point until $(date +%s.%N)"
   grep -h "engine steps" "$OUT/$name.md" 2>/dev/null | sed "s/^/$point /"
   compiled_since "$point"
   (cd "$OUT" && ls $name.* >/dev/null 2>&1 && tar rf results.tar $name.* && rm -f $name.*)
