@@ -121,3 +121,21 @@ async def test_step_log_has_a_line_per_step_of_every_stage(tiny_config, tmp_path
     assert {f[2] for f in thinker} == {"prefill", "decode"}
     assert all(int(f[4]) == int(f[3]) for f in thinker if f[2] == "decode")  # a token per request
     assert sum(int(f[4]) for f in thinker if f[2] == "prefill") == eng.stages[0].scheduler.num_prefill_tokens
+
+
+def test_encoders_warm_up_once_each_on_a_dummy_prompt(engine):
+    """Start-up on a device runs the audio and vision encoders once (their first call there sets up what later
+    calls reuse): one second of audio, one image, nothing written to any stage's slots."""
+    model, calls = engine.models.thinker.thinker.model, []
+    encoders = {name: getattr(model, name) for name in ("get_audio_features", "get_image_features")}
+    for name, fn in encoders.items():
+        setattr(model, name, lambda *a, _n=name, _f=fn, **kw: calls.append((_n, tuple(a[0].shape))) or _f(*a, **kw))
+    free = engine.num_free_slots()
+    try:
+        engine.models.warm_encoders()
+    finally:
+        for name in encoders:
+            delattr(model, name)
+    rate, hop = engine.models.input_sample_rate, engine.models.encoder.features.hop_length
+    assert [n for n, _ in calls] == ["get_audio_features", "get_image_features"], calls
+    assert calls[0][1][-1] == rate // hop and engine.num_free_slots() == free

@@ -2,7 +2,8 @@
 # GPU call (issue: voice sessions at scale): the issue's Realtime targets on one server of this build, one point per
 # bench run so that a call cut short still brings back the points it finished, most wanted first (POINTS, default
 # "32 64 1 full32"): N sessions of 3 turns cancelled at first audio, then 32 sessions of whole replies capped at 50
-# frames and 40 text tokens. A point may come twice (POINTS="32 64 32": a fresh server's first point against a later
+# frames and 40 text tokens; "cN" is a chat point instead (`omnirt bench`, prompt 160, concurrency N, 2 warm-up
+# requests). A point may come twice (POINTS="32 64 32": a fresh server's first point against a later
 # one). Each point's files go into $OUT/results.tar as it ends (a call brings back 8 files), named by its place.
 # After each point: the Triton kernels and inductor files written during it (a compile while serving holds the
 # engine's interpreter lock), beside the engine's steps and device allocations that the bench's report lists.
@@ -22,15 +23,20 @@ touch /tmp/mark
 i=0
 for point in ${POINTS:-32 64 1 full32}; do
   i=$((i + 1))
-  case $point in
-    full*) n=${point#full} args=(--mode full --reply-frames 50 --reply-tokens 40) ;;
-    *) n=$point args=(--mode cancel) ;;
-  esac
   name=h200-realtime-$i-$point
   echo "$point from $(date +%s.%N)"  # the point's span, to cut a --step-log by
-  timeout "${PT_LIMIT:-150}" python3 -m app.cli bench realtime --url http://127.0.0.1:8091 --model $MODEL \
-    --sessions "$n" --turns 3 --clients 8 --turn-timeout 30 "${args[@]}" ${BENCH_ARGS:-} --name $name --out "$OUT" 2>&1 \
-    | grep -E "^\| [0-9]|^- |Error|error" | grep -v "^| sessions" | sort -u | sed "s/^/$point /"
+  case $point in
+    c*) timeout "${PT_LIMIT:-150}" python3 -m app.cli bench --model $MODEL --prompt-lens 160 \
+          --concurrency "${point#c}" --requests-per-point 2 --rounds 1 --warmup 2 --name $name --out "$OUT" 2>&1 \
+          | grep -E "^\| 160|Error" | sed "s/^/$point /" ;;
+    *) case $point in
+         full*) n=${point#full} args=(--mode full --reply-frames 50 --reply-tokens 40) ;;
+         *) n=$point args=(--mode cancel) ;;
+       esac
+       timeout "${PT_LIMIT:-150}" python3 -m app.cli bench realtime --url http://127.0.0.1:8091 --model $MODEL \
+         --sessions "$n" --turns 3 --clients 8 --turn-timeout 30 "${args[@]}" ${BENCH_ARGS:-} --name $name \
+         --out "$OUT" 2>&1 | grep -E "^\| [0-9]|^- |Error|error" | grep -v "^| sessions" | sort -u | sed "s/^/$point /" ;;
+  esac
   echo "$point until $(date +%s.%N)"
   grep -h "engine steps" "$OUT/$name.md" 2>/dev/null | sed "s/^/$point /"
   compiled_since "$point"

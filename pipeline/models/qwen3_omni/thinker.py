@@ -91,6 +91,13 @@ class ThinkerModel:
         self.prefill.warm_up()
         self.prefill.capture(self.graph_moe)
 
+    @torch.inference_mode()
+    def warm_encoders(self, prompt: EncodedPrompt) -> None:
+        """One call of the audio and of the vision encoder on `prompt`'s audio and image: their first call on a
+        device pays one-time set-up that a user's first turn would otherwise wait for (`OmniModels`)."""
+        encode_audio(self.thinker, self.device, [prompt], [0])
+        encode_images(self.thinker, self.device, [prompt], [0])
+
     def prepare(self, reqs) -> None:
         """Turn each new request's `ThinkerInput` into its `ThinkerState` at its first prefill step: the token
         ids of all of them go to the device in one copy and through the embedding in one lookup, the audio
