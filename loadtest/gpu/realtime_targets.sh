@@ -9,7 +9,8 @@
 # engine's interpreter lock), beside the engine's steps and device allocations that the bench's report lists.
 source loadtest/gpu/common.sh
 export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor
-# SERVE_ARGS: more server flags (e.g. "--step-log $OUT/steps.log"); BENCH_ARGS: more bench flags, every point
+# SERVE_ARGS: more server flags (e.g. "--step-log $OUT/steps.log"); BENCH_ARGS, CHAT_ARGS: more flags of every
+# voice point, every chat point (e.g. "--distinct-prompts")
 START_LIMIT=${START_LIMIT:-300} start_server targets --realtime-max-sessions 160 ${SERVE_ARGS:-} || exit 1
 compiled_since() {  # compiled_since POINT: what the compilers wrote since the last call, then a new mark
   local triton=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
@@ -27,7 +28,7 @@ for point in ${POINTS:-32 64 1 full32}; do
   echo "$point from $(date +%s.%N)"  # the point's span, to cut a --step-log by
   case $point in
     c*) timeout "${PT_LIMIT:-150}" python3 -m app.cli bench --model $MODEL --prompt-lens 160 \
-          --concurrency "${point#c}" --requests-per-point 2 --rounds 1 --warmup 2 --name $name --out "$OUT" 2>&1 \
+          --concurrency "${point#c}" --requests-per-point 2 --rounds 1 --warmup 2 ${CHAT_ARGS:-} --name $name --out "$OUT" 2>&1 \
           | grep -E "^\| 160|Error" | sed "s/^/$point /" ;;
     *) case $point in
          full*) n=${point#full} args=(--mode full --reply-frames 50 --reply-tokens 40) ;;
