@@ -93,12 +93,15 @@ def test_turn_gaps_are_each_session_s_own_and_the_same_every_run():
 def test_distinct_prompts_differ_from_their_first_word_on():
     """--distinct-prompts: each request's prompt begins with its own serial (no whole prompt to reuse), at the
     same word count; without it a point's prompts are all the same."""
-    from loadtest.bench import build_parser, request_body
+    from loadtest.bench import build_parser, request_body, serial_numbers
 
     same, distinct = build_parser().parse_args([]), build_parser().parse_args(["--distinct-prompts"])
     a, b = (request_body(distinct, 5, i)["messages"][0]["content"].split() for i in (3, 4))
     assert a[0] != b[0] and a[1:] == b[1:] and len(a) == len(b) == 5
     assert request_body(same, 5, 3) == request_body(same, 5, 4)
+    runs = [serial_numbers() for _ in range(2)]  # two runs against one server share no prompt
+    first = [[next(run) for _ in range(3)] for run in runs]
+    assert all(b - a == 1 for a, b in zip(first[0], first[0][1:])) and not set(first[0]) & set(first[1])
 
 
 @pytest.mark.parametrize(("mode", "transport"), [("cancel", "websocket"), ("no-responses", "websocket"),
