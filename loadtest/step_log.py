@@ -3,7 +3,7 @@ the requests and tokens in them and their milliseconds, over each span of the ru
 markdown table; optionally a plot of prefill step time against tokens and of the requests per prefill step
 over time.
 
-    python -m loadtest.step_log STEPS.log [--spans CALL.log] [--plot OUT.png]
+    python -m loadtest.step_log STEPS.log[.gz] [--spans CALL.log] [--plot OUT.png]
 
 `--spans` reads lines "NAME from T" / "NAME until T" (wall-clock seconds, as `loadtest/gpu/realtime_targets.sh`
 prints them around each point); without it the whole log is one span.
@@ -12,6 +12,7 @@ prints them around each point); without it the whole log is one span.
 from __future__ import annotations
 
 import argparse
+import gzip
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,8 +35,10 @@ class Step:
 
 
 def read_steps(path: Path) -> list[Step]:
+    """The steps of a log, plain or gzipped (.gz)."""
+    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
     out = []
-    for line in path.read_text().splitlines():
+    for line in text.splitlines():
         at, stage, kind, rows, tokens, ms = line.split()
         out.append(Step(float(at), stage, kind, int(rows), int(tokens), float(ms)))
     return out

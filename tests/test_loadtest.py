@@ -201,3 +201,26 @@ def test_vad_lag_ends_every_turn_and_the_gate_none_later(capsys):
     main(["--shifts", "3"])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "---" not in line]
     assert len(rows) == 3 and "never ended" not in "".join(rows)  # the header and the two detectors
+
+
+def test_step_log_summary_per_span(tmp_path):
+    """`python -m loadtest.step_log`: a --step-log cut by the spans a GPU script prints (a point may come twice,
+    each span named by its place), plain or gzipped, summarised per stage and kind."""
+    import gzip
+
+    from loadtest.step_log import in_span, read_spans, read_steps, summarize
+
+    lines = ["10.0 thinker prefill 2 120 40.0", "10.5 thinker decode 2 2 8.0", "11.0 thinker decode 1 1 6.0",
+             "20.0 thinker prefill 1 60 30.0", "20.1 talker prefill 1 64 4.0", "30.0 thinker prefill 3 1 9.0"]
+    log = tmp_path / "steps.log.gz"
+    log.write_bytes(gzip.compress("\n".join(lines).encode()))
+    calls = tmp_path / "call.log"
+    calls.write_text("32 from 9.5\n32 | table row\n32 until 12\n64 from 19\n64 until 21\n32 from 25\n32 until 31\n")
+    spans = read_spans(calls)
+    assert [name for name, _, _ in spans] == ["1-32", "2-64", "3-32"]
+    steps = read_steps(log)
+    first = summarize(in_span(steps, *spans[0][1:]))
+    assert [(r["stage"], r["kind"], r["steps"]) for r in first] == [("thinker", "prefill", 1), ("thinker", "decode", 2)]
+    assert first[1]["rows_mean"] == 1.5 and first[1]["rows_max"] == 2 and first[1]["ms_max"] == 8.0
+    assert [r["stage"] for r in summarize(in_span(steps, *spans[1][1:]))] == ["thinker", "talker"]
+    assert summarize(in_span(steps, *spans[2][1:]))[0]["tokens_mean"] == 1.0

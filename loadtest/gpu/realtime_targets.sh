@@ -24,7 +24,7 @@ touch /tmp/mark
 i=0
 for point in ${POINTS:-32 64 1 full32}; do
   i=$((i + 1))
-  name=h200-realtime-$i-$point
+  case $point in c*) name=h200-chat-$i-$point ;; *) name=h200-realtime-$i-$point ;; esac
   echo "$point from $(date +%s.%N)"  # the point's span, to cut a --step-log by
   case $point in
     c*) timeout "${PT_LIMIT:-150}" python3 -m app.cli bench --model $MODEL --prompt-lens 160 \
