@@ -12,7 +12,8 @@ import torch
 
 from pipeline.api import OmniRequest, collect_reply
 from pipeline.compile import TimedStep
-from pipeline.models.decoder import run_decoder
+from pipeline.cudagraph import bucket_for
+from pipeline.models.decoder import prefill_buckets, run_decoder
 from tests.test_attention import cpu_only
 from tests.test_parity import assert_greedy_parity, started_engine
 
@@ -152,6 +153,19 @@ def _chunks(model, lengths: list[int], starts: list[int], gen: torch.Generator):
     return [SimpleNamespace(slot=i, state=SimpleNamespace(rows=torch.randn(total, hidden, generator=gen),
                                                           position_ids=torch.arange(total).expand(3, -1) + i))
             for i in range(len(lengths))]
+
+
+def test_prefill_buckets_step_by_half_past_sixteen_within_the_token_budget():
+    """The 1-GPU profile's Thinker: a step of 29 first turns of 142 tokens pads to 32 x 192 (it ran eagerly past
+    2048 tokens, and powers of two alone pad it to 32 x 256); no bucket exceeds the budget or the model length."""
+    rows, widths = prefill_buckets(64, 2048, 8192)
+    assert rows == [2, 4, 8, 16, 24, 32, 48, 64]
+    assert widths[:8] == [2, 4, 8, 16, 32, 64, 96, 128] and widths[-1] == 2048
+    assert (bucket_for(29, rows), bucket_for(142, widths)) == (32, 192)
+    assert (bucket_for(40, rows), bucket_for(700, widths)) == (48, 768)
+    assert all(w <= 2048 and w * 2 <= 8192 for w in widths)
+    assert prefill_buckets(4, 64, 64) == ([2, 4], [2, 4, 8, 16, 32])
+    assert prefill_buckets(64, 2048, 3) == ([], [])
 
 
 @cpu_only

@@ -23,7 +23,9 @@ MIN_COMPILED = 2  # rows and tokens a compiled prefill pads to
 WARM_ROWS = 4  # not a length of the warm-ups: no size equals another by chance
 WARM_LENGTHS = (5, 2, 3, 9, 17, 33)  # t x (query heads per KV head) reaches each block size of the slot attention
 WARM_LONG = 512  # x WARM_ROWS x top-k (2 or more) routed pairs: past the fused MoE's limit of 2048
-PREFILL_SIZES = tuple(2 ** i for i in range(1, 15))  # the rows and widths of prefill graphs
+POWERS = tuple(2 ** i for i in range(1, 15))
+PREFILL_ROWS = tuple(sorted(POWERS + (24, 48)))  # the rows of prefill graphs: 40 rows pad to 48, not 64
+PREFILL_WIDTHS = tuple(sorted(POWERS + (96, 192, 384, 768, 1536, 3072, 6144)))  # widths: 142 tokens pad to 192
 
 
 def run_decoder(stack: torch.nn.Module, embeds: torch.Tensor, position_ids: torch.Tensor, view: CacheView,
@@ -95,10 +97,10 @@ class PrefillPass:
     written to the scratch slot.
 
     With graphs (a stage whose decode steps are captured, attention in place), a chunk batch of at most
-    `max_tokens` padded tokens replays a graph captured at start-up for its (rows, width) bucket: rows padded to
-    a power of two, the width to one (`prefill_buckets`). Issuing the layers one by one cost the host ~2 ms per
-    compiled layer (the inductor wrapper, the custom ops' Python, dynamo's guards): 107 ms for a Thinker step
-    whose kernels took 7 ms on an H200. Chunks with image rows (deepstack) and larger batches run as above.
+    `max_tokens` padded tokens replays a graph captured at start-up for its (rows, width) bucket
+    (`prefill_buckets`). Issuing the layers one by one cost the host ~2 ms per compiled layer (the inductor
+    wrapper, the custom ops' Python, dynamo's guards): 107 ms for a Thinker step whose kernels took 7 ms on an
+    H200. Chunks with image rows (deepstack) and larger batches run as above.
     """
 
     def __init__(self, name: str, stack: torch.nn.Module, kv: SlotKVCache, compiled: Sequence[torch.nn.Module] | None,
@@ -209,11 +211,13 @@ def _chunks(reqs, starts: list[int], lengths: list[int], rows: str) -> tuple[lis
 
 
 def prefill_buckets(max_rows: int, max_len: int, max_tokens: int) -> tuple[list[int], list[int]]:
-    """(row buckets, width buckets) of prefill graphs: powers of two from 2 (dynamo specialises a size of 1), up
-    to `max_rows` rows (itself the last bucket) and `max_len` tokens; a graph's rows x width is at most
-    `max_tokens` (`GraphCache`'s `max_cells`). None when `max_tokens` holds no 2 x 2 batch."""
+    """(row buckets, width buckets) of prefill graphs: powers of two from 2 (dynamo specialises a size of 1) with
+    1.5x steps between the larger ones (a chunk batch padded to the next power of two did up to twice the work:
+    29 rows x 142 tokens ran as 32 x 256), up to `max_rows` rows (itself the last bucket) and `max_len` tokens; a
+    graph's rows x width is at most `max_tokens` (`GraphCache`'s `max_cells`). None when `max_tokens` holds no
+    2 x 2 batch."""
     if max_tokens < MIN_COMPILED * MIN_COMPILED:
         return [], []
-    rows = [b for b in PREFILL_SIZES if b < max_rows] + [max(MIN_COMPILED, max_rows)]
-    widths = [w for w in PREFILL_SIZES if w < max_len and w * MIN_COMPILED <= max_tokens]
+    rows = [b for b in PREFILL_ROWS if b < max_rows] + [max(MIN_COMPILED, max_rows)]
+    widths = [w for w in PREFILL_WIDTHS if w < max_len and w * MIN_COMPILED <= max_tokens]
     return rows, widths + ([max_len] if max_len * MIN_COMPILED <= max_tokens else [])
