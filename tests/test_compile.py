@@ -156,8 +156,8 @@ def _chunks(model, lengths: list[int], starts: list[int], gen: torch.Generator):
 
 
 def test_prefill_buckets_step_by_half_past_sixteen_within_the_token_budget():
-    """The 1-GPU profile's Thinker: a step of 29 first turns of 142 tokens pads to 32 x 192 (it ran eagerly past
-    2048 tokens, and powers of two alone pad it to 32 x 256); no bucket exceeds the budget or the model length."""
+    """A chunk batch of 29 first turns of 142 tokens (c=64 in the 1-GPU profile) pads to 32 x 192, where powers of
+    two alone padded it to 32 x 256; no bucket exceeds the token budget or the model length."""
     rows, widths = prefill_buckets(64, 2048, 8192)
     assert rows == [2, 4, 8, 16, 24, 32, 48, 64]
     assert widths[:8] == [2, 4, 8, 16, 32, 64, 96, 128] and widths[-1] == 2048
