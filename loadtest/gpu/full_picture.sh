@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # GPU call (issue 14, item 4: the full picture of one build; issue 12's GPU targets; issue 13's in-stage steps):
 # one H200, full-size dummy weights, the 1-GPU profile as shipped. PARTS picks what runs, in this order
-# (default: diag sweep realtime; `ablation reference abusive` in a second call: a command may run 600 s):
+# (default: sweep distinct realtime full; `ablation reference` in later calls: a command may run 600 s):
 #   diag       in process (diag.py), c=1/16/64: per-stage time per step and per decode step, no stack sampler
-#   sweep      `omnirt bench`, prompt 10/160/320/640 x c 1/16/32/64, one server
-#   realtime   `omnirt bench realtime`, one server: 1/32/64 sessions cancelled at first audio (3 turns after a
-#              warm-up turn), then 32 sessions of whole replies capped at REPLY_FRAMES codec frames (underruns)
+#   sweep      `omnirt bench`, prompt 10/160/320/640 x c 1/16/32/64
+#   distinct   `omnirt bench --distinct-prompts`, prompt 160 at c=64: every prompt new to the server
+#   realtime   `omnirt bench realtime`: 1/32/64 sessions cancelled at first audio (3 turns after a warm-up turn)
+#   full       `omnirt bench realtime`: 32 sessions of whole replies capped at REPLY_FRAMES codec frames (underruns)
+#              (sweep, distinct, realtime and full share one server, `--realtime-max-sessions 160`)
 #   ablation   `omnirt bench` at prompt 160, c=64, a server per row of ABLATE (default: all of them, the profile
 #              first): no graphs, no async chunk, no async output, compile off, first-packet priority off,
 #              the Talker's synchronous loop, prefill through the uncompiled layers (eager-prefill)
@@ -20,11 +22,12 @@
 # at most, and what a part left is kept if a later one runs past the call's limit).
 source loadtest/gpu/common.sh
 export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor
-PARTS=${PARTS:-diag sweep realtime}
+PARTS=${PARTS:-sweep distinct realtime full}
 has() { [[ " $PARTS " == *" $1 "* ]]; }
 ARCHIVE="results-$(echo $PARTS | tr ' ' -).tar"
-pack() {  # move what the last part wrote into the archive
-  (cd "$OUT" && find . -type f ! -name diag.txt ! -name '*.tar' -print0 | tar rf "$ARCHIVE" --null -T - --remove-files)
+pack() {  # pack [FILE]: move what the last part wrote into the archive, but FILE (a running server's log)
+  (cd "$OUT" && find . -type f ! -name diag.txt ! -name '*.tar' ! -name "${1:-}" -print0 |
+    tar rf "$ARCHIVE" --null -T - --remove-files)
 }
 rt() {  # rt NAME [bench realtime args...]
   local name=$1; shift
@@ -37,16 +40,21 @@ if has diag; then  # DIAG_TRACE=c adds a round of c with every stage step timed 
     --load-format dummy --deploy-config deploy/qwen3_omni_moe_1gpu.yaml > "$OUT/diag.txt" 2> "$OUT/diag.log"
   echo "diag rc=$?"; cat "$OUT/diag.txt"; grep -E "Error|Traceback" "$OUT/diag.log" | head -3; pack
 fi
-if has sweep; then
-  start_server sweep && timeout "${SWEEP_LIMIT:-240}" python3 -m app.cli bench --model $MODEL --name h200-sweep \
-    --out "$OUT" --prompt-lens 10 160 320 640 --concurrency 1 16 32 64 --requests-per-point 2 --rounds 1 \
-    --warmup 2 2>&1 | grep -E "^\| [0-9]|Error"
-  stop_server; pack
-fi
-if has realtime; then
-  start_server realtime --realtime-max-sessions 160 && {
-    rt h200-realtime --sessions 1 32 64 --turns 3 --mode cancel
-    rt h200-realtime-full --sessions 32 --turns 1 --mode full --reply-frames "${REPLY_FRAMES:-50}" --reply-tokens 40
+if has sweep || has distinct || has realtime || has full; then
+  start_server served --realtime-max-sessions 160 && {
+    if has sweep; then
+      timeout "${SWEEP_LIMIT:-240}" python3 -m app.cli bench --model $MODEL --name h200-sweep --out "$OUT" \
+        --prompt-lens 10 160 320 640 --concurrency 1 16 32 64 --requests-per-point 2 --rounds 1 --warmup 2 2>&1 |
+        grep -E "^\| [0-9]|Error"; pack server-served.log
+    fi
+    if has distinct; then
+      timeout 90 python3 -m app.cli bench --model $MODEL --name h200-sweep-distinct --out "$OUT" --prompt-lens 160 \
+        --concurrency 64 --requests-per-point 2 --rounds 1 --warmup 2 --distinct-prompts 2>&1 |
+        grep -E "^\| [0-9]|Error"; pack server-served.log
+    fi
+    has realtime && { rt h200-realtime --sessions 1 32 64 --turns 3 --mode cancel; pack server-served.log; }
+    has full && { rt h200-realtime-full --sessions 32 --turns 1 --mode full --reply-frames "${REPLY_FRAMES:-50}" \
+      --reply-tokens 40; pack server-served.log; }
   }
   stop_server; pack
 fi
@@ -61,7 +69,7 @@ if has ablation; then
     PT_LIMIT=${PT_LIMIT:-60} point "ablation-$row" 64 ${ABLATION[$row]}; pack
   done
 fi
-has reference && WARM=1 PT_LIMIT=${REF_LIMIT:-150} point reference 1 --engine reference && pack
+if has reference; then WARM=1 PT_LIMIT=${REF_LIMIT:-150} point reference 1 --engine reference; pack; fi
 if has timeline; then
   start_server timeline --realtime-max-sessions 160 && {
     timeout 200 python3 -m app.cli bench --model $MODEL --name h200-timeline --out "$OUT" --prompt-lens 160 \
