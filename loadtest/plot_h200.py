@@ -41,9 +41,9 @@ def main(folder: str, variants: list[tuple[str, str]] = VARIANTS) -> None:
         ax.set_ylabel(label)
         ax.tick_params(axis="x", labelsize=8, labelrotation=25)
         ax.grid(axis="y", alpha=0.3)
-    axes[0].legend(fontsize=8)
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=3, fontsize=8)  # clear of the bars
     fig.suptitle("Qwen3-Omni-30B-A3B, concurrency 64, 11.6 s of audio per reply: one layer off at a time")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     fig.savefig(root / "h200-ablation.png", dpi=110)
 
 
