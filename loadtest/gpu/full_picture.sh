@@ -29,6 +29,11 @@ pack() {  # pack [FILE]: move what the last part wrote into the archive, but FIL
   (cd "$OUT" && find . -type f ! -name diag.txt ! -name '*.tar' ! -name "${1:-}" -print0 |
     tar rf "$ARCHIVE" --null -T - --remove-files)
 }
+chat() {  # chat NAME LIMIT [bench args...]: `omnirt bench` against the running server, its rows printed
+  local name=$1 limit=$2; shift 2
+  timeout "$limit" python3 -m app.cli bench --model $MODEL --name "$name" --out "$OUT" --requests-per-point 2 \
+    --rounds 1 --warmup 2 "$@" 2>&1 | grep -E "^\| [0-9]|Error"
+}
 rt() {  # rt NAME [bench realtime args...]
   local name=$1; shift
   timeout "${RT_LIMIT:-200}" python3 -m app.cli bench realtime --url http://127.0.0.1:8091 --model $MODEL \
@@ -41,20 +46,14 @@ if has diag; then  # DIAG_TRACE=c adds a round of c with every stage step timed 
   echo "diag rc=$?"; cat "$OUT/diag.txt"; grep -E "Error|Traceback" "$OUT/diag.log" | head -3; pack
 fi
 if has sweep || has distinct || has realtime || has full; then
+  live=server-served.log  # kept out of the archive while the server writes it
   start_server served --realtime-max-sessions 160 && {
-    if has sweep; then
-      timeout "${SWEEP_LIMIT:-240}" python3 -m app.cli bench --model $MODEL --name h200-sweep --out "$OUT" \
-        --prompt-lens 10 160 320 640 --concurrency 1 16 32 64 --requests-per-point 2 --rounds 1 --warmup 2 2>&1 |
-        grep -E "^\| [0-9]|Error"; pack server-served.log
-    fi
-    if has distinct; then
-      timeout 90 python3 -m app.cli bench --model $MODEL --name h200-sweep-distinct --out "$OUT" --prompt-lens 160 \
-        --concurrency 64 --requests-per-point 2 --rounds 1 --warmup 2 --distinct-prompts 2>&1 |
-        grep -E "^\| [0-9]|Error"; pack server-served.log
-    fi
-    has realtime && { rt h200-realtime --sessions 1 32 64 --turns 3 --mode cancel; pack server-served.log; }
+    has sweep && { chat h200-sweep "${SWEEP_LIMIT:-240}" --prompt-lens 10 160 320 640 --concurrency 1 16 32 64
+      pack $live; }
+    has distinct && { chat h200-sweep-distinct 90 --prompt-lens 160 --concurrency 64 --distinct-prompts; pack $live; }
+    has realtime && { rt h200-realtime --sessions 1 32 64 --turns 3 --mode cancel; pack $live; }
     has full && { rt h200-realtime-full --sessions 32 --turns 1 --mode full --reply-frames "${REPLY_FRAMES:-50}" \
-      --reply-tokens 40; pack server-served.log; }
+      --reply-tokens 40; pack $live; }
   }
   stop_server; pack
 fi
@@ -72,8 +71,7 @@ fi
 if has reference; then WARM=1 PT_LIMIT=${REF_LIMIT:-150} point reference 1 --engine reference; pack; fi
 if has timeline; then
   start_server timeline --realtime-max-sessions 160 && {
-    timeout 200 python3 -m app.cli bench --model $MODEL --name h200-timeline --out "$OUT" --prompt-lens 160 \
-      --concurrency 1 16 64 --requests-per-point 2 --rounds 1 --warmup 2 2>&1 | grep -E "^\| [0-9]|Error"
+    chat h200-timeline 200 --prompt-lens 160 --concurrency 1 16 64
     [ -n "${TIMELINE_SESSIONS-1 32}" ] && rt h200-realtime-timeline --sessions ${TIMELINE_SESSIONS-1 32} --turns 3 \
       --mode cancel
   }
