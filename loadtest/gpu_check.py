@@ -88,7 +88,7 @@ def plain_path(engine) -> None:
 
 async def main_async(args) -> dict:
     from app.cli import build_parser, engine_options
-    from pipeline.core import build_engine
+    from pipeline.serving.core import build_engine
 
     engine = build_engine(engine_options(build_parser().parse_args(["serve", *args.serve_args])))
     prompts = [f"Request number {i}: " + "tell me something " * (3 + 5 * i) for i in range(args.num_requests)]

@@ -8,7 +8,7 @@ import time
 
 import httpx
 
-STATS_PERIOD_S = 0.2  # the engine core sends the API process a stats snapshot this often (pipeline/core.py)
+STATS_PERIOD_S = 0.2  # the engine core sends the API process a stats snapshot this often (pipeline/serving/core.py)
 
 
 def scrape(url: str) -> list[str]:

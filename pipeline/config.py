@@ -15,26 +15,26 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from pipeline.types import (
+    ATTENTION,
+    COMPILE,
+    CONV_BACKENDS,
+    DISTRIBUTED,
+    DTYPES,
+    MOE_BACKENDS,
+    PLATFORMS,
+    EngineOptions,
+)
 from pipeline.yaml_lines import YamlError, read_yaml
 
-if TYPE_CHECKING:
-    from pipeline.api import EngineOptions
-
 DEPLOY_DIR = Path(__file__).resolve().parents[1] / "deploy"
-PLATFORMS = ("cuda", "rocm", "npu", "xpu", "cpu")
 STAGE_NAMES = ("thinker", "talker", "code2wav")
 AR_STAGES = STAGE_NAMES[:2]  # the autoregressive ones: KV caches, prompts, sampling
 AR_ONLY_KEYS = ("max_num_batched_tokens", "max_model_len", "prefix_caching", "default_sampling_params")
-DTYPES = ("float32", "bfloat16", "float16")
-ATTENTION = ("auto", "slots", "dense")
-COMPILE = ("auto", "on", "off")
 PACINGS = ("fixed", "adaptive")
-CONV_BACKENDS = ("native", "gemm", "channels_last", "triton")  # the vocoder's (models/qwen3_omni/convolutions.py)
-MOE_BACKENDS = ("auto", "grouped_mm", "batched_mm", "eager", "triton")  # triton: pipeline/moe.py's fused kernels
 ROUTING = ("least_loaded", "round_robin")
-DISTRIBUTED = ("none", "ray")
 SAMPLING_KEYS = ("temperature", "top_k", "top_p", "repetition_penalty", "max_tokens", "min_tokens", "seed")
 
 
@@ -123,7 +123,7 @@ class ConnectorConfig:
     codec_chunk_frames: int = 25
     codec_left_context_frames: int = 25
     codec_chunk_ramp: bool = False  # fixed pacing: chunks of initial * 2**k frames up to codec_chunk_frames
-    codec_chunk_pacing: str = "fixed"  # fixed (the sizes above) | adaptive (to the Talker's pace): pipeline/pacing.py
+    codec_chunk_pacing: str = "fixed"  # fixed (the sizes above) | adaptive (to the Talker's pace): qwen3_omni/pacing.py
     codec_chunk_margin_ms: float = 160.0  # adaptive: audio a listener keeps queued when a chunk is decided
     async_chunk: bool = True
 
@@ -158,7 +158,7 @@ class EngineConfig:
     stages: tuple[StageConfig, ...] = ()
     max_output_buffer_bytes: int = 8 * 2**20  # events a request may hold unread before it is aborted
     retry_after_s: float = 1.0  # what a refused request is told when the engine is full
-    gpu_memory_utilization: float | None = None  # the device share of the stages without their own (pipeline/memory.py)
+    gpu_memory_utilization: float | None = None  # the device share of stages without their own (stage/memory_plan.py)
     step_log: str | None = None  # a file every stage appends one line per step to (`Stage`)
 
     def __post_init__(self):

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from pipeline.config import PLATFORMS  # defined where profiles are checked, without torch
+from pipeline.types import PLATFORMS
 
 
 @dataclass(slots=True, frozen=True)

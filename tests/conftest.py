@@ -63,7 +63,7 @@ def free_port() -> int:
 @pytest.fixture(scope="session")
 def reference_model():
     """The tiny checkpoint as plain transformers, for generate() parity (unchanged by any engine)."""
-    from pipeline.models.loader import load_hf_model
+    from pipeline.models.qwen3_omni.weights import load_hf_model
 
     hf, _, _ = load_hf_model("tiny", "auto", torch.float32, torch.device("cpu"))
     return hf
@@ -78,8 +78,8 @@ def tiny_config():
 
 @pytest.fixture(scope="session")
 def engine(tiny_config):
-    from pipeline.engine import OmniEngine
-    from pipeline.models import load_models
+    from pipeline.engine.omni import OmniEngine
+    from pipeline.models.qwen3_omni.models import load_models
     from pipeline.platform import get_platform
 
     eng = OmniEngine(tiny_config, load_models(tiny_config, get_platform("cpu")))

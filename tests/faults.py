@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 
-from pipeline.scheduler import Batch, StepOutput
+from pipeline.stage.scheduler import Batch, StepOutput
 
 MARK = "bad-"
 

@@ -84,8 +84,8 @@ def pooled_config(extra: dict | None = None, **stage_extra):
 
 
 def start_engine(cfg):
-    from pipeline.engine import OmniEngine
-    from pipeline.models import load_models
+    from pipeline.engine.omni import OmniEngine
+    from pipeline.models.qwen3_omni.models import load_models
     from pipeline.platform import get_platform
 
     eng = OmniEngine(cfg, load_models(cfg, get_platform("cpu")))

@@ -1,4 +1,4 @@
-"""Async scheduling (`pipeline/stage.py`): the Talker issues step n+1 before step n's codes reach the host. The
+"""Async scheduling (`pipeline/stage/loop.py`): the Talker issues step n+1 before step n's codes reach the host. The
 replies must be the ones the synchronous loop gives, token for token, whatever ends them; counted in steps."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import asyncio
 import torch
 
 from pipeline.api import OmniRequest, collect_reply
-from pipeline.kv_cache import SlotKVCache
-from pipeline.request import Finish, RequestStatus, StageRequest
-from pipeline.sampling import SamplingParams
-from pipeline.scheduler import Scheduler, StepOutput
+from pipeline.stage.kv_cache import SlotKVCache
+from pipeline.stage.request import Finish, RequestStatus, StageRequest
+from pipeline.stage.sampling import SamplingParams
+from pipeline.stage.scheduler import Scheduler, StepOutput
 from tests.conftest import ROOT
 
 PROMPTS = ["Tell me a story about a dragon.", "Hello there, how are you?", "Numbers 1 2 3 4 5",
@@ -26,8 +26,8 @@ async def _replies(ahead: bool, talker_sampling: dict, max_frames: int = 40):
     """Six concurrent replies on the tiny engine; with what the Talker stage reported, in order (its outputs and
     its finishes, per request)."""
     from pipeline.config import load_profile
-    from pipeline.engine import OmniEngine
-    from pipeline.models import load_models
+    from pipeline.engine.omni import OmniEngine
+    from pipeline.models.qwen3_omni.models import load_models
     from pipeline.platform import get_platform
 
     cfg = load_profile(ROOT / "deploy" / "tiny.yaml", "cpu", {}, {"1": {"async_scheduling": ahead}})

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from pipeline.api import OmniRequest, collect_reply
-from pipeline.compile import TimedStep
-from pipeline.cudagraph import bucket_for
 from pipeline.models.decoder import prefill_buckets, run_decoder
+from pipeline.stage.compile import TimedStep
+from pipeline.stage.cudagraph import bucket_for
 from tests.test_attention import cpu_only
 from tests.test_parity import assert_greedy_parity, started_engine
 
@@ -73,7 +73,7 @@ def test_prefill_runs_the_compiled_layers_and_never_compiles(compiled_engine, st
     five ragged rows) run inductor's code for the layers, compile nothing, and give the eager layers' rows."""
     from torch.profiler import profile
 
-    from pipeline.compile import graphs_compiled
+    from pipeline.stage.compile import graphs_compiled
 
     model = getattr(compiled_engine.models, stage)
     prefill, kv = model.prefill, model.kv

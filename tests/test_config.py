@@ -195,7 +195,7 @@ def test_the_profile_check_never_imports_torch(tmp_path):
 
 def test_sampling_keys_are_the_sampling_parameters():
     from pipeline.config import SAMPLING_KEYS
-    from pipeline.sampling import SamplingParams
+    from pipeline.stage.sampling import SamplingParams
 
     assert set(SAMPLING_KEYS) == {f.name for f in dataclasses.fields(SamplingParams)}
 
@@ -275,7 +275,7 @@ def test_stage_override_scales_a_pool_and_replicas_share_devices_in_turn():
 
 @pytest.mark.parametrize("platform", PLATFORMS)
 def test_ray_profile_per_platform(platform):
-    from pipeline.ray_replica import actor_resources
+    from pipeline.replicas.ray_actors import actor_resources
 
     cfg = load_profile(DEPLOY / "qwen3_omni_moe_ray.yaml", platform)
     tk = cfg.stage("talker")
@@ -292,7 +292,7 @@ def test_ray_profile_per_platform(platform):
 def test_device_the_host_lacks_names_the_key(monkeypatch):
     import torch
 
-    from pipeline.replicas import make_stage
+    from pipeline.replicas.pool import make_stage
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     cfg = load_profile(DEPLOY / "qwen3_omni_moe_multi_replicas.yaml", "cuda")  # devices "1,2" on a 2-GPU host

@@ -8,8 +8,8 @@ import contextlib
 import pytest
 import torch
 
-from pipeline.cudagraph import GraphCache, batch_buckets, bucket_for, length_buckets
 from pipeline.platform import Platform
+from pipeline.stage.cudagraph import GraphCache, batch_buckets, bucket_for, length_buckets
 
 
 def test_bucket_lists():

@@ -22,8 +22,8 @@ from tests.conftest import HANG_GUARD_S, until
 
 
 def make_engine(cfg):
-    from pipeline.engine import OmniEngine
-    from pipeline.models import load_models
+    from pipeline.engine.omni import OmniEngine
+    from pipeline.models.qwen3_omni.models import load_models
     from pipeline.platform import get_platform
 
     eng = OmniEngine(cfg, load_models(cfg, get_platform("cpu")))
@@ -70,7 +70,7 @@ PROMPTS = ["Tell me about the sea.", "What is two plus two?", "Sing a short song
 async def test_injected_failure_fails_only_that_request(faulty_engine, caplog):
     """The marked request shares batches with three others; it ends with an error event, they finish
     exactly as they do when run alone."""
-    caplog.set_level(logging.WARNING, logger="pipeline.stage")
+    caplog.set_level(logging.WARNING, logger="pipeline.stage.loop")
     alone = [await collect(faulty_engine, request(f"alone-{i}", p)) for i, p in enumerate(PROMPTS)]
     stage = faulty_engine.fault_stage
     for attempt in range(6):  # batching depends on timing: retry until the fault hit a shared batch

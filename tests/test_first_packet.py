@@ -1,4 +1,4 @@
-"""First packet first (`pipeline/priority.py`): which runnable requests take a step's rows, at the scheduler and
+"""First packet first (`pipeline/stage/priority.py`): which runnable requests take a step's rows, at the scheduler and
 through the engine. Everything is counted in steps, never in time."""
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from pipeline.api import OmniRequest, collect_reply
-from pipeline.connector import CodecStream
-from pipeline.kv_cache import SlotKVCache
-from pipeline.pacing import FixedChunks
-from pipeline.priority import Priority
-from pipeline.request import StageRequest
-from pipeline.sampling import SamplingParams
-from pipeline.scheduler import ChunkScheduler, Scheduler, StepOutput
+from pipeline.models.qwen3_omni.codec_stream import CodecStream
+from pipeline.models.qwen3_omni.pacing import FixedChunks
+from pipeline.stage.kv_cache import SlotKVCache
+from pipeline.stage.priority import Priority
+from pipeline.stage.request import StageRequest
+from pipeline.stage.sampling import SamplingParams
+from pipeline.stage.scheduler import ChunkScheduler, Scheduler, StepOutput
 from tests.conftest import ROOT
 
 
@@ -203,8 +203,8 @@ async def _reply(engine, req: OmniRequest):
 
 async def _replies(priority: bool):
     from pipeline.config import load_profile
-    from pipeline.engine import OmniEngine
-    from pipeline.models import load_models
+    from pipeline.engine.omni import OmniEngine
+    from pipeline.models.qwen3_omni.models import load_models
     from pipeline.platform import get_platform
 
     # 2 rows per Thinker and Talker step and 1 Code2Wav window for 6 requests; the memory plan gives the AR
@@ -242,7 +242,7 @@ async def test_greedy_replies_are_the_same_with_the_priority_on_and_off():
     # wait for whole replies of others: tens of steps)
     for stage in ("thinker", "talker"):
         assert waits_on[stage].first_wait_steps < waits_off[stage].first_wait_steps
-    # each stage's first output for each request was timed (pipeline/timeline.py), and for each request the
+    # each stage's first output for each request was timed (pipeline/engine/timeline.py), and for each request the
     # Thinker's first token comes before the Talker's first frame, which comes before Code2Wav's first PCM
     assert [firsts[s][0] for s in ("thinker", "talker", "code2wav")] == [len(PROMPTS)] * 3
     assert 0 < firsts["thinker"][1] <= firsts["talker"][1] <= firsts["code2wav"][1]
@@ -251,7 +251,7 @@ async def test_greedy_replies_are_the_same_with_the_priority_on_and_off():
 def test_first_output_times_fall_in_prometheus_buckets():
     """A bucket holds the values up to and including its bound; one past the last bound holds the rest."""
     from pipeline.api import FIRST_OUTPUT_BUCKETS_S
-    from pipeline.timeline import FirstOutputTimes
+    from pipeline.engine.timeline import FirstOutputTimes
 
     times = FirstOutputTimes()
     for seconds in (0.0, 0.025, 0.026, 10.0, 11.0):

@@ -16,11 +16,11 @@ import torch
 from transformers import AutoTokenizer
 
 from pipeline.api import OmniRequest, collect_reply
-from pipeline.grammar import BITS, ConstraintError, GrammarMasks, Grammars, apply_token_bitmask
 from pipeline.models.qwen3_omni.prompt import PromptEncoder
-from pipeline.models.qwen3_omni.tools import CallDelta, ToolCallParser, tool_call_spec
-from pipeline.models.tiny import ensure_tiny_model
-from pipeline.sampling import Sampler, SamplingParams
+from pipeline.models.qwen3_omni.tiny import ensure_tiny_model
+from pipeline.models.qwen3_omni.tool_calls import CallDelta, ToolCallParser, tool_call_spec
+from pipeline.stage.grammar import BITS, ConstraintError, GrammarMasks, Grammars, apply_token_bitmask
+from pipeline.stage.sampling import Sampler, SamplingParams
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
                                             "unit": {"enum": ["c", "f"]}},

@@ -19,7 +19,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 from pipeline.api import OmniRequest, collect_reply
 from pipeline.models.qwen3_omni import released
 from pipeline.models.qwen3_omni.prompt import PromptConfigError
-from pipeline.models.tiny import ensure_tiny_model
+from pipeline.models.qwen3_omni.tiny import ensure_tiny_model
 from tests.test_parity import assert_same_reply, engine_generate, reference_generate, started_engine
 from tests.test_prompt import _audio, _copy, _encoder, _NoVideoProcessor
 

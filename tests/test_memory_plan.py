@@ -1,4 +1,4 @@
-"""The memory plan (`pipeline/memory.py`): KV slots from the device's memory, per stage or global, and the
+"""The memory plan (`pipeline/stage/memory_plan.py`): KV slots from the device's memory, per stage or global, and the
 start-up error that names the key and the numbers; then the tiny model on the CPU sized by it (host memory
 faked at `host_memory`, the one place the CPU platform reads it)."""
 
@@ -12,7 +12,7 @@ import torch
 
 from pipeline.api import EngineOptions, EngineStartError, Finished, OmniRequest
 from pipeline.config import ProfileError
-from pipeline.memory import GIB, MAX_SLOTS_PER_SEQ, StageMemory, plan_memory
+from pipeline.stage.memory_plan import GIB, MAX_SLOTS_PER_SEQ, StageMemory, plan_memory
 
 
 def stages(thinker: float | None = None, talker: float | None = None, grow: bool = True) -> list[StageMemory]:
@@ -100,7 +100,7 @@ def _small(cfg, **top):
 
 
 def test_the_tiny_model_is_sized_by_the_plan(tiny_config, host):
-    from pipeline.models import load_models
+    from pipeline.models.qwen3_omni.models import load_models
     from pipeline.platform import get_platform
 
     host(8 * GIB, 16 * GIB)
@@ -117,7 +117,7 @@ def test_the_tiny_model_is_sized_by_the_plan(tiny_config, host):
 
 
 def test_a_fraction_too_small_stops_the_start_naming_the_key(host):
-    from pipeline.core import build_engine
+    from pipeline.serving.core import build_engine
 
     host(8 * GIB, 16 * GIB)
     with pytest.raises(EngineStartError, match=r"memory plan: gpu_memory_utilization gives thinker \+ talker \+ "
@@ -147,8 +147,8 @@ async def _turns(engine, num_conversations: int) -> list[tuple[int, int]]:
 def test_grown_slots_keep_more_conversations_resident(tiny_config, host, fraction, num_hits):
     """With 2 slots, 4 conversations evict each other's prefixes; with the slots the plan grows (8), each
     one's next turn starts from its first."""
-    from pipeline.engine import OmniEngine
-    from pipeline.models import load_models
+    from pipeline.engine.omni import OmniEngine
+    from pipeline.models.qwen3_omni.models import load_models
     from pipeline.platform import get_platform
 
     torch.set_num_threads(1)
@@ -176,9 +176,9 @@ def released_on_meta():
     """The released architecture with no memory behind it: its weights are counted from the shapes."""
     from transformers import Qwen3OmniMoeForConditionalGeneration
 
-    from pipeline.models.loader import _tokenizer
     from pipeline.models.qwen3_omni.released import released_config
-    from pipeline.models.tiny import ensure_tiny_model
+    from pipeline.models.qwen3_omni.tiny import ensure_tiny_model
+    from pipeline.models.qwen3_omni.weights import _tokenizer
 
     with torch.device("meta"):
         return Qwen3OmniMoeForConditionalGeneration._from_config(released_config(_tokenizer(ensure_tiny_model())),

@@ -132,8 +132,8 @@ def as_pcm16(wav: np.ndarray) -> np.ndarray:
 @contextlib.contextmanager
 def started_engine(cfg):
     """An in-process engine over `cfg` on the CPU (for a variant of the tiny profile), stopped on exit."""
-    from pipeline.engine import OmniEngine
-    from pipeline.models import load_models
+    from pipeline.engine.omni import OmniEngine
+    from pipeline.models.qwen3_omni.models import load_models
     from pipeline.platform import get_platform
 
     eng = OmniEngine(cfg, load_models(cfg, get_platform("cpu")))
@@ -261,7 +261,7 @@ async def test_prompts_longer_than_the_token_budget_prefill_in_chunks_as_generat
 def test_streaming_chunks_join_without_gap(engine):
     """Any chunking of any code sequence reproduces the one-shot decode: no missing or repeated samples; exact
     while the context holds the whole history (longer sequences: test_vocoder_parity.py)."""
-    from pipeline.connector import CodecStream
+    from pipeline.models.qwen3_omni.codec_stream import CodecStream
 
     rng = np.random.default_rng(0)
     frames = rng.integers(0, 64, size=(61, 16)).tolist()

@@ -157,9 +157,9 @@ def test_the_memory_plan_reads_each_platforms_memory(name, monkeypatch, referenc
     """The KV plan is sized from torch.<device_type>.mem_get_info, on the CPU from the host's memory; graph
     platforms reserve a graph pool for each stage that captures."""
     from pipeline.config import STAGE_NAMES, load_profile
-    from pipeline.memory import GIB
-    from pipeline.models import memory_plan
     from pipeline.models.qwen3_omni.memory import GRAPH_POOL_BYTES
+    from pipeline.models.qwen3_omni.models import memory_plan
+    from pipeline.stage.memory_plan import GIB
 
     p = get_platform(name)
     if p.device_type == "cpu":

@@ -1,4 +1,4 @@
-"""Prefix reuse (`pipeline/prefix_cache.py`): each turn of a conversation prefills only what is new, and
+"""Prefix reuse (`pipeline/stage/prefix_cache.py`): each turn of a conversation prefills only what is new, and
 answers exactly as a full prefill would; resident slots give way under pressure; aborts and failures
 leave nothing wrong behind."""
 
@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from pipeline.api import OmniRequest, TextDelta, collect_reply
-from pipeline.kv_cache import SlotKVCache
-from pipeline.prefix_cache import common_prefix
-from pipeline.request import RequestStatus, StageRequest
-from pipeline.sampling import SamplingParams
-from pipeline.scheduler import Scheduler, StepOutput
+from pipeline.stage.kv_cache import SlotKVCache
+from pipeline.stage.prefix_cache import common_prefix
+from pipeline.stage.request import RequestStatus, StageRequest
+from pipeline.stage.sampling import SamplingParams
+from pipeline.stage.scheduler import Scheduler, StepOutput
 from tests.test_parity import engine_generate, started_engine
 from tests.test_truncation import Driver, turn_text
 

@@ -21,7 +21,7 @@ from app.server import ServerSettings, create_app
 from pipeline.api import RequestError
 from pipeline.models.qwen3_omni import released
 from pipeline.models.qwen3_omni.prompt import LruCache, PromptConfigError, PromptEncoder
-from pipeline.models.tiny import ensure_tiny_model
+from pipeline.models.qwen3_omni.tiny import ensure_tiny_model
 from tests.test_truncation import Driver, turn_text
 
 RATE = 16000

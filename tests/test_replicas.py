@@ -23,9 +23,9 @@ from replica_helpers import (
 )
 
 from pipeline.api import OmniRequest, collect_reply
-from pipeline.connector import Command, StageMessage
-from pipeline.replicas import ReplicaPool
-from pipeline.worker import ReplicaLoad, StepReport, WorkerSpec
+from pipeline.replicas.pool import ReplicaPool
+from pipeline.replicas.worker import ReplicaLoad, StepReport, WorkerSpec
+from pipeline.stage.messages import Command, StageMessage
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -96,9 +96,9 @@ async def test_killed_replica_fails_its_requests_others_finish_and_it_returns(po
 
 
 async def test_hung_replica_is_killed_and_its_unanswered_request_retried(pooled, baseline, monkeypatch):
-    import pipeline.worker
+    import pipeline.replicas.worker
 
-    monkeypatch.setattr(pipeline.worker, "HANG_TIMEOUT_S", 3.0)
+    monkeypatch.setattr(pipeline.replicas.worker, "HANG_TIMEOUT_S", 3.0)
     await wait_for(lambda: all(r["state"] == "up" for r in pooled.replica_status()["talker"]), 120, "replicas up")
     pid = replica(pooled, "talker", 0)["pid"]
     os.kill(pid, signal.SIGSTOP)  # replica 0 takes the request (both idle: lowest index) but never answers
@@ -213,7 +213,7 @@ def test_a_process_loads_only_its_own_stages(tiny_config):
     three marker rows it reads (the rest of the Thinker is never materialised)."""
     import torch
 
-    from pipeline.models import load_models
+    from pipeline.models.qwen3_omni.models import load_models
     from pipeline.platform import get_platform
 
     cpu = get_platform("cpu")

@@ -20,7 +20,7 @@ from pipeline.models.qwen3_omni.convolutions import (
     TritonResidualUnit,
     TritonSnake,
 )
-from pipeline.snake_conv import causal_conv, is_time_major, snake, time_major
+from pipeline.models.qwen3_omni.snake_conv import causal_conv, is_time_major, snake, time_major
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"

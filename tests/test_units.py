@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pipeline.connector import CodecStream
-from pipeline.kv_cache import SlotKVCache
-from pipeline.request import RequestStatus, StageRequest
-from pipeline.sampling import Sampler, SamplingParams
-from pipeline.scheduler import Scheduler, StepOutput
+from pipeline.models.qwen3_omni.codec_stream import CodecStream
+from pipeline.stage.kv_cache import SlotKVCache
+from pipeline.stage.request import RequestStatus, StageRequest
+from pipeline.stage.sampling import Sampler, SamplingParams
+from pipeline.stage.scheduler import Scheduler, StepOutput
 
 
 def _kv(slots=4, max_len=64):
@@ -93,8 +93,8 @@ def test_sampler_greedy_penalty_suppress_min_tokens():
 def test_seen_tokens_per_slot_equal_the_whole_history_mask():
     """The device mask kept per slot, fed only each step's new tokens, equals the mask built from the whole
     histories at every step; a new request in a slot (another history) starts from nothing."""
-    from pipeline.sampling import SeenTokens, _seen_mask
-    from pipeline.staging import HostStaging
+    from pipeline.stage.pinned import HostStaging
+    from pipeline.stage.sampling import SeenTokens, _seen_mask
 
     rng = np.random.default_rng(0)
     staging, seen = HostStaging(torch.device("cpu")), SeenTokens(50, torch.device("cpu"))
@@ -143,7 +143,7 @@ def test_repetition_penalty_in_a_batch_is_each_rows_own():
 def test_graph_safe_sampling_draws_from_the_same_distribution_as_the_warpers():
     """The code predictor's top-k/top-p (top-p over the sorted top-k values) keeps exactly the tokens that
     transformers' order keeps (`warp`), and draws them in proportion."""
-    from pipeline.sampling import sample_top_k_top_p, warp
+    from pipeline.stage.sampling import sample_top_k_top_p, warp
 
     torch.manual_seed(0)
     logits = torch.randn(4, 300) * 3
@@ -189,8 +189,8 @@ def test_incremental_detokenizer_matches_a_full_decode_and_never_splits_a_charac
     character whose bytes span several tokens; each call decodes a window, not the whole reply."""
     from transformers import AutoTokenizer
 
-    from pipeline.detokenizer import IncrementalDetokenizer
-    from pipeline.models.tiny import ensure_tiny_model
+    from pipeline.engine.detokenizer import IncrementalDetokenizer
+    from pipeline.models.qwen3_omni.tiny import ensure_tiny_model
 
     tok = AutoTokenizer.from_pretrained(ensure_tiny_model(), local_files_only=True)
     text = "Grüße aus Köln — 你好，世界! 🎉🎉 naïve café " * 3
@@ -211,7 +211,7 @@ def test_dummy_weights_are_the_same_on_every_start():
     """`--load-format dummy` builds seeded random weights: two starts compare on the same model, and the
     caller's random stream is left as it was."""
     from pipeline.config import STAGE_NAMES
-    from pipeline.models.loader import load_hf_model
+    from pipeline.models.qwen3_omni.weights import load_hf_model
 
     torch.manual_seed(5)
     expected = torch.rand(3)

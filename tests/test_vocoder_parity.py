@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from pipeline.config import load_profile
-from pipeline.connector import CodecStream
+from pipeline.models.qwen3_omni.codec_stream import CodecStream
 from tests.test_parity import (
     PROMPTS,
     THINKER_TOKENS,
@@ -116,11 +116,11 @@ def test_receptive_field_of_the_tiny_and_the_released_vocoder(reference_model):
 
 
 def test_start_up_logs_a_context_short_of_the_receptive_field(tiny_config, caplog):
-    from pipeline.models import load_models
+    from pipeline.models.qwen3_omni.models import load_models
     from pipeline.platform import get_platform
 
     short = dataclasses.replace(tiny_config, connector=profile_connector("qwen3_omni_moe.yaml"))
-    with caplog.at_level("INFO", logger="pipeline.models"):
+    with caplog.at_level("INFO", logger="pipeline.models.qwen3_omni.models"):
         load_models(short, get_platform("cpu"), ("code2wav",))
     assert "25 frames of left context, the vocoder's receptive field is 152" in caplog.text
 
@@ -155,7 +155,7 @@ def measure() -> None:
     """Print the error of each profile's chunking of the long reply, at its own left context, the vocoder's
     attention window and its receptive field (the figures in docs/architecture.md):
     `python -m tests.test_vocoder_parity`."""
-    from pipeline.models.loader import load_hf_model
+    from pipeline.models.qwen3_omni.weights import load_hf_model
 
     torch.set_num_threads(1)
     reference_model = load_hf_model("tiny", "auto", torch.float32, torch.device("cpu"))[0]

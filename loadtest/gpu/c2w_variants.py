@@ -8,7 +8,7 @@ size in float32, on the CPU too, to check the script) through the engine's own r
 before), `benchmark` (cuDNN benchmark mode, which the engine leaves off; CUDA only), `channels_last`
 (Conv1d as a height-1 Conv2d in NHWC; also with benchmark mode), `gemm` (convolutions as matmuls over their
 taps, the transposed ones as a matmul and an overlap-add, time-major), `triton` (the convolutions as Triton
-kernels with SnakeBeta and the residual in their epilogues, time-major: `pipeline/snake_conv.py`), `compiled`
+kernels with SnakeBeta and the residual in their epilogues, time-major: `qwen3_omni/snake_conv.py`), `compiled`
 (inductor over the whole decoder, dynamic shapes as the engine compiles it), `compiled-autotune` (mode
 max-autotune-no-cudagraphs), their combinations, and `+graphs` (the step captured in a CUDA graph at each
 shape, as the engine captures its batch buckets).
@@ -58,7 +58,7 @@ VARIANTS = {
 def base_module(tiny: bool, device: torch.device) -> torch.nn.Module:
     """Code2Wav in float32 with random weights: the released architecture, or the tiny model's."""
     if tiny:
-        from pipeline.models.loader import load_hf_model
+        from pipeline.models.qwen3_omni.weights import load_hf_model
 
         return load_hf_model("tiny", "auto", torch.float32, torch.device("cpu"))[0].code2wav.to(device).eval()
     torch.manual_seed(0)

@@ -7,7 +7,7 @@ import time
 
 from app.cli import build_parser, engine_options
 from pipeline.api import AudioChunk, Finished, OmniRequest, TextDelta
-from pipeline.core import build_engine
+from pipeline.serving.core import build_engine
 
 if os.environ.get("SWITCH_MS"):  # the interpreter's GIL switch interval (default 5 ms), for the host-path ablation
     sys.setswitchinterval(float(os.environ["SWITCH_MS"]) / 1000)

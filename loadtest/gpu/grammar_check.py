@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from pipeline.grammar import BITS, GrammarMasks, Grammars, apply_token_bitmask
+from pipeline.stage.grammar import BITS, GrammarMasks, Grammars, apply_token_bitmask
 
 VOCAB = 151936
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["c", "f"]},

@@ -202,7 +202,7 @@ def frame_key(frames: list[list[int]]) -> list[int]:
 
 async def main_async(args) -> dict:
     from app.cli import build_parser, engine_options
-    from pipeline.core import build_engine
+    from pipeline.serving.core import build_engine
 
     engine = build_engine(engine_options(build_parser().parse_args(["serve", *args.serve_args])))
     book = engine_logits(engine)

@@ -5,7 +5,7 @@ import sys
 import torch
 
 from app.cli import build_parser, engine_options
-from pipeline.core import build_engine
+from pipeline.serving.core import build_engine
 
 logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
 engine = build_engine(engine_options(build_parser().parse_args(["serve", *sys.argv[1:]])))

@@ -1,5 +1,5 @@
 """GPU check of the MoE experts implementations at full size: eager, batched_mm, grouped_mm and the fused
-Triton kernels (`pipeline/moe.py`) at a few tile sizes.
+Triton kernels (`pipeline/kernels/moe.py`) at a few tile sizes.
 
 One Thinker and one Talker sparse-MoE block (the released sizes, random bf16 weights) at decode batch sizes
 1/16/64. A captured graph is replayed on new inputs (new routing) and compared with an eager run of the same
@@ -32,7 +32,7 @@ from transformers.integrations.moe import ExpertsInterface
 from transformers.models.qwen3_omni_moe import configuration_qwen3_omni_moe as cfgs
 from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as mods
 
-from pipeline import moe
+from pipeline.kernels import moe
 from pipeline.models.qwen3_omni.released import ARCHITECTURE
 
 BLOCKS = {

@@ -12,11 +12,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from pipeline.compile import graphs_compiled
-from pipeline.cudagraph import GraphCache
-from pipeline.kv_cache import CacheView, SlotKVCache
 from pipeline.platform import Platform
-from pipeline.staging import HostStaging
+from pipeline.stage.compile import graphs_compiled
+from pipeline.stage.cudagraph import GraphCache
+from pipeline.stage.kv_cache import CacheView, SlotKVCache
+from pipeline.stage.pinned import HostStaging
 
 log = logging.getLogger(__name__)
 MIN_COMPILED = 2  # rows and tokens a compiled prefill pads to
@@ -35,7 +35,7 @@ def run_decoder(stack: torch.nn.Module, embeds: torch.Tensor, position_ids: torc
 
     `tap_layer` counts like transformers' `hidden_states` tuple: 0 is the embeddings, k the output of
     layer k, and the last index the normed output. `layers`: the stack's layers as they run (compiled
-    ones, `pipeline/compile.py`), by default the stack's own. `deepstack` [L, B, T, H]: added to the output
+    ones, `pipeline/stage/compile.py`), by default the stack's own. `deepstack` [L, B, T, H]: added to the output
     of each of the first L layers (Qwen3's deepstack visual rows, zero off the image positions), after the
     tap reads it, as transformers records a layer's output before its `_deepstack_process`.
     """
@@ -88,7 +88,7 @@ def pad_rows(rows: list[torch.Tensor], num_rows: int = 0, width: int = 0) -> tor
 class PrefillPass:
     """The prefill chunks of one decoder stack: padded into one [B, T] batch over the slot cache.
 
-    Where the stack's decode layers are compiled (`pipeline/compile.py`), prefill runs their compiled code
+    Where the stack's decode layers are compiled (`pipeline/stage/compile.py`), prefill runs their compiled code
     too, warmed at start-up for its shapes (`warm_up`), but never compiles while serving: dynamo's run-only
     mode runs what was compiled and anything else eagerly, so a shape no warm-up covered costs the eager
     pass (as without compilation), not a compile that holds the interpreter lock for seconds. Compiled, a

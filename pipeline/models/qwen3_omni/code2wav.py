@@ -19,10 +19,10 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
     Qwen3OmniMoeCausalTransConvNet,
 )
 
-from pipeline.compile import RECOMPILE_LIMIT
-from pipeline.cudagraph import GraphCache, batch_buckets
 from pipeline.models.qwen3_omni.convolutions import use_conv_backend
 from pipeline.platform import Platform
+from pipeline.stage.compile import RECOMPILE_LIMIT
+from pipeline.stage.cudagraph import GraphCache, batch_buckets
 
 
 @dataclass(slots=True, frozen=True)

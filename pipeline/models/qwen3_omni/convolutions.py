@@ -11,7 +11,7 @@ output to the waveform, so no layer transposes:
   to the native path up to rounding.
 - `channels_last`: each Conv1d as a Conv2d of height 1 in channels_last memory format (cuDNN's NHWC kernels).
 - `triton`: each residual unit as three kernels, SnakeBeta in one pass, the dilated convolution with the second
-  SnakeBeta in its epilogue, the 1x1 convolution with the residual in its epilogue (`pipeline/snake_conv.py`);
+  SnakeBeta in its epilogue, the 1x1 convolution with the residual in its epilogue (`snake_conv.py`);
   the decoder's other stride-1 convolutions and SnakeBetas as one kernel each; the transposed convolutions as
   `gemm` has them, whose matmul takes time-major input and gives time-major output. So from the transformer's
   output to the waveform no layer copies its activations to another layout; the depthwise convolutions before
@@ -35,8 +35,8 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
     Qwen3OmniMoeSnakeBeta,
 )
 
-from pipeline.config import CONV_BACKENDS
-from pipeline.snake_conv import causal_conv, snake, time_major
+from pipeline.models.qwen3_omni.snake_conv import causal_conv, snake, time_major
+from pipeline.types import CONV_BACKENDS
 
 
 class PrecomputedSnakeBeta(torch.nn.Module):
@@ -132,7 +132,7 @@ class ChannelsLastTransConv(torch.nn.Module):
 
 
 class TritonConv(torch.nn.Module):
-    """A causal stride-1 Conv1d as one kernel (`pipeline/snake_conv.py`), with the SnakeBeta that follows it in
+    """A causal stride-1 Conv1d as one kernel (`snake_conv.py`), with the SnakeBeta that follows it in
     its epilogue when given, and a residual added when the call passes one."""
 
     def __init__(self, causal: Qwen3OmniMoeCausalConvNet, snake_out: PrecomputedSnakeBeta | None = None):

@@ -15,19 +15,19 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pipeline.connector import CodecStream
-from pipeline.grammar import GrammarMasks
-from pipeline.graph import StageGraph, StageNode, StageParts
 from pipeline.models.qwen3_omni.code2wav import frame_seconds
+from pipeline.models.qwen3_omni.codec_stream import CodecStream
 from pipeline.models.qwen3_omni.prefix import TalkerPrefixes, ThinkerPrefixes
 from pipeline.models.qwen3_omni.prompt import PromptKey
 from pipeline.models.qwen3_omni.talker import NUM_ASSISTANT_PREFIX, TalkerState
 from pipeline.models.qwen3_omni.thinker import ThinkerInput
-from pipeline.priority import Priority
-from pipeline.request import Output, RequestStatus, StageRequest
-from pipeline.sampling import Sampler, SamplingParams
-from pipeline.scheduler import Batch, ChunkScheduler, Scheduler, StepOutput
-from pipeline.stage import ARRunner
+from pipeline.stage.grammar import GrammarMasks
+from pipeline.stage.graph import StageGraph, StageNode, StageParts
+from pipeline.stage.loop import ARRunner
+from pipeline.stage.priority import Priority
+from pipeline.stage.request import Output, RequestStatus, StageRequest
+from pipeline.stage.sampling import Sampler, SamplingParams
+from pipeline.stage.scheduler import Batch, ChunkScheduler, Scheduler, StepOutput
 
 # ---- Thinker ---------------------------------------------------------------------------------------------
 

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-from pipeline.api import RequestError
+from pipeline.types import RequestError
 
 
 def pixels(processor: Qwen2VLImageProcessorPil, images: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:

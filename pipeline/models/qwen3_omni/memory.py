@@ -1,4 +1,4 @@
-"""What each Qwen3-Omni stage costs in device memory, for the memory plan (`pipeline/memory.py`).
+"""What each Qwen3-Omni stage costs in device memory, for the memory plan (`pipeline/stage/memory_plan.py`).
 
 Weights are counted from the loaded modules. A KV slot is every layer's K and V for `max_model_len`
 positions; a Thinker slot that may stay resident also keeps the prompt's rows for the Talker
@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 
 from pipeline.config import EngineConfig, StageConfig
-from pipeline.memory import StageMemory
 from pipeline.models.qwen3_omni.code2wav import samples_per_frame
+from pipeline.stage.memory_plan import StageMemory
 
 ACTIVATION_ROWS = 32  # hidden-size rows one prefill token keeps live in a decoder layer: above what Qwen3-Omni's
 # layers hold at once (q/k/v, the MoE's top-8 expansion, residuals: ~24)

@@ -1,5 +1,5 @@
 """What a Qwen3-Omni stage's resident slot holds, and which new prompt may start from it
-(`pipeline/prefix_cache.py`).
+(`pipeline/stage/prefix_cache.py`).
 
 - **Thinker**: its KV is a function of the prompt's cache key (token ids, audio spans as digests of their
   features), so a slot holds the keys of the positions it wrote: the prompt, then the reply tokens that
@@ -22,7 +22,7 @@ import torch
 
 from pipeline.models.qwen3_omni.prompt import PromptKey
 from pipeline.models.qwen3_omni.thinker import ThinkerInput
-from pipeline.request import StageRequest
+from pipeline.stage.request import StageRequest
 
 
 @dataclass(slots=True, frozen=True)

@@ -19,9 +19,9 @@ from transformers import WhisperFeatureExtractor
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import _get_feat_extract_output_lengths
 
-from pipeline.api import Message, RequestError
 from pipeline.models.qwen3_omni import images as vision
-from pipeline.prefix_cache import common_prefix_bytes
+from pipeline.stage.prefix_cache import common_prefix_bytes
+from pipeline.types import Message, RequestError
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,10 @@ from collections.abc import AsyncIterator
 import numpy as np
 import torch
 
-from pipeline.api import (
+from pipeline.engine.omni import EngineBase
+from pipeline.engine.text_events import TextEvents
+from pipeline.stage.sampling import SamplingParams
+from pipeline.types import (
     AudioChunk,
     EngineStats,
     Event,
@@ -22,9 +25,6 @@ from pipeline.api import (
     StageStats,
     Usage,
 )
-from pipeline.engine import EngineBase
-from pipeline.sampling import SamplingParams
-from pipeline.text_events import TextEvents
 
 
 class ReferenceEngine(EngineBase):

@@ -15,17 +15,17 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pipeline.compile import compile_layers
-from pipeline.cudagraph import GraphCache, batch_buckets
-from pipeline.kv_cache import SlotKVCache
 from pipeline.models.decoder import PrefillPass, experts_implementation, run_decoder
 from pipeline.models.qwen3_omni.prompt import PromptKey
 from pipeline.models.qwen3_omni.rope import rope_positions
 from pipeline.models.qwen3_omni.thinker import ThinkerRows
 from pipeline.platform import Platform
-from pipeline.sampling import sample_top_k_top_p
-from pipeline.scheduler import Batch, StepOutput
-from pipeline.staging import HostStaging
+from pipeline.stage.compile import compile_layers
+from pipeline.stage.cudagraph import GraphCache, batch_buckets
+from pipeline.stage.kv_cache import SlotKVCache
+from pipeline.stage.pinned import HostStaging
+from pipeline.stage.sampling import sample_top_k_top_p
+from pipeline.stage.scheduler import Batch, StepOutput
 
 NUM_ASSISTANT_PREFIX = 9  # im_start, assistant, \n, 4 x tts_pad, tts_bos, first text token
 
@@ -141,7 +141,7 @@ class TalkerModel:
             bos, eos, pad = talker.text_projection(special_rows.unsqueeze(0)).chunk(3, dim=1)
         self.tts_bos, self.tts_eos, self.tts_pad = bos[0, 0], eos[0, 0], pad[0, 0]
         eager = enforce_eager
-        # the decode steps' layers as they run: compiled (pipeline/compile.py) or None, as written
+        # the decode steps' layers as they run: compiled (pipeline/stage/compile.py) or None, as written
         self.decode_layers = compile_layers(self.stack.layers) if compile_step else None
         self.predictor_layers = compile_layers(self.predictor.model.layers) if compile_step else None
         self.prefill = PrefillPass("talker", self.stack, kv, self.decode_layers if compiled_prefill else None,

@@ -8,16 +8,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pipeline.compile import compile_layers
-from pipeline.cudagraph import GraphCache, batch_buckets
-from pipeline.kv_cache import SlotKVCache
 from pipeline.models.decoder import PrefillPass, experts_implementation, run_decoder
 from pipeline.models.qwen3_omni.encoders import VisualRows, encode_audio, encode_images, num_encoded
 from pipeline.models.qwen3_omni.prompt import EncodedPrompt, PromptKey
 from pipeline.models.qwen3_omni.rope import rope_positions
 from pipeline.platform import Platform
-from pipeline.scheduler import Batch, StepOutput
-from pipeline.staging import HostStaging
+from pipeline.stage.compile import compile_layers
+from pipeline.stage.cudagraph import GraphCache, batch_buckets
+from pipeline.stage.kv_cache import SlotKVCache
+from pipeline.stage.pinned import HostStaging
+from pipeline.stage.scheduler import Batch, StepOutput
 
 if TYPE_CHECKING:
     from pipeline.models.qwen3_omni.prefix import ThinkerHeld
