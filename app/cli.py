@@ -30,12 +30,7 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
     return EngineOptions(
         model=args.model, deploy_config=str(args.deploy_config) if args.deploy_config else None,
         load_format=args.load_format, dtype=args.dtype, stage_overrides=dict(args.stage_overrides),
-        moe_backend=args.moe_backend, attention=args.attention, compile=args.compile,
-        conv_backend=args.conv_backend,
-        enforce_eager=args.enforce_eager,
-        async_chunk=not args.no_async_chunk, async_output=not args.no_async_output,
-        first_packet_priority=not args.no_first_packet_priority,
-        prefix_caching=not args.no_prefix_caching, engine=args.engine,
+        settings=tuple(args.settings), enforce_eager=args.enforce_eager,
         platform=args.platform, distributed=args.distributed, threads=args.threads,
         max_output_buffer_bytes=args.max_output_buffer_bytes, process=args.engine_process,
         gpu_memory_utilization=args.gpu_memory_utilization, step_log=args.step_log,

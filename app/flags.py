@@ -11,11 +11,22 @@ from pathlib import Path
 
 from app import __version__
 from app.transports.ice import check_address, parse_ice_servers
-from pipeline.api import ATTENTION, COMPILE, CONV_BACKENDS, DISTRIBUTED, DTYPES, MOE_BACKENDS, PLATFORMS
+from pipeline.api import DISTRIBUTED, DTYPES, PLATFORMS
 
-STAGES = ("thinker", "talker", "code2wav")  # --stage-overrides may name a stage instead of its id
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 OVERRIDES_EXAMPLE = '\'{"talker": {"max_num_seqs": 8}}\''
+# engine switches that became deploy profile keys (docs/deploy.md): the flag -> what replaces it
+REMOVED_FLAGS = {
+    "--no-async-chunk": "--set async_chunk=false",
+    "--no-async-output": "--set async_output=false",
+    "--no-first-packet-priority": "--set first_packet_priority=false",
+    "--no-prefix-caching": "--set 'stages.*.prefix_caching=false'",
+    "--compile": "--set compile=VALUE (auto, on, off)",
+    "--attention": "--set attention=VALUE (auto, slots, dense)",
+    "--moe-backend": "--set moe_backend=VALUE (auto, grouped_mm, batched_mm, eager, triton)",
+    "--conv-backend": "--set conv_backend=VALUE (native, gemm, channels_last, triton)",
+    "--engine": "--set engine=reference (transformers' generate(), the baseline)",
+}
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -54,20 +65,34 @@ def number(kind: type, low: float, high: float | None = None, *, above: bool = F
 
 
 def _stage_overrides(text: str) -> dict[str, dict]:
-    """`--stage-overrides`: JSON, stage id (or name) -> profile keys for that stage."""
+    """`--stage-overrides`: JSON, stage id (or name) -> profile keys for that stage (the model's stages are
+    checked with the profile)."""
     try:
         value = json.loads(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"not JSON ({exc}); expected e.g. {OVERRIDES_EXAMPLE}") from None
     if not isinstance(value, dict) or not all(isinstance(v, dict) for v in value.values()):
         raise argparse.ArgumentTypeError(f"must be a JSON object of stage -> {{key: value}}, e.g. {OVERRIDES_EXAMPLE}")
-    out = {}
-    for stage, keys in value.items():
-        sid = str(STAGES.index(stage)) if stage in STAGES else stage
-        if sid not in map(str, range(len(STAGES))):
-            raise argparse.ArgumentTypeError(f"{stage!r} is not a stage: 0..2 or {', '.join(STAGES)}")
-        out[sid] = keys
-    return out
+    return value
+
+
+def _setting(text: str) -> str:
+    """`--set KEY=VALUE`: the shape here; the key and value are checked with the profile."""
+    key, sep, _ = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE, e.g. --set async_chunk=false")
+    return text
+
+
+class RemovedFlag(argparse.Action):
+    """A flag that became a profile key: refused with what replaces it."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs="?", help=argparse.SUPPRESS)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string} was removed: use {REMOVED_FLAGS[option_string]} "
+                     "(a deploy profile key; docs/deploy.md)")
 
 
 def _ice_servers(text: str):
@@ -116,37 +141,17 @@ def add_engine_args(s: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", choices=DTYPES, default=None,
                    help="weights and activations (default: the profile's for the platform, else float32)")
     g.add_argument("--stage-overrides", default={}, type=_stage_overrides,
-                   help=f"profile keys per stage as JSON, by id (0..2) or name, e.g. {OVERRIDES_EXAMPLE}")
-    g.add_argument("--moe-backend", choices=MOE_BACKENDS, default=None,
-                   help="transformers experts implementation, or triton: fused Triton kernels for decode-sized "
-                        "batches (default: the profile's, else auto: the fused Triton experts where graphs run)")
-    g.add_argument("--attention", choices=ATTENTION, default=None,
-                   help="slots: a Triton kernel reads the KV cache in place; dense: a per-layer copy for "
-                        "transformers' SDPA (default: the profile's, else auto: slots where graphs run)")
-    g.add_argument("--compile", choices=COMPILE, default=None,
-                   help="torch.compile the decode steps before their graphs are captured (default: the profile's, "
-                        "else auto: in the stages whose graphs run; off: graphs of the uncompiled steps, an ablation)")
-    g.add_argument("--conv-backend", choices=CONV_BACKENDS, default=None,
-                   help="Code2Wav's convolutions: native (transformers' modules), gemm (matmuls over the taps, "
-                        "time-major), channels_last (cuDNN NHWC) or triton (SnakeBeta and residual adds fused "
-                        "into Triton kernels; GPU); the same function (default: the profile's, else native)")
+                   help=f"profile keys per stage as JSON, by id or name, e.g. {OVERRIDES_EXAMPLE}")
+    g.add_argument("--set", action="append", default=[], type=_setting, dest="settings", metavar="KEY=VALUE",
+                   help="any deploy profile key over the profile, its value read as YAML (repeatable): e.g. "
+                        "--set dtype=bfloat16, --set connector.codec_chunk_frames=16, --set "
+                        "stages.talker.max_num_seqs=32, --set 'stages.*.prefix_caching=false' (docs/deploy.md)")
     g.add_argument("--enforce-eager", action="store_true",
-                   help="no CUDA graphs and no compilation in any stage (ablation)")
-    g.add_argument("--no-async-chunk", action="store_true",
-                   help="hand off whole payloads: Talker after the Thinker, Code2Wav after the Talker (ablation)")
-    g.add_argument("--no-async-output", action="store_true",
-                   help="stage threads wait for the consumer of each output (ablation)")
-    g.add_argument("--no-first-packet-priority", action="store_true",
-                   help="every stage serves its runnable requests in arrival order, at most max_num_seqs holding "
-                        "a KV slot, instead of those still owed their first audio packet first (ablation)")
-    g.add_argument("--no-prefix-caching", action="store_true",
-                   help="free each request's KV slot when it ends: every turn prefills its whole prompt (ablation)")
+                   help="no CUDA graphs and no compilation in any stage (slower; for debugging a device)")
     g.add_argument("--gpu-memory-utilization", type=number(float, 0, 1, above=True), default=None,
                    help="fraction of each device's memory the stages without their own profile fraction may use "
                         "(weights, KV caches, graphs); the KV caches grow into it (default: the profile's; "
                         "without one, KV for max_num_seqs requests only)")
-    g.add_argument("--engine", choices=["omnirt", "reference"], default="omnirt",
-                   help="reference: transformers' own generate(), one request at a time (the baseline)")
     g.add_argument("--engine-process", choices=["auto", "core", "inproc"], default="auto",
                    help="core: the engine in a process of its own (auto: always); inproc: in the API process")
     g.add_argument("--platform", choices=PLATFORMS, default=None, help="override platform detection "
@@ -159,6 +164,8 @@ def add_engine_args(s: argparse.ArgumentParser) -> None:
                         "ms): where a slow load's time went (docs/reliability.md, Observability)")
     g.add_argument("--threads", type=number(int, 1), default=int(os.environ.get("OMNIRT_THREADS", "0")) or None,
                    help="torch intra-op threads (default: $OMNIRT_THREADS, else torch's own choice)")
+    for flag in REMOVED_FLAGS:
+        g.add_argument(flag, action=RemovedFlag)
 
 
 def add_server_args(s: argparse.ArgumentParser) -> None:

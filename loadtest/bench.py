@@ -2,7 +2,7 @@
 
 Each request is a streaming chat completion with `modalities ["text", "audio"]`. A sweep point is a
 closed loop at concurrency c (c workers, each sending its next request when the last one ends),
-after warm-up requests. Output lengths can be pinned (`min_tokens` = `max_tokens` for the Thinker and
+after warm-up requests. StageOutput lengths can be pinned (`min_tokens` = `max_tokens` for the Thinker and
 the Talker) so that runs compare even with random weights. Definitions (docs/benchmarks.md):
 TTFP = send -> first audio delta; RTF = (last audio delta - send) / audio seconds; underrun = the
 listener's buffer, filled from the first packet on, runs dry for >= 100 ms while audio is still owed.

@@ -75,11 +75,11 @@ def plain_path(engine) -> None:
     """Graphs off (prefill's too), steps as written (not compiled), and attention over a dense copy of the cache
     (SDPA)."""
     m = engine.models
-    m.thinker.prefill.graphs.enabled = m.talker.prefill.graphs.enabled = False
+    m.thinker.prefill.cuda_graphs.enabled = m.talker.prefill.cuda_graphs.enabled = False
     for kv in (m.thinker.kv, m.talker.kv, m.talker.predictor_kv):
         kv.in_place = False
     m.thinker.decode_layers = m.talker.decode_layers = m.talker.predictor_layers = None
-    for cache, kv in ((m.thinker.graphs, m.thinker.kv), (m.talker.decode_graphs, m.talker.kv),
+    for cache, kv in ((m.thinker.cuda_graphs, m.thinker.kv), (m.talker.decode_graphs, m.talker.kv),
                       (m.talker.predictor_graphs, None)):
         cache.enabled = False
         if kv is not None:  # the decode steps are told the length of their dense copy
@@ -97,7 +97,7 @@ async def main_async(args) -> dict:
     graphed, t_graph = await run_all(engine, prompts, "graph", args.thinker_tokens, args.frames)
     m = engine.models
     compiled = {c.name: round(getattr(c.fn, "seconds", 0.0), 1)
-                for c in (m.thinker.graphs, m.talker.decode_graphs, m.talker.predictor_graphs)}
+                for c in (m.thinker.cuda_graphs, m.talker.decode_graphs, m.talker.predictor_graphs)}
     plain_path(engine)
     eager, t_eager = await run_all(engine, prompts, "eager", args.thinker_tokens, args.frames)
     engine.stop()
@@ -106,14 +106,14 @@ async def main_async(args) -> dict:
                   for g, e in zip(graphed, eager)]
     audio_err = [float(np.abs(g[1][: len(e[1])] - e[1][: len(g[1])]).max()) if len(g[1]) and len(e[1]) else None
                  for g, e in zip(graphed, eager)]
-    t = engine.models.thinker.graphs
+    t = engine.models.thinker.cuda_graphs
     return {"requests": len(prompts), "identical_text": same_text, "first_token_diff": first_diff,
             "audio_max_abs_diff": audio_err,
             "audio_len_equal": [len(g[1]) == len(e[1]) for g, e in zip(graphed, eager)],
             "seconds_graphed": t_graph, "seconds_eager": t_eager, "attention_in_place": in_place,
             "compile_seconds": compiled,
             "thinker_graphs": len(t), "thinker_replays": t.num_replays,
-            "prefill_graphs": {m.prefill.name: (len(m.prefill.graphs), m.prefill.graphs.num_replays)
+            "prefill_graphs": {m.prefill.name: (len(m.prefill.cuda_graphs), m.prefill.cuda_graphs.num_replays)
                                for m in (engine.models.thinker, engine.models.talker)},
             "divergence": {stage: [divergence(rows, i) for i in range(len(prompts))] for stage, rows in top2.items()
                            if rows}}

@@ -15,7 +15,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pipeline.config import load_profile
-from pipeline.models.qwen3_omni.models import load_models
+from pipeline.models import load_models
 from pipeline.models.qwen3_omni.talker import TalkerState
 from pipeline.models.qwen3_omni.thinker import ThinkerInput, ThinkerRows
 from pipeline.platform import get_platform

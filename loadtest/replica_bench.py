@@ -2,7 +2,7 @@
 
 For each replica count it starts `omnirt serve` (a real server process; the speech stages as
 worker processes when N > 1), warms it up, then keeps `--concurrency` streaming chat requests in
-flight until `--requests` have finished. Output length is pinned (thinker `max_tokens`, talker
+flight until `--requests` have finished. StageOutput length is pinned (thinker `max_tokens`, talker
 `min_tokens` = `max_tokens`) so that runs compare. Prints one JSON line per replica count:
 req/s, audio seconds generated per wall second, mean/p90 time to first audio packet (TTFP).
 

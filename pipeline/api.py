@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from pipeline.config import ProfileError
-from pipeline.config import check_options as check_profile
+from pipeline.models import model_spec
+from pipeline.profile import check_options as check_profile
 from pipeline.serving.client import CoreClient, CoreHandle, CoreProcess, InprocClient
 from pipeline.types import (
     ATTENTION,
@@ -91,7 +92,7 @@ def check_options(opts: EngineOptions) -> None:
     without importing torch, so that `omnirt serve` stops on a bad value before the model loads. Raises
     EngineStartError naming the key, the file and line or the flag it came from, and what is accepted."""
     try:
-        check_profile(opts)
+        check_profile(opts, model_spec(opts.model))
     except ProfileError as exc:
         raise EngineStartError(str(exc)) from exc
 

@@ -154,6 +154,10 @@ class EngineStartError(RuntimeError):
     """The engine could not start (bad profile, model not found, a missing extra, a crash while loading)."""
 
 
+class ModelNotFoundError(FileNotFoundError):
+    """The model named is neither built in nor on this machine (omnirt never downloads weights)."""
+
+
 # ---- what the engine tells about itself ----------------------------------------------------------------
 
 
@@ -242,23 +246,16 @@ class EngineHealth(msgspec.Struct, frozen=True):
 
 @dataclass(slots=True, frozen=True)
 class EngineOptions:
-    """How to build the engine: the command line's engine flags, as plain values (they cross to the core)."""
+    """How to build the engine: the command line's engine flags, as plain values (they cross to the core).
+    Everything else is a deploy profile key, which `settings` (`--set KEY=VALUE`) may override."""
 
     model: str = "tiny"
     deploy_config: str | None = None
     load_format: str | None = None
     dtype: str | None = None
-    stage_overrides: dict[str, dict] = field(default_factory=dict)
-    moe_backend: str | None = None
-    attention: str | None = None
-    compile: str | None = None
-    conv_backend: str | None = None
+    stage_overrides: dict[str, dict] = field(default_factory=dict)  # stage id or name -> profile keys
+    settings: tuple[str, ...] = ()  # "KEY=VALUE" profile keys (`pipeline/profile.py`: Override), applied last
     enforce_eager: bool = False
-    async_chunk: bool = True
-    async_output: bool = True
-    first_packet_priority: bool = True  # False: every stage serves its requests in arrival order (ablation)
-    prefix_caching: bool = True  # False: every stage prefills each prompt in full (ablation)
-    engine: Literal["omnirt", "reference"] = "omnirt"
     platform: str | None = None
     distributed: str | None = None
     threads: int | None = None

@@ -71,7 +71,7 @@ def reference_model():
 
 @pytest.fixture(scope="session")
 def tiny_config():
-    from pipeline.config import load_profile
+    from tests.profiles import load_profile
 
     return load_profile(ROOT / "deploy" / "tiny.yaml", "cpu")
 
@@ -79,7 +79,7 @@ def tiny_config():
 @pytest.fixture(scope="session")
 def engine(tiny_config):
     from pipeline.engine.omni import OmniEngine
-    from pipeline.models.qwen3_omni.models import load_models
+    from pipeline.models import load_models
     from pipeline.platform import get_platform
 
     eng = OmniEngine(tiny_config, load_models(tiny_config, get_platform("cpu")))

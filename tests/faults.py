@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 
-from pipeline.stage.scheduler import Batch, StepOutput
+from pipeline.stage.step import Batch, RowOutput
 
 MARK = "bad-"
 
@@ -16,12 +16,18 @@ class InjectedFault(RuntimeError):
 
 
 class FaultyRunner:
+    can_schedule_ahead = False  # it wraps `run` only
+
     def __init__(self, runner, stage: str, after_steps: int = 0):
         self.runner, self.stage, self.after_steps = runner, stage, after_steps
         self._steps: dict[str, int] = {}  # marked request id -> batches seen here
         self._lock = threading.Lock()
 
-    def run(self, batch: Batch) -> list[StepOutput]:
+    @property
+    def waited_s(self) -> float:
+        return self.runner.waited_s
+
+    def run(self, batch: Batch) -> list[RowOutput]:
         with self._lock:
             for req in batch.requests:
                 if req.request_id.startswith(MARK):

@@ -77,7 +77,7 @@ class Routing:
 
 
 def pooled_config(extra: dict | None = None, **stage_extra):
-    from pipeline.config import load_profile
+    from tests.profiles import load_profile
 
     pool = {"num_replicas": 2, "devices": "0,1", **stage_extra}
     return load_profile(ROOT / "deploy" / "tiny.yaml", "cpu", extra or {}, {"1": pool, "2": pool})
@@ -85,7 +85,7 @@ def pooled_config(extra: dict | None = None, **stage_extra):
 
 def start_engine(cfg):
     from pipeline.engine.omni import OmniEngine
-    from pipeline.models.qwen3_omni.models import load_models
+    from pipeline.models import load_models
     from pipeline.platform import get_platform
 
     eng = OmniEngine(cfg, load_models(cfg, get_platform("cpu")))

@@ -9,9 +9,10 @@ import torch
 
 from pipeline.api import OmniRequest, collect_reply
 from pipeline.stage.kv_cache import SlotKVCache
-from pipeline.stage.request import Finish, RequestStatus, StageRequest
+from pipeline.stage.request import RequestStatus, StageRequest
 from pipeline.stage.sampling import SamplingParams
-from pipeline.stage.scheduler import Scheduler, StepOutput
+from pipeline.stage.scheduler import SlotScheduler
+from pipeline.stage.step import Finish, RowOutput
 from tests.conftest import ROOT
 
 PROMPTS = ["Tell me a story about a dragon.", "Hello there, how are you?", "Numbers 1 2 3 4 5",
@@ -25,14 +26,14 @@ async def _reply(engine, req: OmniRequest):
 async def _replies(ahead: bool, talker_sampling: dict, max_frames: int = 40):
     """Six concurrent replies on the tiny engine; with what the Talker stage reported, in order (its outputs and
     its finishes, per request)."""
-    from pipeline.config import load_profile
     from pipeline.engine.omni import OmniEngine
-    from pipeline.models.qwen3_omni.models import load_models
+    from pipeline.models import load_models
     from pipeline.platform import get_platform
+    from tests.profiles import load_profile
 
     cfg = load_profile(ROOT / "deploy" / "tiny.yaml", "cpu", {}, {"1": {"async_scheduling": ahead}})
     models = load_models(cfg, get_platform("cpu"))
-    with torch.inference_mode():  # as on CUDA, where the model's pinned staging buffers are made in inference mode:
+    with torch.inference_mode():  # as on CUDA, where the model's pinned buffers are made in inference mode:
         models.talker.last_codes = models.talker.last_codes.clone()  # the runner must write them in it too
     engine = OmniEngine(cfg, models)
     talker, reported = engine.stage("talker"), {}
@@ -53,7 +54,8 @@ async def _replies(ahead: bool, talker_sampling: dict, max_frames: int = 40):
                             talker_sampling={"max_tokens": max_frames + 3 * i, **talker_sampling})
                 for i, t in enumerate(PROMPTS)]
         replies = await asyncio.gather(*(_reply(engine, r) for r in reqs))
-        return [(r.text, r.pcm16, r.finished.usage.audio_frames) for r in replies], talker.num_steps_ahead, reported
+        outcomes = [(r.text, r.pcm16, r.finished.usage.audio_frames) for r in replies]
+        return outcomes, talker.counters.num_steps_ahead, reported
     finally:
         engine.stop()
 
@@ -96,7 +98,7 @@ def _req(rid: str, max_tokens: int) -> StageRequest:
 
 def test_a_request_steps_again_with_a_token_in_flight_unless_that_token_ends_it():
     kv = SlotKVCache(1, 4, 1, 64, 2, torch.float32, "cpu")
-    s = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64, eos_ids=[9], is_ready=lambda r: True)
+    s = SlotScheduler(kv, max_num_seqs=4, max_num_batched_tokens=64, eos_ids=[9], is_ready=lambda r: True)
     a, b = _req("a", max_tokens=10), _req("b", max_tokens=2)
     s.add(a)
     s.add(b)
@@ -107,7 +109,7 @@ def test_a_request_steps_again_with_a_token_in_flight_unless_that_token_ends_it(
     assert step1.requests == [a, b] and not step1.is_prefill
     s.launched(step1)
     assert s.schedule() is None  # a has a token in flight already; b's second token is its last (max_tokens)
-    s.update(prefill, [StepOutput(token=9), StepOutput(token=3)])  # a's first token is EOS
+    s.update(prefill, [RowOutput(token=9), RowOutput(token=3)])  # a's first token is EOS
     assert a.status is RequestStatus.FINISHED_STOPPED and a.output_ids == [9] and a.slot is None
-    assert s.update(step1, [StepOutput(token=4), StepOutput(token=5)]) == [b]  # a's void step is skipped
+    assert s.update(step1, [RowOutput(token=4), RowOutput(token=5)]) == [b]  # a's void step is skipped
     assert a.output_ids == [9] and b.output_ids == [3, 5] and b.status is RequestStatus.FINISHED_LENGTH

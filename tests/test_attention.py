@@ -107,7 +107,7 @@ def slots_engine(tiny_config):
 async def test_engine_with_slot_attention_matches_transformers_generate(slots_engine, reference_model, kind):
     models = slots_engine.models
     assert models.thinker.kv.in_place and models.talker.kv.in_place and models.talker.predictor_kv.in_place
-    assert models.thinker.graphs.lengths is None  # one graph per batch size serves every length
+    assert models.thinker.cuda_graphs.lengths is None  # one graph per batch size serves every length
     await assert_greedy_parity(slots_engine, reference_model, f"slots-{kind}", kind)
 
 
@@ -117,8 +117,8 @@ async def test_slot_attention_starts_a_turn_from_the_slot_the_last_one_left(slot
     new; the kernel reads the slot as it was left, and the answer is generate()'s on the whole prompt."""
     models = slots_engine.models
     tokens, _, _, _ = await engine_generate(slots_engine, "slots-turn-1", PROMPTS["text"])
-    messages = PROMPTS["text"] + [{"role": "assistant", "content": models.decode_text(tokens)},
-                                  {"role": "user", "content": "And then?"}]
+    reply = models.tokenizer.decode(tokens, skip_special_tokens=True)
+    messages = PROMPTS["text"] + [{"role": "assistant", "content": reply}, {"role": "user", "content": "And then?"}]
     ref_tokens, ref_frames, _ = reference_generate(reference_model, models.encoder.encode(messages))
     tokens, frames, _, fin = await engine_generate(slots_engine, "slots-turn-2", messages)
     assert fin.usage.cached_tokens >= len(models.encoder.encode(PROMPTS["text"]).input_ids)
@@ -136,13 +136,13 @@ def test_auto_attention_is_dense_without_graphs():
 
 
 def test_host_staging_splits_and_types():
-    from pipeline.stage.pinned import HostStaging
+    from pipeline.stage.pinned import PinnedBuffers
 
-    a, b, c = HostStaging(torch.device("cpu")).tensors([1, 2, 3], [], [7])
+    a, b, c = PinnedBuffers(torch.device("cpu")).tensors([1, 2, 3], [], [7])
     assert a.tolist() == [1, 2, 3] and b.numel() == 0 and c.tolist() == [7] and a.dtype == torch.long
-    flags = HostStaging(torch.device("cpu")).tensor([True, False], torch.bool)
+    flags = PinnedBuffers(torch.device("cpu")).tensor([True, False], torch.bool)
     assert flags.dtype == torch.bool and flags.tolist() == [True, False]
-    assert HostStaging(torch.device("cpu")).fetch(torch.tensor([[3, 4], [5, 6]])) == [[3, 4], [5, 6]]
+    assert PinnedBuffers(torch.device("cpu")).fetch(torch.tensor([[3, 4], [5, 6]])) == [[3, 4], [5, 6]]
 
 
 def test_host_staging_aligns_every_tensor():
@@ -158,16 +158,16 @@ def test_host_staging_aligns_every_tensor():
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="pinned memory needs a CUDA device")
 def test_host_staging_reuses_its_pinned_regions_round_robin():
-    from pipeline.stage.pinned import HostStaging
+    from pipeline.stage.pinned import PinnedBuffers
 
-    staging = HostStaging(torch.device("cuda"), capacity=8)
-    first = staging.tensors([1, 2, 3], [4, 5])
+    pinned = PinnedBuffers(torch.device("cuda"), capacity=8)
+    first = pinned.tensors([1, 2, 3], [4, 5])
     torch.cuda.synchronize()  # a stage synchronizes once per step
     assert [t.tolist() for t in first] == [[1, 2, 3], [4, 5]]
     assert all(t.data_ptr() % 16 == 0 for t in first)
-    second = staging.tensor([6, 7, 8, 9])  # 6 (aligned) + 4 > 8: wraps to the start
+    second = pinned.tensor([6, 7, 8, 9])  # 6 (aligned) + 4 > 8: wraps to the start
     assert second.tolist() == [6, 7, 8, 9] and second.data_ptr() == first[0].data_ptr()
-    big = staging.tensor(list(range(20)))  # past the capacity: a plain copy
+    big = pinned.tensor(list(range(20)))  # past the capacity: a plain copy
     assert big.tolist() == list(range(20))
     tokens = torch.randint(0, 1000, (64,), device="cuda")
-    assert staging.fetch(tokens) == tokens.tolist() and staging.fetch(tokens[:3] * 2) == (tokens[:3] * 2).tolist()
+    assert pinned.fetch(tokens) == tokens.tolist() and pinned.fetch(tokens[:3] * 2) == (tokens[:3] * 2).tolist()

@@ -34,10 +34,10 @@ async def test_concurrent_equals_sequential(engine):
 
 
 async def test_text_only_never_touches_speech_stages(engine):
-    before = engine.stage("talker").num_steps, engine.stage("code2wav").num_steps
+    before = engine.stage("talker").counters.num_steps, engine.stage("code2wav").counters.num_steps
     text, pcm, reason = await run(engine, "text-only", "Just text please", audio=False)
     assert text and pcm == b"" and reason in ("stop", "length")
-    assert (engine.stage("talker").num_steps, engine.stage("code2wav").num_steps) == before
+    assert (engine.stage("talker").counters.num_steps, engine.stage("code2wav").counters.num_steps) == before
 
 
 async def test_abort_frees_every_stage(engine):
@@ -102,7 +102,7 @@ async def test_step_log_has_a_line_per_step_of_every_stage(tiny_config, tmp_path
     import dataclasses
 
     from pipeline.engine.omni import OmniEngine
-    from pipeline.models.qwen3_omni.models import load_models
+    from pipeline.models import load_models
     from pipeline.platform import get_platform
 
     path = tmp_path / "steps.log"
@@ -111,9 +111,9 @@ async def test_step_log_has_a_line_per_step_of_every_stage(tiny_config, tmp_path
     eng.start()
     try:
         await asyncio.gather(*(run(eng, f"log-{i}", t, a) for i, (t, a) in enumerate(PROMPTS[:3])))
-        counted = {s.name: sum(s.batch_size_counts) for s in eng.stages}
     finally:
-        eng.stop()
+        eng.stop()  # a step is counted and logged once its results are routed: read them once the threads stop
+    counted = {s.name: sum(s.counters.batch_size_counts) for s in eng.stages}
     lines = [line.split() for line in path.read_text().splitlines()]
     assert lines and all(len(f) == 6 and f[2] in ("prefill", "decode") for f in lines), lines[:3]
     assert {name: sum(f[1] == name for f in lines) for name in counted} == counted

@@ -48,7 +48,6 @@ def test_a_bad_profile_stops_the_server_before_torch(tmp_path, no_torch, profile
 
 @pytest.mark.parametrize("args,error", [
     (["--stage-overrides", "{bad"], "argument --stage-overrides: not JSON"),
-    (["--stage-overrides", '{"vocoder": {}}'], "'vocoder' is not a stage: 0..2 or thinker, talker, code2wav"),
     (["--port", "70000"], "argument --port: must be an integer >= 0 and <= 65535, got 70000"),
     (["--realtime-max-sessions", "0"], "argument --realtime-max-sessions: must be an integer >= 1, got 0"),
     (["--api-workers", "0"], "argument --api-workers: must be an integer >= 1 and <= 64, got 0"),
@@ -65,10 +64,37 @@ def test_a_bad_flag_is_refused_by_name(no_torch, args, error):
     assert len(done.stderr.splitlines()) == 2  # the short usage line, then the error
 
 
-def test_a_bad_stage_override_value_names_the_flag(no_torch):
-    done = omnirt("serve", "--stage-overrides", '{"talker": {"max_num_seqs": "8"}}', env=no_torch)
-    assert done.returncode == 1 and done.stderr.strip() == (
-        "omnirt: --stage-overrides: stages[1].max_num_seqs must be an integer, got '8'"), done.stderr
+@pytest.mark.parametrize("args,error", [
+    (["--stage-overrides", '{"talker": {"max_num_seqs": "8"}}'],
+     "--stage-overrides: stages[1].max_num_seqs must be an integer, got '8'"),
+    (["--stage-overrides", '{"vocoder": {}}'], "--stage-overrides: 'vocoder' is not a stage: 0..2 (thinker, talker, "
+                                                "code2wav) or *"),
+    (["--set", "stages.talker.max_num_seqs=8x"], "--set stages.talker.max_num_seqs=8x: stages[1].max_num_seqs must "
+                                                 "be an integer, got '8x'"),
+])
+def test_a_bad_stage_key_names_the_flag_and_the_model_s_stages(no_torch, args, error):
+    """Stage names come from the model's declaration, checked with the profile (before torch)."""
+    done = omnirt("serve", *args, env=no_torch)
+    assert done.returncode == 1 and done.stderr.strip() == f"omnirt: {error}", done.stderr
+
+
+@pytest.mark.parametrize("flag,replacement", [
+    (["--no-async-chunk"], "--set async_chunk=false"),
+    (["--no-prefix-caching"], "--set 'stages.*.prefix_caching=false'"),
+    (["--engine", "reference"], "--set engine=reference"),
+    (["--moe-backend=triton"], "--set moe_backend=VALUE"),
+])
+def test_a_removed_ablation_flag_names_its_replacement(no_torch, flag, replacement):
+    """The ablations moved to profile keys: the old flags fail at once, saying what replaces them."""
+    done = omnirt("serve", *flag, env=no_torch)
+    assert done.returncode == 2 and f"{flag[0].split('=')[0]} was removed: use {replacement}" in done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+
+
+def test_serve_help_shows_no_removed_flag():
+    done = omnirt("serve", "--help")
+    assert done.returncode == 0 and "--set KEY=VALUE" in done.stdout
+    assert not any(flag in done.stdout for flag in ("--no-async", "--moe-backend", "--engine ", "--conv-backend"))
 
 
 def test_a_memory_plan_that_cannot_fit_stops_the_start_naming_the_key():

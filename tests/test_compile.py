@@ -32,7 +32,7 @@ def compiled_engine(tiny_config):
 
 def _steps(engine) -> list[TimedStep]:
     m = engine.models
-    return [g.fn for g in (m.thinker.graphs, m.talker.decode_graphs, m.talker.predictor_graphs)]
+    return [g.fn for g in (m.thinker.cuda_graphs, m.talker.decode_graphs, m.talker.predictor_graphs)]
 
 
 @cpu_only
@@ -61,7 +61,7 @@ async def test_compiled_once_then_served(compiled_engine):
         assert [len(r.token_ids) for r in replies] == [4 + 3 * i for i in range(5)]
         assert all(r.finished.error is None and r.pcm16 for r in replies)
         compiled.append([step.num_compiles for step in _steps(compiled_engine)])
-    sizes = [b for s in compiled_engine.stages[:2] for b, n in enumerate(s.batch_size_counts) if n]
+    sizes = [b for s in compiled_engine.stages[:2] for b, n in enumerate(s.counters.batch_size_counts) if n]
     assert 1 in sizes and max(sizes) >= 4  # the steps did run at several batch sizes
     assert all(n > 0 for n in compiled[0]) and compiled[1] == compiled[0]
 
@@ -98,7 +98,8 @@ def test_prefill_runs_the_compiled_layers_and_never_compiles(compiled_engine, st
 
 
 def test_compile_setting(tiny_config):
-    from pipeline.config import ProfileError, build_config
+    from pipeline.config import ProfileError
+    from tests.profiles import build_config
 
     raw = {"model": "tiny", "stages": [{"stage_id": 0, "enforce_eager": False}]}
     cfg = build_config({**raw, "compile": False}, "cuda", {}, {})  # YAML reads `compile: off` as False
@@ -115,7 +116,8 @@ def test_a_stages_own_compile_setting_and_the_conv_backend(tiny_config):
     """A stage's `compile` is over the engine's (YAML's bare off included); `--enforce-eager` turns every
     stage's off whatever it says; `conv_backend` is checked against the formulations there are."""
     from pipeline.api import EngineOptions
-    from pipeline.config import ProfileError, build_config, engine_config
+    from pipeline.config import ProfileError
+    from tests.profiles import build_config, engine_config
 
     raw = {"model": "tiny", "stages": [{"stage_id": 0, "enforce_eager": False}, {"stage_id": 2, "enforce_eager": False,
                                                                                  "compile": False}]}
@@ -139,7 +141,7 @@ def test_a_stages_own_compile_setting_and_the_conv_backend(tiny_config):
     eager = engine_config(EngineOptions(model="qwen3-omni-30b-a3b", deploy_config=profile, enforce_eager=True,
                                         stage_overrides={"2": {"compile": "on"}}), "cuda")
     assert not any(eager.compiles(name, graphs=True) for name in ("thinker", "talker", "code2wav"))
-    gemm = engine_config(EngineOptions(deploy_config=profile, model="x", conv_backend="gemm"), "cuda")
+    gemm = engine_config(EngineOptions(deploy_config=profile, model="x", settings=("conv_backend=gemm",)), "cuda")
     assert gemm.conv_backend == "gemm"
     with pytest.raises(ProfileError, match="conv_backend must be one of native, gemm, channels_last, triton"):
         build_config({**raw, "conv_backend": "winograd"}, "cuda", {}, {})
@@ -182,24 +184,24 @@ def test_prefill_graphs_replay_the_padded_step_as_the_ragged_batch(compiled_engi
     served, kv = model.prefill, model.kv
     graphs = PrefillPass("test", served.stack, kv, served.compiled, _FakeGraphPlatform(), graphs=True, max_rows=4,
                          max_tokens=64, tap_layer=served.tap_layer)
-    assert graphs.graphs.keys == [(b, w) for b in (2, 4) for w in (2, 4, 8, 16, 32) if b * w <= 64]
+    assert graphs.cuda_graphs.keys == [(b, w) for b in (2, 4) for w in (2, 4, 8, 16, 32) if b * w <= 64]
     with torch.inference_mode():
         graphs.capture(None)
     step = graphs._graph_step
-    for key, c in graphs.graphs._graphs.items():
+    for key, c in graphs.cuda_graphs._graphs.items():
         c.graph.replay = lambda c=c, k=key: [o.copy_(n) for o, n in zip(c.outputs, step(k[1], **c.inputs))]
     gen = torch.Generator().manual_seed(1)
     lengths, starts = [3, 7, 1], [0, 5, 2]
     reqs = _chunks(model, lengths, starts, gen)
-    assert graphs.graphs.holds(3, 7) and not graphs.graphs.holds(3, 40)
+    assert graphs.cuda_graphs.holds(3, 7) and not graphs.cuda_graphs.holds(3, 40)
     before = (kv.k.clone(), kv.v.clone())
     with torch.inference_mode():
         last, tapped = served.run(reqs, starts, lengths, "rows")  # the CPU's own pass: no graphs, ragged
         ragged = (kv.k.clone(), kv.v.clone())
         kv.k.copy_(before[0]), kv.v.copy_(before[1])
-        replays = graphs.graphs.num_replays
+        replays = graphs.cuda_graphs.num_replays
         g_last, g_tapped = graphs.run(reqs, starts, lengths, "rows")
-    assert graphs.graphs.num_replays == replays + 1 and g_last.shape == last.shape
+    assert graphs.cuda_graphs.num_replays == replays + 1 and g_last.shape == last.shape
     torch.testing.assert_close(g_last, last, rtol=1e-4, atol=1e-4)
     if stage == "thinker":
         for i, n in enumerate(lengths):

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.config import ProfileError, build_config, load_profile
+from pipeline.config import ProfileError
 from pipeline.platform import PLATFORMS, detect_platform, get_platform
+from tests.profiles import build_config, load_profile
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -131,7 +132,7 @@ def test_stage_shares_of_one_device_add_up_to_at_most_the_whole(raw, over):
 
 def test_the_global_fraction_comes_from_the_flag_over_the_profile():
     from pipeline.api import EngineOptions
-    from pipeline.config import engine_config
+    from tests.profiles import engine_config
 
     opts = EngineOptions(deploy_config=str(DEPLOY / "qwen3_omni_moe_1gpu.yaml"), model="qwen3-omni-30b-a3b")
     assert engine_config(opts, "cuda").gpu_memory_utilization == 0.9
@@ -139,16 +140,59 @@ def test_the_global_fraction_comes_from_the_flag_over_the_profile():
     assert engine_config(EngineOptions(), "cpu").gpu_memory_utilization is None  # tiny: fixed sizing
 
 
-@pytest.mark.parametrize("switch", ["async_output", "first_packet_priority"])
-def test_an_ablation_flag_turns_its_feature_off_and_otherwise_leaves_the_profiles_value(tmp_path, switch):
+@pytest.mark.parametrize("setting,read,default", [
+    ("async_output=false", lambda c: c.async_output, True),
+    ("first_packet_priority=false", lambda c: c.first_packet_priority, True),
+    ("async_chunk=false", lambda c: c.connector.async_chunk, True),
+    ("connector.async_chunk=false", lambda c: c.connector.async_chunk, True),
+    ("engine=reference", lambda c: c.engine, "omnirt"),
+    ("compile=off", lambda c: c.compile, "auto"),
+    ("attention=dense", lambda c: c.attention, "auto"),
+    ("moe_backend=eager", lambda c: c.moe_backend, "auto"),
+    ("stages.talker.default_sampling_params.max_tokens=8", lambda c: c.stage("talker").default_sampling_params,
+     {"temperature": 0.0, "max_tokens": 200, "repetition_penalty": 1.05}),
+])
+def test_set_overrides_a_profile_key_and_otherwise_leaves_the_profiles_value(tmp_path, setting, read, default):
+    """The ablations live in the profile: `--set KEY=VALUE` overrides any key (nested ones by their path, a
+    mapping's siblings kept), and a profile that sets the key is read as written."""
     from pipeline.api import EngineOptions
-    from pipeline.config import engine_config
+    from tests.profiles import engine_config
 
-    assert getattr(engine_config(EngineOptions(), "cpu"), switch) is True
-    assert getattr(engine_config(EngineOptions(**{switch: False}), "cpu"), switch) is False
-    off = tmp_path / "off.yaml"
-    off.write_text((DEPLOY / "tiny.yaml").read_text() + f"{switch}: false\n")
-    assert getattr(engine_config(EngineOptions(deploy_config=str(off)), "cpu"), switch) is False
+    key, value = setting.split("=")
+    assert read(engine_config(EngineOptions(), "cpu")) == default
+    changed = read(engine_config(EngineOptions(settings=(setting,)), "cpu"))
+    expected = {**default, "max_tokens": 8} if isinstance(default, dict) else "off" if value == "off" else \
+        yaml.safe_load(value)
+    assert changed != default and changed == expected
+    if "." not in key:
+        profile = tmp_path / "p.yaml"
+        profile.write_text((DEPLOY / "tiny.yaml").read_text() + f"{key}: {value}\n")
+        assert read(engine_config(EngineOptions(deploy_config=str(profile)), "cpu")) == changed
+
+
+@pytest.mark.parametrize("setting,message", [
+    ("async_chunk", r"--set async_chunk: must be KEY=VALUE"),
+    ("connector.codec_chunk_frames=0", r"--set connector.codec_chunk_frames=0: connector.codec_chunk_frames must be"),
+    ("stages.talker.max_num_seqs=lots", r"--set stages.talker.max_num_seqs=lots: stages\[1\].max_num_seqs must be an "),
+    ("stages.9.max_num_seqs=1", r"'9' is not 0..2 \(thinker, talker, code2wav\) or \*"),
+    ("stages.code2wav.max_model_len=64", r"stages\[2\].max_model_len is read by the autoregressive stages only"),
+    ("engine=vllm", r"--set engine=vllm: engine must be one of omnirt, reference"),
+    ("dtype=[1, 2", r"its value is not valid YAML"),
+])
+def test_a_bad_setting_is_refused_naming_the_flag(setting, message):
+    from pipeline.api import EngineOptions, EngineStartError, check_options
+
+    with pytest.raises(EngineStartError, match=message):
+        check_options(EngineOptions(settings=(setting,), platform="cpu"))
+
+
+def test_a_stage_star_reaches_only_the_stages_the_key_applies_to():
+    from pipeline.api import EngineOptions
+    from tests.profiles import engine_config
+
+    cfg = engine_config(EngineOptions(settings=("stages.*.max_num_seqs=3", "stages.*.max_model_len=512")), "cpu")
+    assert [s.max_num_seqs for s in cfg.stages] == [3, 3, 3]
+    assert [s.max_model_len for s in cfg.stages[:2]] == [512, 512]  # Code2Wav has no context to set
 
 
 def test_broken_yaml_names_the_file_line_and_column(tmp_path):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pipeline.platform import Platform
-from pipeline.stage.cudagraph import GraphCache, batch_buckets, bucket_for, length_buckets
+from pipeline.stage.cudagraph import CudaGraphCache, batch_buckets, bucket_for, length_buckets
 
 
 def test_bucket_lists():
@@ -68,7 +68,7 @@ def _step_calls():
 
 def test_replay_pads_to_the_bucket_and_slices():
     step, calls = _step_calls()
-    cache = GraphCache("t", step, _FakeGraphPlatform(), enabled=True, batch_sizes=[1, 2, 4], lengths=[8, 16])
+    cache = CudaGraphCache("t", step, _FakeGraphPlatform(), enabled=True, batch_sizes=[1, 2, 4], lengths=[8, 16])
 
     def inputs(key):
         return {"x": torch.zeros(key[0]), "slots": torch.zeros(key[0], dtype=torch.long)}
@@ -94,21 +94,21 @@ def test_each_cache_captures_on_a_stream_of_its_own():
     platform.capture_streams.clear()
     for _ in range(2):
         step, _ = _step_calls()
-        GraphCache("t", step, platform, enabled=True, batch_sizes=[1, 2]).capture(
-            lambda key: {"x": torch.zeros(key[0]), "slots": torch.zeros(key[0], dtype=torch.long)})
+        CudaGraphCache("t", step, platform, enabled=True, batch_sizes=[1, 2]).capture(
+                       lambda key: {"x": torch.zeros(key[0]), "slots": torch.zeros(key[0], dtype=torch.long)})
     first, second = platform.capture_streams[:2], platform.capture_streams[2:]
     assert first[0] is first[1] and second[0] is second[1] and first[0] is not second[0] and first[0] is not None
 
 
 def test_eager_outside_the_buckets_and_when_disabled():
     step, calls = _step_calls()
-    cache = GraphCache("t", step, _FakeGraphPlatform(), enabled=True, batch_sizes=[1, 2], lengths=[8])
+    cache = CudaGraphCache("t", step, _FakeGraphPlatform(), enabled=True, batch_sizes=[1, 2], lengths=[8])
     cache.capture(lambda key: {"x": torch.zeros(key[0]), "slots": torch.zeros(key[0], dtype=torch.long)})
     calls.clear()
     cache.run(5, 4, {"x": torch.ones(5), "slots": torch.zeros(5, dtype=torch.long)}, {})
     cache.run(1, 100, {"x": torch.ones(1), "slots": torch.zeros(1, dtype=torch.long)}, {})
     assert calls == [(5, 4), (1, 100)] and cache.num_eager == 2  # exact shapes, eagerly
-    cpu = GraphCache("t", step, Platform("cpu", "cpu", "gloo", False), enabled=True, batch_sizes=[1, 2])
+    cpu = CudaGraphCache("t", step, Platform("cpu", "cpu", "gloo", False), enabled=True, batch_sizes=[1, 2])
     assert not cpu.enabled  # the CPU never captures
     calls.clear()
     cpu.run(2, 37, {"x": torch.ones(2), "slots": torch.zeros(2, dtype=torch.long)}, {})
@@ -119,7 +119,7 @@ def test_failed_capture_falls_back_to_eager():
     def broken(length, x):
         raise RuntimeError("not capturable")
 
-    cache = GraphCache("t", broken, _FakeGraphPlatform(), enabled=True, batch_sizes=[1])
+    cache = CudaGraphCache("t", broken, _FakeGraphPlatform(), enabled=True, batch_sizes=[1])
     cache.capture(lambda key: {"x": torch.zeros(1)})
     assert not cache.enabled and len(cache) == 0
 
@@ -133,7 +133,7 @@ def test_cuda_graphs_match_eager_on_the_tiny_model():
 
     class Args:
         num_requests, thinker_tokens, frames = 4, 12, 20
-        serve_args = ["--model", "tiny", "--dtype", "float32", "--moe-backend", "batched_mm"]
+        serve_args = ["--model", "tiny", "--dtype", "float32", "--set", "moe_backend=batched_mm"]
 
     result = asyncio.run(main_async(Args))
     assert result["identical_text"] == 4 and result["thinker_graphs"] > 0 and result["thinker_replays"] > 0

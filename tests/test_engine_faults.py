@@ -23,7 +23,7 @@ from tests.conftest import HANG_GUARD_S, until
 
 def make_engine(cfg):
     from pipeline.engine.omni import OmniEngine
-    from pipeline.models.qwen3_omni.models import load_models
+    from pipeline.models import load_models
     from pipeline.platform import get_platform
 
     eng = OmniEngine(cfg, load_models(cfg, get_platform("cpu")))

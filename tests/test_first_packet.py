@@ -12,17 +12,19 @@ import torch
 from pipeline.api import OmniRequest, collect_reply
 from pipeline.models.qwen3_omni.codec_stream import CodecStream
 from pipeline.models.qwen3_omni.pacing import FixedChunks
+from pipeline.stage.chunk_scheduler import ChunkScheduler
 from pipeline.stage.kv_cache import SlotKVCache
 from pipeline.stage.priority import Priority
 from pipeline.stage.request import StageRequest
 from pipeline.stage.sampling import SamplingParams
-from pipeline.stage.scheduler import ChunkScheduler, Scheduler, StepOutput
+from pipeline.stage.scheduler import SlotScheduler
+from pipeline.stage.step import RowOutput
 from tests.conftest import ROOT
 
 
-def _scheduler(slots: int, max_num_seqs: int, priority: Priority | None, budget: int = 64) -> Scheduler:
+def _scheduler(slots: int, max_num_seqs: int, priority: Priority | None, budget: int = 64) -> SlotScheduler:
     kv = SlotKVCache(1, slots, 1, 512, 2, torch.float32, "cpu")
-    return Scheduler(kv, max_num_seqs, budget, eos_ids=[99], is_ready=lambda r: True, priority=priority)
+    return SlotScheduler(kv, max_num_seqs, budget, eos_ids=[99], is_ready=lambda r: True, priority=priority)
 
 
 def _req(rid: str, num_prompt: int = 2, max_tokens: int = 50, first: int = 1) -> StageRequest:
@@ -30,17 +32,17 @@ def _req(rid: str, num_prompt: int = 2, max_tokens: int = 50, first: int = 1) ->
                         num_first_packet_outputs=first)
 
 
-def _step(s: Scheduler):
+def _step(s: SlotScheduler):
     """One step with token 1 for every row that finishes its prompt; returns the batch (None: nothing ran)."""
     batch = s.schedule()
     if batch is not None:
         done = [r.num_computed_tokens + n >= r.num_prompt_tokens for r, n in zip(batch.requests, batch.num_new_tokens)]
         s.launched(batch)
-        s.update(batch, [StepOutput(token=1 if d else None) for d in done])
+        s.update(batch, [RowOutput(token=1 if d else None) for d in done])
     return batch
 
 
-def _running_past_first_packet(s: Scheduler, n: int) -> list[StageRequest]:
+def _running_past_first_packet(s: SlotScheduler, n: int) -> list[StageRequest]:
     reqs = [_req(f"old{i}") for i in range(n)]
     for r in reqs:
         s.add(r)
@@ -154,7 +156,7 @@ def _chunk_steps(s: ChunkScheduler, num_steps: int, new_per_step: int) -> list[l
         for i in range(new_per_step):
             s.add(_codec_req(f"n{step}.{i}", 2, is_first=True))
         batch = s.schedule()
-        s.update(batch, [StepOutput() for _ in batch.requests])
+        s.update(batch, [RowOutput() for _ in batch.requests])
         batches.append([r.request_id for r in batch.requests])
     return batches
 
@@ -167,7 +169,7 @@ def test_code2wav_runs_due_first_chunks_first_in_a_step_of_their_own():
         s.add(r)
     batch = s.schedule()
     assert batch.requests == news and [len(r.state.next_window()[0].codes) for r in news] == [2, 2]
-    s.update(batch, [StepOutput() for _ in batch.requests])  # their only chunk: they are done here
+    s.update(batch, [RowOutput() for _ in batch.requests])  # their only chunk: they are done here
     assert s.schedule().requests == steady  # windows of 2 context + 4 new frames, in the next step
 
 
@@ -202,10 +204,10 @@ async def _reply(engine, req: OmniRequest):
 
 
 async def _replies(priority: bool):
-    from pipeline.config import load_profile
     from pipeline.engine.omni import OmniEngine
-    from pipeline.models.qwen3_omni.models import load_models
+    from pipeline.models import load_models
     from pipeline.platform import get_platform
+    from tests.profiles import load_profile
 
     # 2 rows per Thinker and Talker step and 1 Code2Wav window for 6 requests; the memory plan gives the AR
     # stages 8 slots each, which the priority fills

@@ -100,14 +100,14 @@ def _small(cfg, **top):
 
 
 def test_the_tiny_model_is_sized_by_the_plan(tiny_config, host):
-    from pipeline.models.qwen3_omni.models import load_models
+    from pipeline.models import load_models
     from pipeline.platform import get_platform
 
     host(8 * GIB, 16 * GIB)
     models = load_models(_small(tiny_config, gpu_memory_utilization=0.5), get_platform("cpu"))
     plan, th, tk = models.plan, models.thinker, models.talker
     assert plan.num_slots["thinker"] == th.kv.num_slots == plan.num_slots["talker"] == tk.kv.num_slots == 8
-    assert th.graphs.batch_sizes[-1] == tk.decode_graphs.batch_sizes[-1] == 2  # graphs for the batch, not the slots
+    assert th.cuda_graphs.batch_sizes[-1] == tk.decode_graphs.batch_sizes[-1] == 2  # for the batch, not the slots
     assert tk.predictor_kv.num_slots == 2  # the code predictor's cache holds one batch
     rows = 2 * th.config.thinker_config.text_config.hidden_size * th.kv.max_len * 4  # resident prompt rows
     assert plan.kv_bytes("thinker") == th.kv.num_bytes + 9 * rows
@@ -148,7 +148,7 @@ def test_grown_slots_keep_more_conversations_resident(tiny_config, host, fractio
     """With 2 slots, 4 conversations evict each other's prefixes; with the slots the plan grows (8), each
     one's next turn starts from its first."""
     from pipeline.engine.omni import OmniEngine
-    from pipeline.models.qwen3_omni.models import load_models
+    from pipeline.models import load_models
     from pipeline.platform import get_platform
 
     torch.set_num_threads(1)
@@ -192,8 +192,9 @@ def released_on_meta():
     ("qwen3_omni_moe_ray.yaml", [("thinker",), ("talker",), ("code2wav",)]),
 ])
 def test_the_shipped_gpu_profiles_fit_an_h200(released_on_meta, profile, processes):
-    from pipeline.config import DEPLOY_DIR, load_profile
     from pipeline.models.qwen3_omni.memory import stage_memory
+    from pipeline.profile import DEPLOY_DIR
+    from tests.profiles import load_profile
 
     cfg = load_profile(DEPLOY_DIR / profile, "cuda")
     for stages in processes:  # each process plans the stages it loads, on a device of its own

@@ -171,7 +171,7 @@ def test_reference_engine_serves_the_same_api():
     """The benchmark baseline (transformers' generate() behind the same routes) answers like omnirt."""
     from tests.conftest import ServerProcess
 
-    srv = ServerProcess(["--engine", "reference"])
+    srv = ServerProcess(["--set", "engine=reference"])
     try:
         assert srv.health()["status"] == "ok"
         client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=120)

@@ -133,7 +133,7 @@ def as_pcm16(wav: np.ndarray) -> np.ndarray:
 def started_engine(cfg):
     """An in-process engine over `cfg` on the CPU (for a variant of the tiny profile), stopped on exit."""
     from pipeline.engine.omni import OmniEngine
-    from pipeline.models.qwen3_omni.models import load_models
+    from pipeline.models import load_models
     from pipeline.platform import get_platform
 
     eng = OmniEngine(cfg, load_models(cfg, get_platform("cpu")))
@@ -198,7 +198,7 @@ async def until(predicate) -> None:
 
 def num_shared_steps(engine, before: dict[str, list[int]]) -> dict[str, int]:
     """Per stage, the steps since `before` (its batch_size_counts) that ran more than one request."""
-    return {s.name: sum(s.batch_size_counts[2:]) - sum(before[s.name][2:]) for s in engine.stages}
+    return {s.name: sum(s.counters.batch_size_counts[2:]) - sum(before[s.name][2:]) for s in engine.stages}
 
 
 async def test_requests_batched_at_different_steps_match_their_own_generate(engine, reference_model):
@@ -206,15 +206,15 @@ async def test_requests_batched_at_different_steps_match_their_own_generate(engi
     decodes text, the last two together once it streams audio) and share the batches of every AR stage; each
     one's tokens, codes and waveform are those generate() gives it alone."""
     refs = [reference_generate(reference_model, engine.models.encoder.encode(m), th, tk) for m, th, tk in BATCH]
-    before = {s.name: list(s.batch_size_counts) for s in engine.stages}
+    before = {s.name: list(s.counters.batch_size_counts) for s in engine.stages}
     thinker = engine.stage("thinker")
     with CodecTap(engine) as tap:
         def start(i: int) -> asyncio.Task:
             return asyncio.create_task(engine_generate(engine, f"batch-{i}", *BATCH[i], tap=tap))
 
-        decoded = thinker.num_decode_steps
+        decoded = thinker.counters.num_decode_steps
         tasks = [start(0)]
-        await until(lambda: thinker.num_decode_steps > decoded)
+        await until(lambda: thinker.counters.num_decode_steps > decoded)
         tasks.append(start(1))
         await until(lambda: "batch-0" in tap.streams)
         tasks += [start(2), start(3)]
@@ -247,7 +247,7 @@ async def test_prompts_longer_than_the_token_budget_prefill_in_chunks_as_generat
     lengths = [len(models.encoder.encode(m).input_ids) for m in prompts]
     assert min(lengths) > 16 and max(lengths) > 3 * 16
     refs = [reference_generate(reference_model, models.encoder.encode(m)) for m in prompts]
-    prefills = thinker.num_steps - thinker.num_decode_steps
+    prefills = thinker.counters.num_steps - thinker.counters.num_decode_steps
     with CodecTap(chunked_engine) as tap:
         outs = await asyncio.gather(*(engine_generate(chunked_engine, f"chunked-{i}", m, tap=tap)
                                       for i, m in enumerate(prompts)))
@@ -255,7 +255,7 @@ async def test_prompts_longer_than_the_token_budget_prefill_in_chunks_as_generat
         assert_same_reply(chunked_engine, ref, out)
         assert out.finished.usage.prompt_tokens == n
     prefilled = sum(lengths) - sum(out.finished.usage.cached_tokens for out in outs)
-    assert thinker.num_steps - thinker.num_decode_steps - prefills >= -(-prefilled // 16) > 3
+    assert thinker.counters.num_steps - thinker.counters.num_decode_steps - prefills >= -(-prefilled // 16) > 3
 
 
 def test_streaming_chunks_join_without_gap(engine):

@@ -156,10 +156,11 @@ class RoomyDevice(FakeDeviceModule):
 def test_the_memory_plan_reads_each_platforms_memory(name, monkeypatch, reference_model):
     """The KV plan is sized from torch.<device_type>.mem_get_info, on the CPU from the host's memory; graph
     platforms reserve a graph pool for each stage that captures."""
-    from pipeline.config import STAGE_NAMES, load_profile
+    from pipeline.models.qwen3_omni import STAGES
     from pipeline.models.qwen3_omni.memory import GRAPH_POOL_BYTES
     from pipeline.models.qwen3_omni.models import memory_plan
     from pipeline.stage.memory_plan import GIB
+    from tests.profiles import load_profile
 
     p = get_platform(name)
     if p.device_type == "cpu":
@@ -167,7 +168,7 @@ def test_the_memory_plan_reads_each_platforms_memory(name, monkeypatch, referenc
     else:
         monkeypatch.setattr(torch, p.device_type, RoomyDevice(), raising=False)
     cfg = load_profile(ROOT / "deploy" / "tiny.yaml", name, {"gpu_memory_utilization": 0.5})
-    plan = memory_plan(reference_model, cfg, STAGE_NAMES, p)
+    plan = memory_plan(reference_model, cfg, tuple(s.name for s in STAGES), p)
     assert plan.device == p.device_name(0) and (plan.free_bytes, plan.total_bytes) == (48 * GIB, 64 * GIB)
     for stage in plan.stages:
         graphs = p.supports_graphs and not cfg.stage(stage.name).enforce_eager

@@ -17,7 +17,8 @@ from pipeline.stage.kv_cache import SlotKVCache
 from pipeline.stage.prefix_cache import common_prefix
 from pipeline.stage.request import RequestStatus, StageRequest
 from pipeline.stage.sampling import SamplingParams
-from pipeline.stage.scheduler import Scheduler, StepOutput
+from pipeline.stage.scheduler import SlotScheduler
+from pipeline.stage.step import RowOutput
 from tests.test_parity import engine_generate, started_engine
 from tests.test_truncation import Driver, turn_text
 
@@ -54,8 +55,8 @@ class IdsReuse:
 
 def _setup(slots: int = 3, max_len: int = 64):
     kv = SlotKVCache(1, slots, 1, max_len, 2, torch.float32, "cpu")
-    return kv, Scheduler(kv, max_num_seqs=slots, max_num_batched_tokens=8, eos_ids=[99], is_ready=lambda r: True,
-                         reuse=IdsReuse())
+    return kv, SlotScheduler(kv, max_num_seqs=slots, max_num_batched_tokens=8, eos_ids=[99], is_ready=lambda r: True,
+                             reuse=IdsReuse())
 
 
 def _req(rid: str, ids: list[int], max_tokens: int = 2) -> StageRequest:
@@ -63,12 +64,12 @@ def _req(rid: str, ids: list[int], max_tokens: int = 2) -> StageRequest:
                         num_prompt_tokens=len(ids))
 
 
-def _run(s: Scheduler, req: StageRequest, token: int = 5) -> None:
+def _run(s: SlotScheduler, req: StageRequest, token: int = 5) -> None:
     """Add `req` and step until it ends (every step samples `token`)."""
     s.add(req)
     while not req.status.is_finished:
         batch = s.schedule()
-        outs = [StepOutput(token=token if n + r.num_computed_tokens >= r.num_prompt_tokens else None)
+        outs = [RowOutput(token=token if n + r.num_computed_tokens >= r.num_prompt_tokens else None)
                 for r, n in zip(batch.requests, batch.num_new_tokens)]
         s.launched(batch)
         s.update(batch, outs)
@@ -91,7 +92,7 @@ def test_a_prompt_that_extends_a_resident_slot_takes_it_over_and_prefills_the_re
     batch = s.schedule()
     assert second.slot == slot and slot not in kv.resident  # a's next turn: taken over
     assert second.num_cached_tokens == second.num_computed_tokens == 13 and batch.num_new_tokens == [2]
-    assert s.cached == [("s", 11), ("b", 13)] and s.num_cached_tokens == 24
+    assert s.take_cached() == [("s", 11), ("b", 13)] and s.num_cached_tokens == 24 and s.take_cached() == []
 
 
 def test_the_next_turn_takes_the_slot_over_even_where_the_reply_it_resends_differs():
@@ -157,11 +158,11 @@ def test_an_abort_during_a_step_parks_what_was_issued_up_to_it_and_a_failure_par
     s.add(req)
     batch = s.schedule()
     s.launched(batch)
-    s.update(batch, [StepOutput()])
+    s.update(batch, [RowOutput()])
     batch = s.schedule()  # the second chunk is issued; the abort lands before its results are applied
     s.launched(batch)
     s.finish(req, RequestStatus.FINISHED_ABORTED)
-    s.update(batch, [StepOutput()])
+    s.update(batch, [RowOutput()])
     assert [h.key.tolist() for h in kv.resident.values()] == [list(range(16))]
     failed = _req("b", list(range(16)) + [50])
     s.add(failed)
@@ -236,7 +237,7 @@ async def _conversation(engine, tag: str) -> list[tuple]:
 
 
 def _prefill_counts(engine) -> dict[str, tuple[int, int]]:
-    return {s.name: s.prefix_stats()[:2] for s in engine.stages[:2]}
+    return {s.name: s.scheduler.prefix_stats()[:2] for s in engine.stages[:2]}
 
 
 async def test_a_conversation_answers_the_same_with_and_without_reuse(engines):
@@ -351,14 +352,16 @@ async def test_realtime_usage_counts_the_history_each_response_reused(engine):
         assert before["input_tokens"] - 3 <= now["input_token_details"]["cached_tokens"] < now["input_tokens"], usage
 
 
-def test_no_prefix_caching_turns_reuse_off_in_every_stage():
+def test_set_turns_prefix_reuse_off_in_every_stage_that_has_it():
+    """`--set 'stages.*.prefix_caching=false'` (the old `--no-prefix-caching`) reaches every autoregressive stage
+    and leaves Code2Wav, which has no KV cache, alone; other stage keys stay."""
     from pipeline.api import EngineOptions
-    from pipeline.config import build_config, stage_overrides
+    from tests.profiles import engine_config
 
-    overrides = stage_overrides(EngineOptions(prefix_caching=False, stage_overrides={"1": {"max_num_seqs": 2}}))
-    cfg = build_config({}, "cpu", {}, overrides)
+    opts = EngineOptions(settings=("stages.*.prefix_caching=false",), stage_overrides={"1": {"max_num_seqs": 2}})
+    cfg = engine_config(opts, "cpu")
     assert [s.prefix_caching for s in cfg.stages[:2]] == [False, False] and cfg.stage("talker").max_num_seqs == 2
-    assert all(s.prefix_caching for s in build_config({}, "cpu", {}, stage_overrides(EngineOptions())).stages)
+    assert all(s.prefix_caching for s in engine_config(EngineOptions(), "cpu").stages)
 
 
 def test_common_prefix_over_bytes_is_the_first_differing_item():

@@ -165,7 +165,7 @@ async def test_thinker_in_a_worker_process_matches_in_process(baseline):
     """Any stage can leave the engine's process: here the Thinker (prompt ids in, rows out)."""
     from replica_helpers import ROOT
 
-    from pipeline.config import load_profile
+    from tests.profiles import load_profile
 
     eng = start_engine(load_profile(ROOT / "deploy" / "tiny.yaml", "cpu", {}, {"0": {"devices": "1"}}))
     try:
@@ -192,7 +192,7 @@ async def test_talker_in_its_own_process_on_the_engine_device(baseline):
     """`own_process`: one replica on device 0, in a worker process (the process boundary alone)."""
     from replica_helpers import ROOT
 
-    from pipeline.config import load_profile
+    from tests.profiles import load_profile
 
     eng = start_engine(load_profile(ROOT / "deploy" / "tiny.yaml", "cpu", {}, {"1": {"own_process": True}}))
     try:
@@ -213,7 +213,7 @@ def test_a_process_loads_only_its_own_stages(tiny_config):
     three marker rows it reads (the rest of the Thinker is never materialised)."""
     import torch
 
-    from pipeline.models.qwen3_omni.models import load_models
+    from pipeline.models import load_models
     from pipeline.platform import get_platform
 
     cpu = get_platform("cpu")

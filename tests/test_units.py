@@ -9,7 +9,8 @@ from pipeline.models.qwen3_omni.codec_stream import CodecStream
 from pipeline.stage.kv_cache import SlotKVCache
 from pipeline.stage.request import RequestStatus, StageRequest
 from pipeline.stage.sampling import Sampler, SamplingParams
-from pipeline.stage.scheduler import Scheduler, StepOutput
+from pipeline.stage.scheduler import SlotScheduler
+from pipeline.stage.step import RowOutput
 
 
 def _kv(slots=4, max_len=64):
@@ -39,13 +40,13 @@ def _req(rid, n_prompt, max_tokens=3):
 
 def test_scheduler_chunked_prefill_alternates_with_decode():
     kv = _kv()
-    s = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=8, eos_ids=[99], is_ready=lambda r: True)
+    s = SlotScheduler(kv, max_num_seqs=4, max_num_batched_tokens=8, eos_ids=[99], is_ready=lambda r: True)
     short, long_ = _req("a", 4), _req("b", 20)
     s.add(short)
     batch = s.schedule()
     assert batch.is_prefill and batch.num_new_tokens == [4]
     s.launched(batch)
-    s.update(batch, [StepOutput(token=1)])
+    s.update(batch, [RowOutput(token=1)])
     s.add(long_)
     kinds = []
     for _ in range(6):
@@ -53,7 +54,7 @@ def test_scheduler_chunked_prefill_alternates_with_decode():
         kinds.append(("P" if batch.is_prefill else "D", tuple(batch.num_new_tokens)))
         token = None if batch.is_prefill else 1
         s.launched(batch)
-        s.update(batch, [StepOutput(token=token) for _ in batch.requests])
+        s.update(batch, [RowOutput(token=token) for _ in batch.requests])
     # the long prompt is chunked to the token budget and never stalls the decoder two steps in a row
     assert kinds[:4] == [("D", (1,)), ("P", (8,)), ("D", (1,)), ("P", (8,))]
     assert short.status is RequestStatus.FINISHED_LENGTH and short.slot is None
@@ -62,14 +63,14 @@ def test_scheduler_chunked_prefill_alternates_with_decode():
 
 def test_scheduler_respects_slots_and_eos():
     kv = _kv(slots=2)
-    s = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64, eos_ids=[7], is_ready=lambda r: True)
+    s = SlotScheduler(kv, max_num_seqs=8, max_num_batched_tokens=64, eos_ids=[7], is_ready=lambda r: True)
     reqs = [_req(str(i), 2, max_tokens=10) for i in range(3)]
     for r in reqs:
         s.add(r)
     batch = s.schedule()
     assert len(batch.requests) == 2 and len(s.waiting) == 1  # only two slots
     s.launched(batch)
-    finished = s.update(batch, [StepOutput(token=7), StepOutput(token=3)])
+    finished = s.update(batch, [RowOutput(token=7), RowOutput(token=3)])
     assert finished == [reqs[0]] and reqs[0].status is RequestStatus.FINISHED_STOPPED
     s.schedule()
     assert reqs[2] in s.running and reqs[2].slot is not None and reqs[0].slot is None
@@ -93,12 +94,12 @@ def test_sampler_greedy_penalty_suppress_min_tokens():
 def test_seen_tokens_per_slot_equal_the_whole_history_mask():
     """The device mask kept per slot, fed only each step's new tokens, equals the mask built from the whole
     histories at every step; a new request in a slot (another history) starts from nothing."""
-    from pipeline.stage.pinned import HostStaging
+    from pipeline.stage.pinned import PinnedBuffers
     from pipeline.stage.sampling import SeenTokens, _seen_mask
 
     rng = np.random.default_rng(0)
-    staging, seen = HostStaging(torch.device("cpu")), SeenTokens(50, torch.device("cpu"))
-    short = _seen_mask(torch.zeros(2, 50), [[0, 7, 9], [0]], staging.tensor)  # row 1 padded: its token 0 stays
+    pinned, seen = PinnedBuffers(torch.device("cpu")), SeenTokens(50, torch.device("cpu"))
+    short = _seen_mask(torch.zeros(2, 50), [[0, 7, 9], [0]], pinned.tensor)  # row 1 padded: its token 0 stays
     assert short.nonzero().tolist() == [[0, 0], [0, 7], [0, 9], [1, 0]]
     histories = {slot: [] for slot in (0, 3, 5)}
     for step in range(30):
@@ -106,8 +107,8 @@ def test_seen_tokens_per_slot_equal_the_whole_history_mask():
             histories[3] = [int(rng.integers(50))] if step == 20 else []  # slot 3 taken over by a new request
         slots = [s for s in histories if rng.random() < 0.8] or [0]
         hists = [histories[s] for s in slots]
-        assert torch.equal(seen.mask(slots, hists, staging),
-                           _seen_mask(torch.zeros(len(slots), 50), hists, staging.tensor))
+        assert torch.equal(seen.mask(slots, hists, pinned),
+                           _seen_mask(torch.zeros(len(slots), 50), hists, pinned.tensor))
         for s in slots:
             histories[s].append(int(rng.integers(50)))
 
@@ -210,14 +211,13 @@ def test_incremental_detokenizer_matches_a_full_decode_and_never_splits_a_charac
 def test_dummy_weights_are_the_same_on_every_start():
     """`--load-format dummy` builds seeded random weights: two starts compare on the same model, and the
     caller's random stream is left as it was."""
-    from pipeline.config import STAGE_NAMES
-    from pipeline.models.qwen3_omni.weights import load_hf_model
+    from pipeline.models.qwen3_omni.weights import PARTS, load_hf_model
 
     torch.manual_seed(5)
     expected = torch.rand(3)
     torch.manual_seed(5)
-    a, *_ = load_hf_model("tiny", "dummy", torch.float32, torch.device("cpu"), "eager", frozenset(STAGE_NAMES))
+    a, *_ = load_hf_model("tiny", "dummy", torch.float32, torch.device("cpu"), "eager", frozenset(PARTS))
     after = torch.rand(3)
-    b, *_ = load_hf_model("tiny", "dummy", torch.float32, torch.device("cpu"), "eager", frozenset(STAGE_NAMES))
+    b, *_ = load_hf_model("tiny", "dummy", torch.float32, torch.device("cpu"), "eager", frozenset(PARTS))
     assert torch.equal(after, expected)
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True))

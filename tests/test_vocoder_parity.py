@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.config import load_profile
 from pipeline.models.qwen3_omni.codec_stream import CodecStream
+from tests.profiles import load_profile
 from tests.test_parity import (
     PROMPTS,
     THINKER_TOKENS,
@@ -116,7 +116,7 @@ def test_receptive_field_of_the_tiny_and_the_released_vocoder(reference_model):
 
 
 def test_start_up_logs_a_context_short_of_the_receptive_field(tiny_config, caplog):
-    from pipeline.models.qwen3_omni.models import load_models
+    from pipeline.models import load_models
     from pipeline.platform import get_platform
 
     short = dataclasses.replace(tiny_config, connector=profile_connector("qwen3_omni_moe.yaml"))

@@ -58,15 +58,15 @@ def main() -> None:
         return
     before = torch.cuda.memory_reserved(device)
     t = time.perf_counter()
-    c2w.capture_graphs()
-    print(json.dumps({"graphs": len(c2w.graphs), "capture_s": round(time.perf_counter() - t, 1),
+    c2w.capture_cuda_graphs()
+    print(json.dumps({"graphs": len(c2w.cuda_graphs), "capture_s": round(time.perf_counter() - t, 1),
                       "graph_memory_gib": round((torch.cuda.memory_reserved(device) - before) / 2**30, 2)}), flush=True)
     for batch, frames, context in [(1, 4, 0), (1, 50, 25), (4, 33, 25), (8, 50, 25), (16, 50, 25)]:
         ws = windows(batch, frames, context)
-        c2w.graphs.enabled = True
+        c2w.cuda_graphs.enabled = True
         graphed = c2w.decode(ws)
         graph_ms = timed(lambda ws=ws: c2w.decode(ws))
-        c2w.graphs.enabled = False
+        c2w.cuda_graphs.enabled = False
         eager = c2w.decode(ws)
         eager_ms = timed(lambda ws=ws: c2w.decode(ws))
         diff = max(float(abs(a - b).max()) for a, b in zip(graphed, eager))

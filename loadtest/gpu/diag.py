@@ -49,8 +49,8 @@ async def one(i: int, frames: int, first_audio_seen: asyncio.Event | None = None
 
 def stage_stats() -> dict[str, tuple[int, int, float, float, int, float]]:
     """Per stage: steps, rows stepped, busy seconds, device-wait seconds, decode steps, decode seconds."""
-    return {s.name: (s.num_steps, sum(b * n for b, n in enumerate(s.batch_size_counts)), s.busy_s, s.device_wait_s,
-                     s.num_decode_steps, s.decode_busy_s) for s in engine.stages}
+    return {s.name: (c.num_steps, sum(b * n for b, n in enumerate(c.batch_size_counts)), c.busy_s, s.device_wait_s,
+                     c.num_decode_steps, c.decode_busy_s) for s in engine.stages for c in (s.counters,)}
 
 
 def allocator_line() -> str:
@@ -126,7 +126,7 @@ def step_times(batches=(1, 16, 64), position: int = 300) -> None:
     for b in batches:
         slots, pos = torch.arange(b, device="cuda"), torch.full((b,), position, device="cuda")
         ms = {
-            "thinker": replay_ms(th.graphs, b, {"token_ids": torch.randint(0, th.vocab_size, (b,), device="cuda"),
+            "thinker": replay_ms(th.cuda_graphs, b, {"token_ids": torch.randint(0, th.vocab_size, (b,), device="cuda"),
                                                 "slots": slots, "positions": pos, "rope_pos": pos}),
             "talker": replay_ms(tk.decode_graphs, b, {"embeds": torch.randn(b, 1, h, device="cuda") * 0.05,
                                                       "slots": slots, "positions": pos, "rope_pos": pos}),

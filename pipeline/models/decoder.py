@@ -14,9 +14,9 @@ import torch
 
 from pipeline.platform import Platform
 from pipeline.stage.compile import graphs_compiled
-from pipeline.stage.cudagraph import GraphCache
+from pipeline.stage.cudagraph import CudaGraphCache
 from pipeline.stage.kv_cache import CacheView, SlotKVCache
-from pipeline.stage.pinned import HostStaging
+from pipeline.stage.pinned import PinnedBuffers
 
 log = logging.getLogger(__name__)
 MIN_COMPILED = 2  # rows and tokens a compiled prefill pads to
@@ -110,9 +110,10 @@ class PrefillPass:
         self.warm_kernels = platform.supports_graphs  # Triton compiles its kernels here (a device, not the interpreter)
         self.layers = None if compiled is None else [torch._dynamo.run(layer) for layer in compiled]
         rows, widths = prefill_buckets(max_rows, kv.max_len, max_tokens)
-        self.graphs = GraphCache(f"{name} prefill", self._graph_step, platform, graphs and kv.in_place and bool(rows),
-                                 rows, widths, compiled is not None, max_cells=max_tokens)
-        self.staging = HostStaging(kv.k.device)
+        self.cuda_graphs = CudaGraphCache(f"{name} prefill", self._graph_step, platform,
+                                          graphs and kv.in_place and bool(rows), rows, widths, compiled is not None,
+                                          max_cells=max_tokens)
+        self.pinned = PinnedBuffers(kv.k.device)
 
     def run(self, reqs, starts: list[int], lengths: list[int], rows: str,
             deepstack_of: Callable[[torch.Tensor], torch.Tensor | None] | None = None
@@ -121,9 +122,9 @@ class PrefillPass:
         chunks [starts[i], starts[i] + lengths[i]) of stage requests whose state holds the prompt's rows as
         `state.<rows>` [P, H] and its positions as `state.position_ids` [3, P]. `deepstack_of(embeds)`: the rows
         the first layers add (`run_decoder`), for the padded batch (never through a graph)."""
-        if deepstack_of is None and self.graphs.holds(len(reqs), max(lengths)):
-            width = self.graphs.length_bucket(max(lengths))
-            out = self.graphs.run(len(reqs), width, self.graph_inputs(reqs, starts, lengths, rows, width),
+        if deepstack_of is None and self.cuda_graphs.holds(len(reqs), max(lengths)):
+            width = self.cuda_graphs.length_bucket(max(lengths))
+            out = self.cuda_graphs.run(len(reqs), width, self.graph_inputs(reqs, starts, lengths, rows, width),
                                   {"slots": self.kv.scratch_slot})
             return out[0], out[1] if len(out) > 1 else None
         embeds, pos, view = self.of_requests(reqs, starts, lengths, rows)
@@ -134,11 +135,11 @@ class PrefillPass:
     def graph_inputs(self, reqs, starts: list[int], lengths: list[int], rows: str, width: int
                      ) -> dict[str, torch.Tensor]:
         """The chunks as a graph of `width` takes them (rows not yet padded to its bucket): embeds [B, width, H],
-        positions [B, width, 3] (the batch first, as `GraphCache` pads it), slots, starts, lengths [B]."""
+        positions [B, width, 3] (the batch first, as `CudaGraphCache` pads it), slots, starts, lengths [B]."""
         chunk_rows, positions = _chunks(reqs, starts, lengths, rows)
         embeds = pad_rows(chunk_rows, width=width)
         pos = pad_rows([p.T for p in positions], width=width)
-        slots, t_starts, t_lengths = self.staging.tensors([r.slot for r in reqs], starts, lengths)
+        slots, t_starts, t_lengths = self.pinned.tensors([r.slot for r in reqs], starts, lengths)
         return {"embeds": embeds, "positions": pos, "slots": slots, "starts": t_starts, "lengths": t_lengths}
 
     def _graph_step(self, _width, embeds: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
@@ -163,7 +164,7 @@ class PrefillPass:
                     "slots": zeros + self.kv.scratch_slot, "starts": zeros.clone(), "lengths": zeros + width}
 
         with experts_implementation(self.stack, graph_moe):
-            self.graphs.capture(inputs)
+            self.cuda_graphs.capture(inputs)
 
     def inputs(self, slots: list[int], starts: list[int], lengths: list[int], rows: list[torch.Tensor],
                positions: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, CacheView]:
@@ -214,7 +215,7 @@ def prefill_buckets(max_rows: int, max_len: int, max_tokens: int) -> tuple[list[
     """(row buckets, width buckets) of prefill graphs: powers of two from 2 (dynamo specialises a size of 1) with
     1.5x steps between the larger ones (a chunk batch padded to the next power of two did up to twice the work:
     29 rows x 142 tokens ran as 32 x 256), up to `max_rows` rows (itself the last bucket) and `max_len` tokens; a
-    graph's rows x width is at most `max_tokens` (`GraphCache`'s `max_cells`). None when `max_tokens` holds no
+    graph's rows x width is at most `max_tokens` (`CudaGraphCache`'s `max_cells`). None when `max_tokens` holds no
     2 x 2 batch."""
     if max_tokens < MIN_COMPILED * MIN_COMPILED:
         return [], []

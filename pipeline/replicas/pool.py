@@ -15,21 +15,48 @@ import itertools
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from pipeline.config import EngineConfig, ProfileError
+from pipeline.platform import get_platform
+from pipeline.replicas.ray_actors import RayReplica
 from pipeline.replicas.worker import ProcessReplica, ReplicaLoad, StepReport, WorkerSpec
-from pipeline.stage.loop import Stage, StepSink, build_stage
+from pipeline.stage.graph import LoadedModels
+from pipeline.stage.loop import StepSink, build_stage
 from pipeline.stage.messages import Command, StageMessage
-from pipeline.stage.request import Finish, RequestStatus, StepResult
+from pipeline.stage.protocols import StageHandle
+from pipeline.stage.request import RequestStatus
+from pipeline.stage.step import Finish, StepResult
+from pipeline.types import StageStats
 
 log = logging.getLogger(__name__)
 BACKOFF_S = (0.5, 10.0)  # first restart delay, cap (doubling per consecutive failure)
 HEALTHY_RESET_S = 30.0  # up this long: the next failure starts the backoff again from the first delay
 READY_TIMEOUT_S = 180.0
+
+
+class ReplicaHandle(Protocol):
+    """The pool's handle on one replica: a worker process (`ProcessReplica`) or a Ray actor (`RayReplica`). It
+    calls back `on_report(handle, StepReport)` and `on_death(handle, reason)` from a reader thread of its own."""
+
+    kind: str
+    spec: WorkerSpec
+
+    @property
+    def pid(self) -> int | None: ...
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+    def send(self, msg: StageMessage) -> None: ...
+
+
+ReplicaFactory = Callable[[WorkerSpec, Callable, Callable], ReplicaHandle]
 
 
 class ReplicaState(enum.Enum):
@@ -43,7 +70,7 @@ class _Slot:
     """One replica position of the pool; its handle is replaced on restart."""
 
     index: int
-    handle: Any
+    handle: ReplicaHandle
     state: ReplicaState = ReplicaState.STARTING
     load: ReplicaLoad = field(default_factory=ReplicaLoad)
     num_sent: int = 0
@@ -60,7 +87,7 @@ class _Slot:
 
 class ReplicaPool:
     def __init__(self, name: str, specs: list[WorkerSpec], on_step: StepSink, routing: str = "least_loaded",
-                 replica_cls: type = ProcessReplica):
+                 replica_cls: ReplicaFactory = ProcessReplica):
         self.name, self.on_step, self.routing = name, on_step, routing
         self._replica_cls = replica_cls
         self._slots = [_Slot(s.replica, replica_cls(s, self._on_report, self._on_death)) for s in specs]
@@ -70,7 +97,7 @@ class ReplicaPool:
         self._rr = itertools.cycle(range(len(self._slots)))
         self._stopping = False
 
-    # ---- the Stage interface ------------------------------------------------------------------------
+    # ---- the stage handle (`StageHandle`) ---------------------------------------------------------------
 
     def start(self) -> None:
         for slot in self._slots:
@@ -121,10 +148,6 @@ class ReplicaPool:
                 self._deliver(self._slots[index], StageMessage(Command.INPUTS, "", batch))
 
     @property
-    def num_steps(self) -> int:
-        return sum(s.load.num_steps for s in self._slots)
-
-    @property
     def num_free_slots(self) -> int:
         return sum(s.load.num_free_slots for s in self._slots if s.state is ReplicaState.UP)
 
@@ -132,12 +155,16 @@ class ReplicaPool:
     def num_slots(self) -> int:
         return sum(s.load.num_slots for s in self._slots if s.state is ReplicaState.UP)
 
-    def status(self) -> list[dict[str, Any]]:
+    def stats(self) -> StageStats:
+        """Its slots: each replica reports its own steps on /health (`replica_status`)."""
+        return StageStats(self.name, self.num_free_slots, self.num_slots)
+
+    def replica_status(self) -> list[dict[str, Any]]:
         """Per replica: where it runs, its state and load (for /health and metrics)."""
         with self._lock:
             bound = self._bound_counts()
             return [{"replica": s.index, "kind": s.handle.kind, "device": s.handle.spec.device_index,
-                     "state": s.state.value, "pid": getattr(s.handle, "pid", None),
+                     "state": s.state.value, "pid": s.handle.pid,
                      "active_requests": bound[s.index], "backlog": s.backlog, "running": s.load.num_running,
                      "waiting": s.load.num_waiting, "steps": s.load.num_steps, "restarts": s.num_restarts,
                      "last_error": s.last_error} for s in self._slots]
@@ -181,7 +208,7 @@ class ReplicaPool:
         if report.is_ready:
             slot.state, slot.up_since = ReplicaState.UP, time.monotonic()
             slot.ready.set()
-            log.info("%s replica %d is up (%s %s)", self.name, slot.index, handle.kind, getattr(handle, "pid", ""))
+            log.info("%s replica %d is up (%s %s)", self.name, slot.index, handle.kind, handle.pid or "")
         result = report.result
         if not result.outputs and not result.finished:
             return
@@ -249,7 +276,7 @@ class ReplicaPool:
 # ---- placement --------------------------------------------------------------------------------------
 
 
-def make_stage(name: str, cfg: EngineConfig, models: Any, on_step: StepSink) -> Stage | ReplicaPool:
+def make_stage(name: str, cfg: EngineConfig, models: LoadedModels, on_step: StepSink) -> StageHandle:
     """The stage `name` as the profile places it: in this process (one replica on the engine's device),
     else a pool of worker processes, or of Ray actors with `distributed: ray`."""
     sc = cfg.stage(name)
@@ -259,31 +286,13 @@ def make_stage(name: str, cfg: EngineConfig, models: Any, on_step: StepSink) -> 
     threads = torch.get_num_threads()  # workers use the engine's intra-op thread count (--threads)
     specs = [WorkerSpec(name, i, sc.replica_device(i), cfg, threads, device_ipc=sc.device_ipc)
              for i in range(sc.num_replicas)]
-    replica_cls = ProcessReplica
-    if cfg.distributed == "ray":
-        from pipeline.replicas.ray_actors import RayReplica
-
-        replica_cls = RayReplica
-    return ReplicaPool(name, specs, on_step, sc.routing, replica_cls)
+    return ReplicaPool(name, specs, on_step, sc.routing, RayReplica if cfg.distributed == "ray" else ProcessReplica)
 
 
 def _check_devices(cfg: EngineConfig, name: str) -> None:
-    from pipeline.platform import get_platform
-
     sc = cfg.stage(name)
     count = get_platform(cfg.platform).device_count()
     if count is not None and cfg.distributed == "none" and max(sc.device_ids) >= count:
         raise ProfileError(f"deploy profile: stages[{sc.stage_id}].devices {sc.devices!r} names a device this "
                            f"host does not have ({count} {cfg.platform} devices visible)")
 
-
-def replica_status(stages: list[Any]) -> dict[str, list[dict[str, Any]]]:
-    """Per stage, its replicas' state and load; an in-process stage is one replica that is up."""
-    out = {}
-    for stage in stages:
-        if isinstance(stage, ReplicaPool):
-            out[stage.name] = stage.status()
-        else:
-            out[stage.name] = [{"replica": 0, "kind": "inline", "device": 0, "state": ReplicaState.UP.value,
-                                "active_requests": len(stage.requests), "steps": stage.num_steps}]
-    return out

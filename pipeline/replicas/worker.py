@@ -22,10 +22,12 @@ import torch
 import torch.multiprocessing as mp
 
 from pipeline.config import EngineConfig
+from pipeline.models import load_models
 from pipeline.platform import get_platform
 from pipeline.replicas.channel import Channel, ChannelClosed, remove_driver_files
+from pipeline.stage.loop import build_stage
 from pipeline.stage.messages import Command, StageMessage
-from pipeline.stage.request import StepResult
+from pipeline.stage.step import StepResult
 
 log = logging.getLogger(__name__)
 HEARTBEAT_S = 0.2
@@ -79,9 +81,6 @@ class StageHost:
     """The worker side: one stage, fed by `send`, reporting every step through `emit`."""
 
     def __init__(self, spec: WorkerSpec, emit: Callable[[StepReport], None]):
-        from pipeline.models.qwen3_omni.models import load_models
-        from pipeline.stage.loop import build_stage
-
         platform = get_platform(spec.cfg.platform)
         if spec.pin_device:
             platform.pin_device(spec.device_index)
@@ -95,7 +94,7 @@ class StageHost:
         self._beat = threading.Thread(target=self._heartbeat, name=f"omnirt-{spec.stage}-beat", daemon=True)
 
     def start(self) -> None:
-        self.models.capture_graphs()  # this stage's graphs only
+        self.models.capture_cuda_graphs()  # this stage's graphs only
         self.stage.start()
         self._beat.start()
         self.emit(StepReport(load=self.load(), is_ready=True))
@@ -113,10 +112,9 @@ class StageHost:
         self._beat.join(timeout=5)
 
     def load(self) -> ReplicaLoad:
-        sched, kv = self.stage.scheduler, getattr(self.stage.scheduler, "kv", None)
-        running = len(getattr(sched, "running", ())) if kv is not None else sched.num_unfinished
-        return ReplicaLoad(sched.num_unfinished - running, running, kv.num_free_slots if kv else 0,
-                           kv.num_slots if kv else 0, self.stage.num_steps, self.num_consumed)
+        sched = self.stage.scheduler
+        return ReplicaLoad(sched.num_waiting, sched.num_running, sched.num_free_slots, sched.num_slots,
+                           self.stage.counters.num_steps, self.num_consumed)
 
     def _on_step(self, stage: str, result: StepResult) -> None:
         self.emit(StepReport(result, self.load()))

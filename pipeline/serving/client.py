@@ -20,6 +20,7 @@ import tempfile
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import zmq
 
@@ -39,6 +40,9 @@ from pipeline.types import (
     Usage,
 )
 
+if TYPE_CHECKING:
+    from pipeline.serving.core import Engine
+
 log = logging.getLogger("omnirt.client")
 POLL_MS = 100
 STOP_TIMEOUT_S = 30.0
@@ -47,12 +51,12 @@ STOP_TIMEOUT_S = 30.0
 class InprocClient:
     """The engine in this process, behind the same API."""
 
-    def __init__(self, engine):
+    def __init__(self, engine: Engine):
         self.engine = engine
 
     @classmethod
     def start(cls, opts: EngineOptions) -> InprocClient:
-        from pipeline.serving.core import build_engine
+        from pipeline.serving.core import build_engine  # deferred: keeps torch out of the API process
 
         return cls(build_engine(opts))
 
@@ -338,7 +342,7 @@ class CoreClient:
                 msg = ipc.from_core.decode(self._from_core.recv(copy=False).buffer)
                 if isinstance(msg, EngineStats):
                     self._stats = msg
-                elif isinstance(msg, ipc.Outputs) and self._loop is not None:
+                elif isinstance(msg, ipc.EventBatch) and self._loop is not None:
                     self._loop.call_soon_threadsafe(self._deliver, msg.items)
             elif (reason := self._core_gone()) is not None:
                 self._on_death(reason)
@@ -420,6 +424,6 @@ def _rejection(r: ipc.Rejected) -> Exception:
 
 
 def _core_entry(*args) -> None:
-    from pipeline.serving.core import core_main
+    from pipeline.serving.core import core_main  # deferred: the spawned core process imports torch, the API process not
 
     core_main(*args)

@@ -2,7 +2,7 @@
 
 The core process owns the stages, their step loops and every tensor; the API process only moves
 bytes. Each API process (one, or one per `--api-workers`) has two ZeroMQ sockets to the core
-(`pipeline/serving/ipc.py`): requests and aborts in, and out one batched `Outputs` message per burst of its
+(`pipeline/serving/ipc.py`): requests and aborts in, and out one `EventBatch` message per burst of its
 events plus an `EngineStats` snapshot every `STATS_S`. A control pair with the process that started
 the core says when to stop and when an API process is gone (its requests are aborted). The core stops
 when told to, on SIGTERM, or when the process that started it is gone.
@@ -14,58 +14,93 @@ import asyncio
 import contextlib
 import logging
 import signal
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Protocol
 
 import zmq
 import zmq.asyncio
 
-from pipeline.config import AR_STAGES
+from pipeline.config import EngineConfig, ProfileError
+from pipeline.engine.omni import OmniEngine
+from pipeline.engine.reference import ReferenceEngine
+from pipeline.models import load_models, model_spec
+from pipeline.platform import detect_platform, get_platform, set_num_threads
+from pipeline.profile import engine_config, profile_path
+from pipeline.replicas.ray_actors import RayUnavailableError, require_ray
 from pipeline.replicas.worker import watch_parent
 from pipeline.serving import ipc
-from pipeline.types import EngineOptions, EngineOverloaded, EngineStartError, OmniRequest, RequestError
+from pipeline.stage.graph import LoadedModels
+from pipeline.types import (
+    EngineInfo,
+    EngineOptions,
+    EngineOverloaded,
+    EngineStartError,
+    EngineStats,
+    Event,
+    ModelNotFoundError,
+    OmniRequest,
+    RequestError,
+)
 
 log = logging.getLogger("omnirt.core")
 STATS_S = 0.2  # stats snapshot (and heartbeat) period
 MAX_PENDING_BYTES = 16 * 2**20  # events queued for one send: request tasks wait beyond this
 
 
-def build_engine(opts: EngineOptions):
-    """Profile -> platform merge -> models -> started engine. Raises EngineStartError."""
-    from pipeline.config import ProfileError, engine_config, profile_path
-    from pipeline.models.qwen3_omni.models import load_models
-    from pipeline.models.qwen3_omni.weights import ModelNotFoundError
-    from pipeline.platform import detect_platform, get_platform, set_num_threads
-    from pipeline.replicas.ray_actors import RayUnavailableError, require_ray
+class Engine(Protocol):
+    """What the core (and the in-process client) serves: `OmniEngine`, or `ReferenceEngine` (`engine: reference`)."""
 
+    @property
+    def num_active_requests(self) -> int: ...
+
+    def info(self) -> EngineInfo: ...
+
+    def submit(self, req: OmniRequest) -> Awaitable[AsyncIterator[Event]]: ...
+
+    def abort(self, request_id: str, error: str | None = None) -> None: ...
+
+    def abort_all(self, error: str) -> None: ...
+
+    def check_admission(self, wants_audio: bool = True) -> None: ...
+
+    def stats(self) -> EngineStats: ...
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+def build_engine(opts: EngineOptions) -> Engine:
+    """Profile -> platform merge -> models -> started engine. Raises EngineStartError."""
     if opts.threads:
         set_num_threads(opts.threads)
     try:
         platform = get_platform(opts.platform) if opts.platform else detect_platform()
-        cfg = engine_config(opts, platform.name)
+        spec = model_spec(opts.model)
+        cfg = engine_config(opts, platform.name, spec)
         if cfg.distributed == "ray":
             require_ray()  # fail before loading weights when the extra is missing
-        _log_plan(platform.name, profile_path(opts), cfg)
-        local = tuple(s.name for s in cfg.stages if opts.engine == "reference" or not s.needs_workers)
+        _log_plan(platform.name, profile_path(opts, spec), cfg)
+        local = tuple(s.name for s in cfg.stages if cfg.engine == "reference" or not s.needs_workers)
         models = load_models(cfg, platform, local)  # stages in replica workers load there
         cfg.check_voices(sorted(models.voices))
     except (ProfileError, ModelNotFoundError, RayUnavailableError, ValueError) as exc:
         raise EngineStartError(str(exc)) from exc
-    return _start(opts.engine, cfg, models)
+    return _start(cfg, models)
 
 
-def _log_plan(platform: str, profile, cfg) -> None:
-    log.info("platform %s, profile %s, model %s (%s, %s)", platform, profile, cfg.model, cfg.load_format, cfg.dtype)
+def _log_plan(platform: str, profile: Path, cfg: EngineConfig) -> None:
+    log.info("platform %s, profile %s, model %s (%s, %s, engine %s)", platform, profile, cfg.model, cfg.load_format,
+             cfg.dtype, cfg.engine)
     for s in cfg.stages:
-        context = f" max_model_len={s.max_model_len}" if s.name in AR_STAGES else ""
+        context = f" max_model_len={s.max_model_len}" if s.spec.autoregressive else ""
         log.info("stage %d %-8s max_num_seqs=%d%s eager=%s devices=%s", s.stage_id, s.name, s.max_num_seqs, context,
                  s.enforce_eager, s.devices)
 
 
-def _start(kind: str, cfg, models):
-    from pipeline.engine.omni import OmniEngine
-    from pipeline.models.qwen3_omni.reference import ReferenceEngine
-
-    engine = (ReferenceEngine if kind == "reference" else OmniEngine)(cfg, models)
+def _start(cfg: EngineConfig, models: LoadedModels) -> Engine:
+    engine = (ReferenceEngine if cfg.engine == "reference" else OmniEngine)(cfg, models)
     try:
         engine.start()
     except RuntimeError as exc:  # a replica that did not come up
@@ -91,7 +126,7 @@ class EngineCore:
     """The core's event loop: requests in from each API process, their events back to it, batched per burst;
     the control socket says when to stop and when an API process is gone (its requests are aborted)."""
 
-    def __init__(self, engine, control: zmq.asyncio.Socket,
+    def __init__(self, engine: Engine, control: zmq.asyncio.Socket,
                  clients: list[tuple[zmq.asyncio.Socket, zmq.asyncio.Socket]]):
         self.engine, self.control = engine, control
         self.clients = [_Client(inbox, outbox) for inbox, outbox in clients]
@@ -192,7 +227,7 @@ class EngineCore:
                 items, client.pending, client.pending_bytes = client.pending, [], 0
                 client.drained.set()
                 client.drained.clear()
-                await client.outbox.send(ipc.encoder.encode(ipc.Outputs(items)), copy=False)
+                await client.outbox.send(ipc.encoder.encode(ipc.EventBatch(items)), copy=False)
             if loop.time() >= next_stats:
                 next_stats = loop.time() + STATS_S
                 with contextlib.suppress(zmq.Again):  # nobody connected (an API process being replaced)

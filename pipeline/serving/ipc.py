@@ -61,13 +61,13 @@ class Rejected(msgspec.Struct, tag=True):
     retry_after_s: float = 0.0
 
 
-class Outputs(msgspec.Struct, tag=True):
+class EventBatch(msgspec.Struct, tag=True):
     """Everything the core had for the API process since its last send, in order."""
 
     items: list[Accepted | Rejected | TextDelta | ToolCallDelta | AudioChunk | Finished]
 
 
-FromCore = Ready | StartFailed | Outputs | EngineStats
+FromCore = Ready | StartFailed | EventBatch | EngineStats
 
 
 def num_bytes(item) -> int:

@@ -50,7 +50,7 @@ class _Captured:
     outputs: tuple[torch.Tensor, ...]
 
 
-class GraphCache:
+class CudaGraphCache:
     """Graphs of one step function, keyed by (batch bucket, length bucket or None)."""
 
     def __init__(self, name: str, fn: Callable[..., tuple[torch.Tensor, ...]], platform: Platform, enabled: bool,

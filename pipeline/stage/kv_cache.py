@@ -22,7 +22,7 @@ import torch
 
 from pipeline.kernels.attention import SlotMask
 from pipeline.stage.cudagraph import length_buckets
-from pipeline.stage.pinned import HostStaging
+from pipeline.stage.pinned import PinnedBuffers
 
 
 class SlotKVCache:
@@ -39,7 +39,7 @@ class SlotKVCache:
         self.in_place = in_place  # attention reads the slots themselves: no dense copy, no kv_len buckets
         self._free: deque[int] = deque(range(num_slots))
         self.resident: OrderedDict[int, Any] = OrderedDict()  # slot -> what it holds, least recently used first
-        self._staging: HostStaging | None = None  # for `view` (one stage's thread uses a cache)
+        self._staging: PinnedBuffers | None = None  # for `view` (one stage's thread uses a cache)
 
     @property
     def num_free_slots(self) -> int:
@@ -102,7 +102,7 @@ class SlotKVCache:
         offsets = [t for n in lengths for t in range(n)]
         write_slots = [slots[b] for b in rows]
         write_pos = [starts[b] + t for b, t in zip(rows, offsets)]
-        self._staging = self._staging or HostStaging(self.k.device)
+        self._staging = self._staging or PinnedBuffers(self.k.device)
         t_slots, t_starts, t_lengths, *writes = self._staging.tensors(slots, starts, lengths, rows, offsets,
                                                                       write_slots, write_pos)
         return CacheView(self, t_slots, t_starts, t_lengths, max(width, *lengths), kv_len, tuple(writes))

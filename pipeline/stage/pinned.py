@@ -2,14 +2,14 @@
 and a step's sampled tokens back the same way.
 
 `torch.tensor(values, device=cuda)` copies from pageable memory: the host thread waits about 200 µs per
-call, and a c=64 round on the H200 spent 2.3 s in such copies. `HostStaging` writes the values into a
+call, and a c=64 round on the H200 spent 2.3 s in such copies. `PinnedBuffers` writes the values into a
 preallocated pinned buffer and issues one asynchronous copy per call into a device buffer of the same
 size. Regions of both are reused round-robin. That is safe because a stage waits for every step's results
 before it issues the step after the next one (`pipeline/stage/loop.py`): a region is reused only once the ring
-has gone round, after the step that wrote it has finished, as long as two steps together stage less than
-the capacity (a c=64 Talker step stages a few hundred values; a call over the capacity falls back to a
+has gone round, after the step that wrote it has finished, as long as two steps together copy less than
+the capacity (a c=64 Talker step copies a few hundred values; a call over the capacity falls back to a
 plain copy). Back to the host, `start_fetch` copies into pinned memory and records an event after the
-copy; `Fetch.wait()` waits on that event, not on the whole stream. One `HostStaging` per stage model or
+copy; `Fetch.wait()` waits on that event, not on the whole stream. One `PinnedBuffers` per stage model or
 sampler: it is used from that stage's thread only.
 """
 
@@ -24,7 +24,7 @@ CAPACITY = 1 << 18  # values per dtype (2 MiB of int64): a c=64 Talker step with
 FETCH_CAPACITY = 1 << 13  # values per dtype coming back (a step's sampled tokens and codec frames)
 
 
-class HostStaging:
+class PinnedBuffers:
     def __init__(self, device: torch.device, capacity: int = CAPACITY):
         self.device = device
         self.capacity = capacity

@@ -76,5 +76,7 @@ class WaitCounts:
             r.num_steps += 1
         self.num_deferred += num_deferred
 
-    def snapshot(self) -> tuple[int, int, int, int]:
-        return self.num_first_steps, self.first_wait_steps, self.max_wait_steps, self.num_deferred
+    def snapshot(self) -> dict[str, int]:
+        """As `StageStats` names them."""
+        return {"first_steps": self.num_first_steps, "first_wait_steps": self.first_wait_steps,
+                "max_wait_steps": self.max_wait_steps, "deferred_rows": self.num_deferred}

@@ -1,11 +1,11 @@
 """A request's life inside one stage: its status and progress counters (the request and event types
-that cross the engine boundary are in `pipeline/api.py`)."""
+that cross the engine boundary are in `pipeline/types.py`)."""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 from pipeline.stage.sampling import SamplingParams
 
@@ -72,30 +72,3 @@ class StageRequest:
     @property
     def is_prefill(self) -> bool:
         return self.num_computed_tokens < self.num_prompt_tokens
-
-
-class Output(NamedTuple):
-    """One request's result of one step: the sampled token (None while prefilling, or for a stage that
-    samples nothing) and the payload for the next stage or the client."""
-
-    request_id: str
-    token: int | None
-    payload: Any
-
-
-class Finish(NamedTuple):
-    """A request that ended in a stage, in a step or outside one (abort, error, nothing left to do)."""
-
-    request_id: str
-    status: RequestStatus
-    num_output_tokens: int = 0
-    error: str | None = None
-
-
-@dataclass(slots=True)
-class StepResult:
-    """What a stage reports, the same type wherever it runs (a thread, a worker process, a Ray actor)."""
-
-    outputs: list[Output] = field(default_factory=list)
-    finished: list[Finish] = field(default_factory=list)
-    cached: list[tuple[str, int]] = field(default_factory=list)  # (request id, prompt tokens reused) of new hits

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from pipeline.stage.grammar import apply_token_bitmask
-from pipeline.stage.pinned import HostStaging
+from pipeline.stage.pinned import PinnedBuffers
 
 Put = Callable[..., torch.Tensor]  # (values, dtype) -> a device tensor
 
@@ -85,7 +85,7 @@ class Sampler:
         self.suppress_ids = suppress_ids or []
         self._suppress: dict[torch.device, torch.Tensor] = {}
         self._eos: dict[torch.device, torch.Tensor] = {}
-        self._staging: HostStaging | None = None  # the calling stage's thread only
+        self._staging: PinnedBuffers | None = None  # the calling stage's thread only
         self._seen: SeenTokens | None = None
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams], histories: list[list[int]],
@@ -112,9 +112,9 @@ class Sampler:
     def _put(self, device: torch.device) -> Put:
         return self._staging_for(device).tensor
 
-    def _staging_for(self, device: torch.device) -> HostStaging:
+    def _staging_for(self, device: torch.device) -> PinnedBuffers:
         if self._staging is None or self._staging.device != device:
-            self._staging = HostStaging(device)
+            self._staging = PinnedBuffers(device)
         return self._staging
 
     def process(self, logits: torch.Tensor, params: list[SamplingParams], histories: list[list[int]],
@@ -166,7 +166,7 @@ def _seen_mask(logits: torch.Tensor, histories: list[list[int]], put: Put) -> to
 
 class SeenTokens:
     """Per KV slot, the tokens its request has produced, as a [slots, vocab] mask on the device, updated
-    with only each step's new tokens: staging whole histories cost the host O(reply length) per row per
+    with only each step's new tokens: copying whole histories cost the host O(reply length) per row per
     step (a c=64 Talker step near the end of long replies staged ~64 k ids). A slot's row is cleared when
     a different request (another history list) samples in it, or its history got shorter. Each sampled token is
     also set at once on the device (`add`), so a token still on its way to the history counts in the next step."""
@@ -177,7 +177,7 @@ class SeenTokens:
         self._owner: dict[int, tuple[list[int], int]] = {}  # slot -> (the history it holds, tokens counted)
         self._last_rows: torch.Tensor | None = None  # the slots of the last `mask` call, for `add`
 
-    def mask(self, slots: list[int], histories: list[list[int]], staging: HostStaging) -> torch.Tensor:
+    def mask(self, slots: list[int], histories: list[list[int]], pinned: PinnedBuffers) -> torch.Tensor:
         """[B, vocab]: row i holds the tokens of row i's slot, once this step's new tokens are added."""
         if max(slots) >= len(self.rows):
             grown = torch.zeros(max(slots) + 1, self.vocab_size, dtype=torch.bool, device=self.device)
@@ -192,7 +192,7 @@ class SeenTokens:
             new_slots.extend([slot] * (len(hist) - counted))
             new_tokens.extend(hist[counted:])
             self._owner[slot] = (hist, len(hist))
-        rows, cleared_rows, new_rows, new_ids = staging.tensors(slots, cleared, new_slots, new_tokens)
+        rows, cleared_rows, new_rows, new_ids = pinned.tensors(slots, cleared, new_slots, new_tokens)
         # index_fill_ takes its value as a kernel argument: `rows[i] = False` would copy a host scalar and make
         # the thread wait for the device, every step (which undoes async scheduling)
         if cleared:

@@ -20,35 +20,16 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
-
-import torch
 
 from pipeline.stage.kv_cache import SlotKVCache
 from pipeline.stage.prefix_cache import PrefixReuse
 from pipeline.stage.priority import Priority, WaitCounts, in_arrival_order, ranked
+from pipeline.stage.protocols import PrefixStats
 from pipeline.stage.request import RequestStatus, StageRequest
+from pipeline.stage.step import Batch, RowOutput
 
 
-@dataclass(slots=True)
-class Batch:
-    requests: list[StageRequest]
-    num_new_tokens: list[int]
-    is_prefill: bool
-
-
-@dataclass(slots=True)
-class StepOutput:
-    """A model's result for one request of a batch: logits to sample from (None while a prompt is
-    still being prefilled) and the payload for the next stage."""
-
-    logits: torch.Tensor | None = None
-    payload: Any = None
-    token: int | None = None
-
-
-class Scheduler:
+class SlotScheduler:
     def __init__(self, kv: SlotKVCache, max_num_seqs: int, max_num_batched_tokens: int, eos_ids: list[int],
                  is_ready: Callable[[StageRequest], bool], reuse: PrefixReuse | None = None,
                  priority: Priority | None = None):
@@ -66,11 +47,7 @@ class Scheduler:
         self._last_was_prefill = False
         self.num_prefill_tokens = 0  # prompt tokens computed by prefill steps
         self.num_cached_tokens = 0  # prompt tokens taken from resident slots instead
-        self.cached: list[tuple[str, int]] = []  # (request id, tokens reused) of hits not yet reported
-
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        self._hits: list[tuple[str, int]] = []  # (request id, tokens reused) of hits not yet reported
 
     @property
     def num_waiting(self) -> int:
@@ -79,6 +56,22 @@ class Scheduler:
     @property
     def num_running(self) -> int:
         return len(self.running)
+
+    @property
+    def num_free_slots(self) -> int:
+        return self.kv.num_free_slots
+
+    @property
+    def num_slots(self) -> int:
+        return self.kv.num_slots
+
+    def prefix_stats(self) -> PrefixStats:
+        held = list(self.kv.resident.values())
+        return PrefixStats(self.num_prefill_tokens, self.num_cached_tokens, len(held), sum(h.num_bytes for h in held))
+
+    def take_cached(self) -> list[tuple[str, int]]:
+        hits, self._hits = self._hits, []
+        return hits
 
     def add(self, req: StageRequest) -> None:
         self.waiting.append(req)
@@ -138,7 +131,7 @@ class Scheduler:
         self.reuse.adopt(req, held, n)
         req.num_computed_tokens = req.num_cached_tokens = n
         self.num_cached_tokens += n
-        self.cached.append((req.request_id, n))
+        self._hits.append((req.request_id, n))
 
     def _lookup(self, req: StageRequest) -> tuple[int, int] | None:
         """(resident slot, positions of the prompt it has) with the most, if any; the prompt's last token is
@@ -182,7 +175,7 @@ class Scheduler:
             if not req.is_prefill:
                 req.num_pending += 1
 
-    def update(self, batch: Batch, outputs: list[StepOutput]) -> list[StageRequest]:
+    def update(self, batch: Batch, outputs: list[RowOutput]) -> list[StageRequest]:
         """Apply a launched step's results; returns the requests that finished in it (slots already freed)."""
         finished = []
         for req, out in zip(batch.requests, outputs, strict=True):
@@ -231,70 +224,3 @@ class Scheduler:
 
 def _is_owed(req: StageRequest) -> bool:
     return req.is_owed_first_packet
-
-
-def _is_first_chunk(req: StageRequest) -> bool:
-    return req.state.num_emitted == 0
-
-
-class ChunkScheduler:
-    """Code2Wav batching: no KV cache; a request runs whenever its next codec window is due (its `state`, the
-    model's codec stream, says when), up to `max_num_seqs` windows per step. With a `Priority`,
-    first chunks go first, in a step of their own unless another window is overdue: a first chunk has no left
-    context, so alone it is a short step, where beside longer windows it would be padded to their length."""
-
-    def __init__(self, max_num_seqs: int, priority: Priority | None = None):
-        self.max_num_seqs = max_num_seqs
-        self.priority = priority
-        self.requests: list[StageRequest] = []
-        self.waits = WaitCounts()
-
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.requests)
-
-    num_waiting = 0  # a request waits only for its next codec window, never for a slot
-
-    @property
-    def num_running(self) -> int:
-        return len(self.requests)
-
-    def add(self, req: StageRequest) -> None:
-        req.status = RequestStatus.WAITING_FOR_INPUT
-        self.requests.append(req)
-
-    def schedule(self) -> Batch | None:
-        ready = [r for r in self.requests if r.state.is_ready()]
-        if not ready:
-            return None
-        chosen = self._pick(ready)
-        self.waits.account(ready, chosen, len(ready) - len(chosen))
-        for r in chosen:
-            r.status = RequestStatus.RUNNING
-        return Batch(chosen, [r.state.next_window()[1] for r in chosen], is_prefill=False)
-
-    def _pick(self, ready: list[StageRequest]) -> list[StageRequest]:
-        chosen = ranked(self.priority, ready, _is_first_chunk)[: self.max_num_seqs]
-        if self.priority is not None and not any(self.priority.is_overdue(r) for r in chosen):
-            chosen = [r for r in chosen if _is_first_chunk(r)] or chosen
-        return in_arrival_order(chosen, ready)
-
-    def launched(self, batch: Batch) -> None:
-        """Nothing to count ahead: a window advances its stream when its samples come back (`update`)."""
-
-    def update(self, batch: Batch, outputs: list[StepOutput]) -> list[StageRequest]:
-        finished = []
-        for req, n in zip(batch.requests, batch.num_new_tokens, strict=True):
-            if req.status.is_finished:
-                continue
-            req.state.advance(n)
-            req.status = RequestStatus.WAITING_FOR_INPUT
-            if req.state.is_drained():
-                self.finish(req, RequestStatus.FINISHED_STOPPED)
-                finished.append(req)
-        return finished
-
-    def finish(self, req: StageRequest, status: RequestStatus) -> None:
-        req.status = status
-        if req in self.requests:
-            self.requests.remove(req)

@@ -22,7 +22,7 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
 from pipeline.models.qwen3_omni.convolutions import use_conv_backend
 from pipeline.platform import Platform
 from pipeline.stage.compile import RECOMPILE_LIMIT
-from pipeline.stage.cudagraph import GraphCache, batch_buckets
+from pipeline.stage.cudagraph import CudaGraphCache, batch_buckets
 
 
 @dataclass(slots=True, frozen=True)
@@ -32,8 +32,13 @@ class CodecWindow:
     is_first: bool  # the request's first chunk: nothing withheld before it
 
 
+def pcm16(wav: np.ndarray) -> bytes:
+    """Samples in [-1, 1] as the clients take them: mono little-endian int16."""
+    return (np.clip(wav, -1.0, 1.0) * 32767.0).round().astype("<i2").tobytes()
+
+
 def samples_per_frame(c2w_config) -> int:
-    """Output samples per codec frame: the product of the upsampling rates (1920 for Qwen3-Omni)."""
+    """StageOutput samples per codec frame: the product of the upsampling rates (1920 for Qwen3-Omni)."""
     return math.prod((*c2w_config.upsample_rates, *c2w_config.upsampling_ratios))
 
 
@@ -88,17 +93,18 @@ class Code2WavModel:
             one = torch.zeros(1, self.num_quantizers, 1, dtype=torch.long, device=device)
             self.tail = self.samples_per_frame - code2wav(one).shape[-1]
         self.decoder = compiled_decoder(code2wav) if compile_step else code2wav
-        self.graphs = GraphCache("code2wav", self._decode_step, platform or Platform("cpu", "cpu", "gloo", False),
-                                 not enforce_eager, batch_buckets(max_batch), frame_sizes or [], compile_step)
+        self.cuda_graphs = CudaGraphCache("code2wav", self._decode_step,
+                                          platform or Platform("cpu", "cpu", "gloo", False), not enforce_eager,
+                                          batch_buckets(max_batch), frame_sizes or [], compile_step)
 
     @property
     def is_compiled(self) -> bool:
         return self.decoder is not self.code2wav
 
-    def capture_graphs(self) -> None:
+    def capture_cuda_graphs(self) -> None:
         """One graph per (batch bucket, frames bucket), with a progress bar; start-up logs their memory."""
-        self.graphs.capture(lambda key: {"codes": torch.zeros(key[0], self.num_quantizers, key[1], dtype=torch.long,
-                                                              device=self.device)})
+        self.cuda_graphs.capture(lambda key: {"codes": torch.zeros(key[0], self.num_quantizers, key[1],
+                                                                   dtype=torch.long, device=self.device)})
 
     def _decode_step(self, _frames, codes: torch.Tensor) -> tuple[torch.Tensor]:
         return (self.decoder(codes)[:, 0],)
@@ -108,11 +114,11 @@ class Code2WavModel:
         """Decode windows in one batch, right-padded with code 0 (harmless: the model is causal) to the
         graph bucket; returns each window's new float32 samples."""
         lengths = [len(w.codes) for w in windows]
-        width = self.graphs.length_bucket(max(lengths)) or max(lengths)
+        width = self.cuda_graphs.length_bucket(max(lengths)) or max(lengths)
         codes = torch.zeros(len(windows), width, self.num_quantizers, dtype=torch.long)
         for i, w in enumerate(windows):
             codes[i, : lengths[i]] = torch.tensor(w.codes)
-        (wav,) = self.graphs.run(len(windows), width, {"codes": codes.transpose(1, 2).to(self.device)}, {})
+        (wav,) = self.cuda_graphs.run(len(windows), width, {"codes": codes.transpose(1, 2).to(self.device)}, {})
         wav = wav.float().cpu().numpy()
         out = []
         for i, w in enumerate(windows):

@@ -12,50 +12,54 @@
 
 from __future__ import annotations
 
-import numpy as np
+from collections.abc import Callable
+
 import torch
 
-from pipeline.models.qwen3_omni.code2wav import frame_seconds
+from pipeline.models.qwen3_omni import CODE2WAV, TALKER, THINKER
+from pipeline.models.qwen3_omni.code2wav import frame_seconds, pcm16
 from pipeline.models.qwen3_omni.codec_stream import CodecStream
 from pipeline.models.qwen3_omni.prefix import TalkerPrefixes, ThinkerPrefixes
 from pipeline.models.qwen3_omni.prompt import PromptKey
 from pipeline.models.qwen3_omni.talker import NUM_ASSISTANT_PREFIX, TalkerState
 from pipeline.models.qwen3_omni.thinker import ThinkerInput
+from pipeline.stage.chunk_scheduler import ChunkScheduler
 from pipeline.stage.grammar import GrammarMasks
-from pipeline.stage.graph import StageGraph, StageNode, StageParts
-from pipeline.stage.loop import ARRunner
+from pipeline.stage.graph import AudioPcm, StageGraph, StageNode, StageParts, TextTokens
 from pipeline.stage.priority import Priority
-from pipeline.stage.request import Output, RequestStatus, StageRequest
+from pipeline.stage.request import RequestStatus, StageRequest
+from pipeline.stage.runner import ARRunner
 from pipeline.stage.sampling import Sampler, SamplingParams
-from pipeline.stage.scheduler import Batch, ChunkScheduler, Scheduler, StepOutput
+from pipeline.stage.scheduler import SlotScheduler
+from pipeline.stage.step import Batch, RowOutput, StageOutput
 
 # ---- Thinker ---------------------------------------------------------------------------------------------
 
 
 def build_thinker(cfg, models) -> StageParts:
-    th, sc = models.thinker, cfg.stage("thinker")
+    th, sc = models.thinker, cfg.stage(THINKER)
     reuse = ThinkerPrefixes(th.multimodal_ids) if sc.prefix_caching else None
-    return StageParts(Scheduler(th.kv, sc.max_num_seqs, sc.max_num_batched_tokens, th.eos_ids, lambda r: True, reuse,
-                                Priority.from_config(cfg)),
-                      ARRunner(th, Sampler(th.vocab_size, th.eos_ids), GrammarMasks(models.grammars)))
+    return StageParts(SlotScheduler(th.kv, sc.max_num_seqs, sc.max_num_batched_tokens, th.eos_ids, lambda r: True,
+                                    reuse, Priority.from_config(cfg)),
+                                    ARRunner(th, Sampler(th.vocab_size, th.eos_ids), GrammarMasks(models.grammars)))
 
 
-def thinker_to_client(eos_ids: list[int]):
+def thinker_to_client(eos_ids: list[int]) -> Callable[[StageOutput], TextTokens | None]:
     eos = set(eos_ids)
-    return lambda out: ("tokens", [out.token]) if out.token is not None and out.token not in eos else None
+    return lambda out: TextTokens([out.token]) if out.token is not None and out.token not in eos else None
 
 
 # ---- Talker ----------------------------------------------------------------------------------------------
 
 
 def build_talker(cfg, models) -> StageParts:
-    tk, sc, async_chunk = models.talker, cfg.stage("talker"), cfg.connector.async_chunk
-    return StageParts(Scheduler(tk.kv, sc.max_num_seqs, sc.max_num_batched_tokens, tk.eos_ids,
-                                lambda r: _talker_may_step(tk, async_chunk, r),
-                                TalkerPrefixes() if sc.prefix_caching else None, Priority.from_config(cfg)),
-                      ARRunner(tk, Sampler(tk.vocab_size, tk.eos_ids, tk.suppress_ids)),
-                      on_input=lambda r, rows: r.state.add(rows),
-                      on_input_done=lambda stage, r: _thinker_done(tk, stage, r))
+    tk, sc, async_chunk = models.talker, cfg.stage(TALKER), cfg.connector.async_chunk
+    return StageParts(SlotScheduler(tk.kv, sc.max_num_seqs, sc.max_num_batched_tokens, tk.eos_ids,
+                                    lambda r: _talker_may_step(tk, async_chunk, r),
+                                    TalkerPrefixes() if sc.prefix_caching else None, Priority.from_config(cfg)),
+                                    ARRunner(tk, Sampler(tk.vocab_size, tk.eos_ids, tk.suppress_ids)),
+                                    on_input=lambda r, rows: r.state.add(rows),
+                                    on_input_done=lambda stage, r: _thinker_done(tk, stage, r))
 
 
 def _talker_may_step(talker, async_chunk: bool, req: StageRequest) -> bool:
@@ -80,16 +84,21 @@ def _thinker_done(talker, stage, req: StageRequest) -> None:
 
 
 class Code2WavRunner:
+    """Decodes each request's next window; it samples nothing, so no step waits on the host for another."""
+
+    can_schedule_ahead = False
+    waited_s = 0.0  # the stage's sync at the end of each step counts the device time
+
     def __init__(self, model):
         self.model = model
 
-    def run(self, batch: Batch) -> list[StepOutput]:
+    def run(self, batch: Batch) -> list[RowOutput]:
         wavs = self.model.decode([r.state.next_window()[0] for r in batch.requests])
-        return [StepOutput(payload=w) for w in wavs]
+        return [RowOutput(payload=w) for w in wavs]
 
 
 def build_code2wav(cfg, models) -> StageParts:
-    return StageParts(ChunkScheduler(cfg.stage("code2wav").max_num_seqs, Priority.from_config(cfg)),
+    return StageParts(ChunkScheduler(cfg.stage(CODE2WAV).max_num_seqs, Priority.from_config(cfg)),
                       Code2WavRunner(models.code2wav),
                       on_input=lambda r, frame: r.state.add(frame), on_input_done=_talker_done)
 
@@ -100,10 +109,8 @@ def _talker_done(stage, req: StageRequest) -> None:
         stage.finish(req, RequestStatus.FINISHED_STOPPED)
 
 
-def audio_to_client(out: Output) -> tuple | None:
-    if not len(out.payload):
-        return None
-    return "audio", (np.clip(out.payload, -1.0, 1.0) * 32767.0).round().astype("<i2").tobytes()
+def audio_to_client(out: StageOutput) -> AudioPcm | None:
+    return AudioPcm(pcm16(out.payload)) if len(out.payload) else None
 
 
 # ---- a request entering the graph ------------------------------------------------------------------------
@@ -113,20 +120,20 @@ def new_requests(models, cfg, req, prompt, voice: str | None, params: dict[str, 
                  ) -> dict[str, StageRequest]:
     """The request as each stage on its path first sees it."""
     rid, key = req.request_id, PromptKey(req.cache_salt, prompt.cache_key)
-    out = {"thinker": StageRequest(rid, params["thinker"], ThinkerInput(prompt, voice is not None, key),
-                                   num_prompt_tokens=len(prompt.input_ids), generator=_generator(params["thinker"]))}
+    out = {THINKER: StageRequest(rid, params[THINKER], ThinkerInput(prompt, voice is not None, key),
+                                   num_prompt_tokens=len(prompt.input_ids), generator=_generator(params[THINKER]))}
     if voice is not None:
         talker = TalkerState(models.voices[voice], prompt.input_ids, prompt.audio_lengths, prompt.image_grid_thw,
                              key=key)
-        out["talker"] = StageRequest(rid, params["talker"], talker, RequestStatus.WAITING_FOR_INPUT,
-                                     generator=_generator(params["talker"]))
+        out[TALKER] = StageRequest(rid, params[TALKER], talker, RequestStatus.WAITING_FOR_INPUT,
+                                     generator=_generator(params[TALKER]))
         frame_s = frame_seconds(models.hf.config.code2wav_config, models.output_sample_rate)
         codec = CodecStream.from_config(cfg.connector, frame_s, req.initial_codec_chunk_frames, rid)
         codec.wait_for_input = not cfg.connector.async_chunk
-        out["code2wav"] = StageRequest(rid, params["talker"], codec)
+        out[CODE2WAV] = StageRequest(rid, params[TALKER], codec)
         _owe_first_chunk(out, codec)
     if req.background:
-        out["thinker"].num_first_packet_outputs = 0
+        out[THINKER].num_first_packet_outputs = 0
     return out
 
 
@@ -135,11 +142,11 @@ def _owe_first_chunk(reqs: dict[str, StageRequest], codec: CodecStream) -> None:
     0..F-1 (F + 1 sampled tokens, the prefill's included), and step k needs Thinker token k + 2. Without
     async chunk the first packet waits for whole replies."""
     if codec.wait_for_input:
-        for name in ("thinker", "talker"):
+        for name in (THINKER, TALKER):
             reqs[name].num_first_packet_outputs = reqs[name].sampling.max_tokens
         return
-    reqs["thinker"].num_first_packet_outputs = codec.pacing.initial_frames + 2
-    reqs["talker"].num_first_packet_outputs = codec.pacing.initial_frames + 1
+    reqs[THINKER].num_first_packet_outputs = codec.pacing.initial_frames + 2
+    reqs[TALKER].num_first_packet_outputs = codec.pacing.initial_frames + 1
 
 
 def _generator(params: SamplingParams) -> torch.Generator | None:
@@ -147,13 +154,13 @@ def _generator(params: SamplingParams) -> torch.Generator | None:
 
 
 def build_graph(config, has_talker: bool) -> StageGraph:
-    thinker = StageNode("thinker", build_thinker, to_client=thinker_to_client([config.im_end_token_id]),
+    thinker = StageNode(THINKER, build_thinker, to_client=thinker_to_client([config.im_end_token_id]),
                         sampling_field="thinker_sampling")
     if not has_talker:  # a checkpoint without speech output
         return StageGraph((thinker,), new_requests)
     return StageGraph((
         thinker,
-        StageNode("talker", build_talker, counts_audio_frames=True, sampling_field="talker_sampling",
+        StageNode(TALKER, build_talker, counts_audio_frames=True, sampling_field="talker_sampling",
                   prefix_tokens=NUM_ASSISTANT_PREFIX),
-        StageNode("code2wav", build_code2wav, to_client=audio_to_client, needs_kv=False),
+        StageNode(CODE2WAV, build_code2wav, to_client=audio_to_client, needs_kv=False),
     ), new_requests)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from pipeline.config import EngineConfig, StageConfig
+from pipeline.models.qwen3_omni import TALKER, THINKER
 from pipeline.models.qwen3_omni.code2wav import samples_per_frame
 from pipeline.stage.memory_plan import StageMemory
 
@@ -41,11 +42,11 @@ def stage_memory(hf, cfg: EngineConfig, stages: tuple[str, ...], graphs: bool) -
 
 def _costs(hc, name: str, sc: StageConfig, cfg: EngineConfig, elt: int, speech: bool) -> tuple[int, int, int]:
     """(bytes per KV slot, bytes of batch-sized KV, activation workspace) of stage `name`."""
-    if name == "thinker":
+    if name == THINKER:
         text = hc.thinker_config.text_config
         rows = 2 * text.hidden_size * sc.max_model_len * elt if sc.prefix_caching and speech else 0
         return _slot_bytes(text, sc.max_model_len, elt) + rows, 0, _ar_workspace(text, sc, elt)
-    if name == "talker":
+    if name == TALKER:
         tkc = hc.talker_config
         predictor = (sc.max_num_seqs + 1) * _slot_bytes(tkc.code_predictor_config, tkc.num_code_groups, elt)
         slot = _slot_bytes(tkc.text_config, sc.max_model_len, elt) + tkc.text_config.hidden_size * elt

@@ -1,7 +1,8 @@
-"""The one place that knows Qwen3-Omni: load weights and build the stage models from a config.
+"""Qwen3-Omni loaded: the weights, the stage models built from a config, the prompt encoder and the stage graph
+(`OmniModels`, what the engine gets from `load()`).
 
 A process loads only the stages it runs (`stages`): a Code2Wav replica holds neither the Thinker
-nor the Talker on its device, and captures only its own graphs."""
+nor the Talker on its device, and captures only its own CUDA graphs."""
 
 from __future__ import annotations
 
@@ -13,11 +14,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pipeline.config import STAGE_NAMES, EngineConfig
+from pipeline.config import EngineConfig
 from pipeline.kernels.attention import attend_in_place
 from pipeline.kernels.moe import use_fused_experts
 from pipeline.kernels.triton_runtime import available
+from pipeline.models.qwen3_omni import CODE2WAV, TALKER, THINKER
 from pipeline.models.qwen3_omni.code2wav import Code2WavModel, frame_buckets
+from pipeline.models.qwen3_omni.generate import generate
+from pipeline.models.qwen3_omni.graph import build_graph
 from pipeline.models.qwen3_omni.memory import stage_memory
 from pipeline.models.qwen3_omni.prompt import PromptEncoder
 from pipeline.models.qwen3_omni.talker import TalkerModel
@@ -26,9 +30,10 @@ from pipeline.models.qwen3_omni.tool_calls import CALL_START, ToolCallParser, to
 from pipeline.models.qwen3_omni.weights import load_hf_model
 from pipeline.platform import Platform
 from pipeline.stage.grammar import Grammars
-from pipeline.stage.graph import StageGraph
+from pipeline.stage.graph import Generated, StageGraph
 from pipeline.stage.kv_cache import SlotKVCache
 from pipeline.stage.memory_plan import MemoryPlan, log_capture, log_plan, plan_memory
+from pipeline.stage.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 OUTPUT_SAMPLE_RATE = 24000
@@ -44,7 +49,7 @@ class OmniModels:
     voices: dict[str, int]  # voice name -> speaker id
     tokenizer: object
     kv_bytes: dict[str, int]
-    hf: object  # the transformers model itself (the reference engine drives its generate())
+    hf: object  # the transformers model itself (`generate` drives its own generate())
     platform: Platform
     plan: MemoryPlan | None = None  # how the KV caches were sized (pipeline/stage/memory_plan.py)
     graph: StageGraph | None = None  # the stages and what crosses between them (set by load_models)
@@ -58,15 +63,15 @@ class OmniModels:
         """The rate the checkpoint's feature extractor takes audio at."""
         return self.encoder.sample_rate
 
-    def capture_graphs(self) -> None:
+    def capture_cuda_graphs(self) -> None:
         """Capture the steps of every stage loaded here whose profile allows graphs (no-op otherwise), and
         log what that took against the memory plan's estimate."""
         device = self.platform.device(0)
         free_before, _ = self.platform.mem_get_info(device)
-        for name, model in zip(STAGE_NAMES, (self.thinker, self.talker, self.code2wav), strict=True):
+        for name, model in zip((THINKER, TALKER, CODE2WAV), (self.thinker, self.talker, self.code2wav), strict=True):
             if model is not None:
                 free, started = self.platform.mem_get_info(device)[0], time.perf_counter()
-                model.capture_graphs()
+                model.capture_cuda_graphs()
                 if self.platform.supports_graphs:
                     log.info("%s: graphs captured in %.1f s, %.2f GiB of device memory", name,
                              time.perf_counter() - started, (free - self.platform.mem_get_info(device)[0]) / 2**30)
@@ -88,8 +93,9 @@ class OmniModels:
         self.platform.synchronize()
         log.info("thinker: audio and vision encoders warmed in %.2f s", time.perf_counter() - started)
 
-    def decode_text(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+    def generate(self, prompt, voice: str | None, params: dict[str, SamplingParams]) -> Generated:
+        """transformers' own generate() of the whole reply (the reference engine's baseline)."""
+        return generate(self, prompt, voice, params)
 
 
 def _kv_for(stack_config, num_slots: int, max_len: int, platform: Platform, dtype: torch.dtype,
@@ -126,10 +132,8 @@ def _experts(backend: str, platform: Platform) -> str:
     return backend
 
 
-def load_models(cfg: EngineConfig, platform: Platform, stages: tuple[str, ...] = STAGE_NAMES) -> OmniModels:
+def load_models(cfg: EngineConfig, platform: Platform, stages: tuple[str, ...]) -> OmniModels:
     """The models of `stages` (the others are not loaded), the prompt encoder, and the stage graph."""
-    from pipeline.models.qwen3_omni.graph import build_graph  # it builds stages, which import this package
-
     dtype = getattr(torch, cfg.dtype)
     device = platform.device(0)
     moe = _experts(cfg.moe_backend, platform)
@@ -145,40 +149,40 @@ def load_models(cfg: EngineConfig, platform: Platform, stages: tuple[str, ...] =
     encoder = PromptEncoder.from_checkpoint(path, tokenizer, hc.thinker_config)
     thinker = talker = code2wav = None
     kv_bytes = {}
-    if "thinker" in stages:
-        th_cfg = cfg.stage("thinker")
-        th_kv = _kv_for(hc.thinker_config.text_config, plan.num_slots["thinker"], th_cfg.max_model_len, platform,
+    if THINKER in stages:
+        th_cfg = cfg.stage(THINKER)
+        th_kv = _kv_for(hc.thinker_config.text_config, plan.num_slots[THINKER], th_cfg.max_model_len, platform,
                         dtype, in_place)
         thinker = ThinkerModel(hf.thinker, hc, th_kv, platform, th_cfg.max_num_seqs, th_cfg.enforce_eager, graph_moe,
-                               cfg.compiles("thinker", platform.supports_graphs),
+                               cfg.compiles(THINKER, platform.supports_graphs),
                                tokenizer.convert_tokens_to_ids(CALL_START), th_cfg.compiled_prefill,
                                th_cfg.prefill_graph_tokens)
-        kv_bytes["thinker"] = thinker.kv.num_bytes
+        kv_bytes[THINKER] = thinker.kv.num_bytes
     has_talker = getattr(hf, "has_talker", False)
-    if has_talker and "talker" in stages:
-        tk_cfg = cfg.stage("talker")
+    if has_talker and TALKER in stages:
+        tk_cfg = cfg.stage(TALKER)
         tkc = hc.talker_config
         # the code predictor's cache holds one batch: its rows are the batch's, not the requests' slots
         predictor_kv = _kv_for(tkc.code_predictor_config, tk_cfg.max_num_seqs, tkc.num_code_groups, platform, dtype,
                                in_place)
-        talker_kv = _kv_for(tkc.text_config, plan.num_slots["talker"], tk_cfg.max_model_len, platform, dtype, in_place)
+        talker_kv = _kv_for(tkc.text_config, plan.num_slots[TALKER], tk_cfg.max_model_len, platform, dtype, in_place)
         talker = TalkerModel(hf.talker, hc, talker_kv, predictor_kv, _special_rows(hf, device), platform,
                              tk_cfg.max_num_seqs, tk_cfg.enforce_eager, graph_moe,
-                             cfg.compiles("talker", platform.supports_graphs), tk_cfg.compiled_prefill,
+                             cfg.compiles(TALKER, platform.supports_graphs), tk_cfg.compiled_prefill,
                              tk_cfg.prefill_graph_tokens)
-        kv_bytes["talker"] = talker.kv.num_bytes + predictor_kv.num_bytes
-    if has_talker and "code2wav" in stages:
+        kv_bytes[TALKER] = talker.kv.num_bytes + predictor_kv.num_bytes
+    if has_talker and CODE2WAV in stages:
         if cfg.conv_backend == "triton" and not available():
             raise ValueError("conv_backend triton needs Triton "
                              "(pip install triton; on the CPU also TRITON_INTERPRET=1)")
-        cc, c2w_cfg = cfg.connector, cfg.stage("code2wav")
+        cc, c2w_cfg = cfg.connector, cfg.stage(CODE2WAV)
         code2wav = Code2WavModel(hf.code2wav, device, platform, c2w_cfg.enforce_eager, c2w_cfg.max_num_seqs,
                                  frame_buckets(cc.initial_codec_chunk_frames, cc.codec_chunk_frames,
                                                cc.codec_left_context_frames), cfg.conv_backend,
-                                 cfg.compiles("code2wav", platform.supports_graphs))
+                                 cfg.compiles(CODE2WAV, platform.supports_graphs))
         log.info("code2wav: convolutions %s, compiled %s, graphs %s (batches up to %d)", cfg.conv_backend,
                  "yes" if code2wav.is_compiled else "no",
-                 "on" if code2wav.graphs.enabled else "off", c2w_cfg.max_num_seqs)
+                 "on" if code2wav.cuda_graphs.enabled else "off", c2w_cfg.max_num_seqs)
         if cc.codec_left_context_frames < code2wav.receptive_field_frames:
             log.info("code2wav: %d frames of left context, the vocoder's receptive field is %d: streamed audio "
                      "approximates the one-shot decode (docs/architecture.md, Parity)",

@@ -18,36 +18,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from pipeline.models.qwen3_omni.prompt import PromptKey
-from pipeline.models.qwen3_omni.thinker import ThinkerInput
+from pipeline.models.qwen3_omni.thinker import ThinkerHeld, ThinkerInput
 from pipeline.stage.request import StageRequest
-
-
-@dataclass(slots=True, frozen=True)
-class ThinkerHeld:
-    """A resident Thinker slot: the key of each position it holds, and the Talker rows of its prompt part."""
-
-    key: PromptKey  # keys of the positions written: the prompt's, then the fed reply tokens
-    embeds: torch.Tensor  # [rows, H] token embeddings, audio rows scattered in
-    tapped: torch.Tensor  # [rows, H] the Talker's tapped layer
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.key)
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.embeds)
-
-    @property
-    def num_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.embeds, self.tapped))
-
-    def head(self, n: int) -> ThinkerHeld:
-        """What holding only its first `n` positions is."""
-        return ThinkerHeld(self.key.head(n), self.embeds[:n], self.tapped[:n])
 
 
 class ThinkerPrefixes:

@@ -21,11 +21,11 @@ from pipeline.models.qwen3_omni.rope import rope_positions
 from pipeline.models.qwen3_omni.thinker import ThinkerRows
 from pipeline.platform import Platform
 from pipeline.stage.compile import compile_layers
-from pipeline.stage.cudagraph import GraphCache, batch_buckets
+from pipeline.stage.cudagraph import CudaGraphCache, batch_buckets
 from pipeline.stage.kv_cache import SlotKVCache
-from pipeline.stage.pinned import HostStaging
+from pipeline.stage.pinned import PinnedBuffers
 from pipeline.stage.sampling import sample_top_k_top_p
-from pipeline.stage.scheduler import Batch, StepOutput
+from pipeline.stage.step import Batch, RowOutput
 
 NUM_ASSISTANT_PREFIX = 9  # im_start, assistant, \n, 4 x tts_pad, tts_bos, first text token
 
@@ -125,7 +125,7 @@ class TalkerModel:
         self.tc = config.talker_config
         self.kv, self.predictor_kv = kv, predictor_kv
         self.device = kv.k.device
-        self.staging = HostStaging(self.device)
+        self.pinned = PinnedBuffers(self.device)
         self.vocab_size = self.tc.text_config.vocab_size
         self.eos_ids = [self.tc.codec_eos_token_id]
         self.suppress_ids = [i for i in range(self.vocab_size - 1024, self.vocab_size) if i != self.eos_ids[0]]
@@ -146,12 +146,12 @@ class TalkerModel:
         self.predictor_layers = compile_layers(self.predictor.model.layers) if compile_step else None
         self.prefill = PrefillPass("talker", self.stack, kv, self.decode_layers if compiled_prefill else None,
                                    platform, not eager, max_num_seqs, prefill_graph_tokens)
-        self.decode_graphs = GraphCache("talker decode", self._decode_step, platform, not eager,
-                                        batch_buckets(max_num_seqs), kv.graph_lengths(), compile_step)
-        self.predictor_graphs = GraphCache("code predictor", self._predict_step, platform, not eager,
-                                           batch_buckets(max_num_seqs), None, compile_step)
+        self.decode_graphs = CudaGraphCache("talker decode", self._decode_step, platform, not eager,
+                                            batch_buckets(max_num_seqs), kv.graph_lengths(), compile_step)
+        self.predictor_graphs = CudaGraphCache("code predictor", self._predict_step, platform, not eager,
+                                               batch_buckets(max_num_seqs), None, compile_step)
 
-    def capture_graphs(self) -> None:
+    def capture_cuda_graphs(self) -> None:
         h = self.past_hidden.shape[1]
 
         def decode_inputs(key):
@@ -208,7 +208,7 @@ class TalkerModel:
             self._build_prompts(new, PromptLayout.of(self.config, new))
 
     def _build_prompts(self, states: list[TalkerState], at: PromptLayout) -> None:
-        text_in, mm_in, row_at, codec_at, codec_ids = self.staging.tensors(at.text_rows, at.mm_rows, at.row_pick,
+        text_in, mm_in, row_at, codec_at, codec_ids = self.pinned.tensors(at.text_rows, at.mm_rows, at.row_pick,
                                                                            at.codec_pick, at.codec_ids)
         embeds = torch.cat([c for st in states for c in (*st.embed_chunks, st.text_rows[0][None])])
         parts = [self.talker.text_projection(embeds[text_in])]
@@ -229,13 +229,13 @@ class TalkerModel:
     # ---- steps --------------------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def run(self, batch: Batch) -> list[StepOutput]:
+    def run(self, batch: Batch) -> list[RowOutput]:
         starts = [r.num_computed_tokens for r in batch.requests]
         if batch.is_prefill:
             return self._prefill(batch.requests, starts, batch.num_new_tokens)
         return self._decode(batch.requests, starts)
 
-    def _prefill(self, reqs, starts: list[int], n_new: list[int]) -> list[StepOutput]:
+    def _prefill(self, reqs, starts: list[int], n_new: list[int]) -> list[RowOutput]:
         self.prepare(reqs)
         last, _ = self.prefill.run(reqs, starts, n_new, "prompt")
         logits = self.talker.codec_head(last)
@@ -244,15 +244,15 @@ class TalkerModel:
             done = s + n >= r.num_prompt_tokens
             if done:
                 self.past_hidden[r.slot] = last[i]
-            outs.append(StepOutput(logits=logits[i] if done else None))
+            outs.append(RowOutput(logits=logits[i] if done else None))
         return outs
 
-    def _decode(self, reqs, starts: list[int]) -> list[StepOutput]:
+    def _decode(self, reqs, starts: list[int]) -> list[RowOutput]:
         """Complete each request's pending frame (code predictor), then one talker step on it."""
         n = len(reqs)
-        slots, positions, rope = self.staging.tensors(
+        slots, positions, rope = self.pinned.tensors(
             [r.slot for r in reqs], starts, [s + r.state.rope_delta for r, s in zip(reqs, starts)])
-        greedy = self.staging.tensor([r.sampling.is_greedy for r in reqs], torch.bool)
+        greedy = self.pinned.tensor([r.sampling.is_greedy for r in reqs], torch.bool)
         codes, code_sum = self.predictor_graphs.run(
             n, None, {"past": self.past_hidden[slots], "code0": self.last_codes[slots], "greedy": greedy},
             {"greedy": 1})
@@ -262,13 +262,13 @@ class TalkerModel:
             {"slots": self.kv.scratch_slot})
         self.past_hidden[slots] = hidden
         # the frames stay on the device: they come to the host with the sampled tokens, in one wait
-        return [StepOutput(logits=row, payload=frame) for row, frame in zip(logits, codes)]
+        return [RowOutput(logits=row, payload=frame) for row, frame in zip(logits, codes)]
 
-    def complete(self, reqs, outs: list[StepOutput], sampled: list[int],
+    def complete(self, reqs, outs: list[RowOutput], sampled: list[int],
                  tokens: torch.Tensor | None) -> list[torch.Tensor | None]:
         """Keep each sampled code as its slot's next input, on the device; the payloads stay the frames."""
         if sampled:
-            self.last_codes[self.staging.tensor([reqs[i].slot for i in sampled])] = tokens
+            self.last_codes[self.pinned.tensor([reqs[i].slot for i in sampled])] = tokens
         return [o.payload for o in outs]
 
     def _decode_step(self, kv_len, embeds, slots, positions, rope_pos) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,7 +4,6 @@ per-token rows the Talker consumes (token embedding and the `accept_hidden_layer
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -14,13 +13,35 @@ from pipeline.models.qwen3_omni.prompt import EncodedPrompt, PromptKey
 from pipeline.models.qwen3_omni.rope import rope_positions
 from pipeline.platform import Platform
 from pipeline.stage.compile import compile_layers
-from pipeline.stage.cudagraph import GraphCache, batch_buckets
+from pipeline.stage.cudagraph import CudaGraphCache, batch_buckets
 from pipeline.stage.kv_cache import SlotKVCache
-from pipeline.stage.pinned import HostStaging
-from pipeline.stage.scheduler import Batch, StepOutput
+from pipeline.stage.pinned import PinnedBuffers
+from pipeline.stage.step import Batch, RowOutput
 
-if TYPE_CHECKING:
-    from pipeline.models.qwen3_omni.prefix import ThinkerHeld
+
+@dataclass(slots=True, frozen=True)
+class ThinkerHeld:
+    """A resident Thinker slot: the key of each position it holds, and the Talker rows of its prompt part."""
+
+    key: PromptKey  # keys of the positions written: the prompt's, then the fed reply tokens
+    embeds: torch.Tensor  # [rows, H] token embeddings, audio rows scattered in
+    tapped: torch.Tensor  # [rows, H] the Talker's tapped layer
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.key)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.embeds)
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.embeds, self.tapped))
+
+    def head(self, n: int) -> ThinkerHeld:
+        """What holding only its first `n` positions is."""
+        return ThinkerHeld(self.key.head(n), self.embeds[:n], self.tapped[:n])
 
 
 @dataclass(slots=True)
@@ -57,6 +78,8 @@ class ThinkerRows:
 
 
 class ThinkerModel:
+    reads_device_tokens = False  # decode steps take the last sampled token from the host (a grammar may see it)
+
     def __init__(self, thinker, config, kv: SlotKVCache, platform: Platform, max_num_seqs: int,
                  enforce_eager: bool = True, graph_moe: str | None = None, compile_step: bool = False,
                  tool_call_id: int | None = None, compiled_prefill: bool = True, prefill_graph_tokens: int = 0):
@@ -72,14 +95,14 @@ class ThinkerModel:
         self.device = kv.k.device
         self.vocab_size = config.thinker_config.text_config.vocab_size
         self.eos_ids = [config.im_end_token_id]
-        self.staging = HostStaging(self.device)
+        self.pinned = PinnedBuffers(self.device)
         self.decode_layers = compile_layers(self.stack.layers) if compile_step else None  # None: as written
         self.prefill = PrefillPass("thinker", self.stack, kv, self.decode_layers if compiled_prefill else None,
                                    platform, not enforce_eager, max_num_seqs, prefill_graph_tokens, self.tap_layer)
-        self.graphs = GraphCache("thinker decode", self._decode_step, platform, not enforce_eager,
-                                 batch_buckets(max_num_seqs), kv.graph_lengths(), compile_step)
+        self.cuda_graphs = CudaGraphCache("thinker decode", self._decode_step, platform, not enforce_eager,
+                                          batch_buckets(max_num_seqs), kv.graph_lengths(), compile_step)
 
-    def capture_graphs(self) -> None:
+    def capture_cuda_graphs(self) -> None:
         def inputs(key):
             b = key[0]
             zeros = torch.zeros(b, dtype=torch.long, device=self.device)
@@ -87,7 +110,7 @@ class ThinkerModel:
                     "rope_pos": zeros.clone()}
 
         with experts_implementation(self.stack, self.graph_moe):
-            self.graphs.capture(inputs)
+            self.cuda_graphs.capture(inputs)
         self.prefill.warm_up()
         self.prefill.capture(self.graph_moe)
 
@@ -111,7 +134,7 @@ class ThinkerModel:
         image_firsts = [num_encoded(p.image_spans, r.num_computed_tokens) for p, r in zip(prompts, new)]
         audios = encode_audio(self.thinker, self.device, prompts, audio_firsts)
         images = encode_images(self.thinker, self.device, prompts, image_firsts)
-        ids = self.staging.tensor([t for p in prompts for t in p.input_ids])
+        ids = self.pinned.tensor([t for p in prompts for t in p.input_ids])
         embeds = self.stack.embed_tokens(ids).split([len(p.input_ids) for p in prompts])
         for r, e, a, first, v in zip(new, embeds, audios, audio_firsts, images):
             r.state = self._state(r.state, e.clone(), a, first, v, r.num_computed_tokens)
@@ -125,7 +148,7 @@ class ThinkerModel:
         # the rows of reply tokens it starts from stay zero: the Talker reads no tapped row there (prefix.py)
         tapped = torch.zeros_like(embeds)
         if audio_rows is not None:
-            at = self.staging.tensor([i for a, b in prompt.audio_spans[first_audio:] for i in range(a, b)])
+            at = self.pinned.tensor([i for a, b in prompt.audio_spans[first_audio:] for i in range(a, b)])
             embeds[at] = audio_rows.to(embeds.dtype)
         if visual is not None:
             embeds[visual.positions.to(self.device)] = visual.embeds.to(embeds.dtype)
@@ -137,14 +160,14 @@ class ThinkerModel:
         return ThinkerState(prompt.input_ids, embeds, tapped, pos, delta, lengths, inp.wants_rows, visual, inp.key)
 
     @torch.inference_mode()
-    def run(self, batch: Batch) -> list[StepOutput]:
+    def run(self, batch: Batch) -> list[RowOutput]:
         starts = [r.num_computed_tokens for r in batch.requests]
         if batch.is_prefill:
             self.prepare(batch.requests)
             return self._prefill(batch.requests, starts, batch.num_new_tokens)
         return self._decode(batch.requests, starts)
 
-    def _prefill(self, reqs, starts: list[int], n_new: list[int]) -> list[StepOutput]:
+    def _prefill(self, reqs, starts: list[int], n_new: list[int]) -> list[RowOutput]:
         """Prompt chunks, padded into one batch (`PrefillPass`: a graph of its bucket where one holds them and
         no image is in the batch)."""
         has_images = any(r.state.visual is not None for r in reqs)
@@ -172,12 +195,12 @@ class ThinkerModel:
             out[:, i, at.to(out.device)] = rows.to(out.dtype)
         return out
 
-    def _decode(self, reqs, starts: list[int]) -> list[StepOutput]:
+    def _decode(self, reqs, starts: list[int]) -> list[RowOutput]:
         names = ("token_ids", "slots", "positions", "rope_pos")
-        inputs = dict(zip(names, self.staging.tensors([r.output_ids[-1] for r in reqs], [r.slot for r in reqs],
+        inputs = dict(zip(names, self.pinned.tensors([r.output_ids[-1] for r in reqs], [r.slot for r in reqs],
                                                       starts, [s + r.state.rope_delta for r, s in zip(reqs, starts)])))
-        (logits,) = self.graphs.run(len(reqs), max(starts) + 1, inputs, {"slots": self.kv.scratch_slot})
-        return [StepOutput(logits=row) for row in logits]
+        (logits,) = self.cuda_graphs.run(len(reqs), max(starts) + 1, inputs, {"slots": self.kv.scratch_slot})
+        return [RowOutput(logits=row) for row in logits]
 
     def _decode_step(self, kv_len, token_ids, slots, positions, rope_pos) -> tuple[torch.Tensor]:
         """One token for each row: the fixed-shape step that graphs capture (kv_len: the dense copy's length)."""
@@ -188,23 +211,23 @@ class ThinkerModel:
         return (self.thinker.lm_head(normed[:, 0]),)
 
     @staticmethod
-    def _output(req, start: int, end: int, logits) -> StepOutput:
+    def _output(req, start: int, end: int, logits) -> RowOutput:
         """A prefill step's result: the prompt rows [start, end) for the Talker (from 0 at the first step of a
         request that starts from a resident slot: the rows that slot kept), and the logits once it is done."""
         st, rows = req.state, None
         if st.wants_rows and req.is_prefill:
             begin = 0 if start == req.num_cached_tokens else start
             rows = ThinkerRows(prompt_embeds=st.embeds[begin:end], prompt_hidden=st.tapped[begin:end])
-        return StepOutput(logits=logits if end >= req.num_prompt_tokens else None, payload=rows)
+        return RowOutput(logits=logits if end >= req.num_prompt_tokens else None, payload=rows)
 
-    def complete(self, reqs, outs: list[StepOutput], sampled: list[int],
+    def complete(self, reqs, outs: list[RowOutput], sampled: list[int],
                  tokens: torch.Tensor | None) -> list[ThinkerRows | None]:
         """The step's hand-offs: prompt rows, plus the embedding of each token just sampled (`tokens`, on the
         device, for the rows `sampled`: one lookup, no round trip through the host)."""
         rows = [(out.payload or ThinkerRows()) if self._speaks(req) else None for req, out in zip(reqs, outs)]
         wanted = [j for j, i in enumerate(sampled) if rows[i] is not None]
         if wanted:
-            picked = tokens if len(wanted) == len(sampled) else tokens[self.staging.tensor(wanted)]
+            picked = tokens if len(wanted) == len(sampled) else tokens[self.pinned.tensor(wanted)]
             for j, embed in zip(wanted, self.stack.embed_tokens(picked)):
                 rows[sampled[j]].token_embed = embed
         return rows

@@ -11,12 +11,9 @@ import torch
 
 from pipeline.models.qwen3_omni import released
 from pipeline.models.qwen3_omni.tiny import ensure_tiny_model, init_talker_experts
+from pipeline.types import ModelNotFoundError
 
 log = logging.getLogger(__name__)
-
-
-class ModelNotFoundError(FileNotFoundError):
-    pass
 
 
 def resolve_model_path(model: str) -> Path:
