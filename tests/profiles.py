@@ -9,7 +9,7 @@ from typing import Any
 from pipeline import profile
 from pipeline.config import EngineConfig
 from pipeline.models import model_spec
-from pipeline.models.qwen3_omni import STAGES
+from pipeline.models.qwen3_omni.stages import STAGES
 from pipeline.profile import Override
 from pipeline.types import EngineOptions
 

@@ -156,9 +156,9 @@ class RoomyDevice(FakeDeviceModule):
 def test_the_memory_plan_reads_each_platforms_memory(name, monkeypatch, reference_model):
     """The KV plan is sized from torch.<device_type>.mem_get_info, on the CPU from the host's memory; graph
     platforms reserve a graph pool for each stage that captures."""
-    from pipeline.models.qwen3_omni import STAGES
     from pipeline.models.qwen3_omni.memory import GRAPH_POOL_BYTES
     from pipeline.models.qwen3_omni.models import memory_plan
+    from pipeline.models.qwen3_omni.stages import STAGES
     from pipeline.stage.memory_plan import GIB
     from tests.profiles import load_profile
 

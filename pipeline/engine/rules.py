@@ -4,15 +4,11 @@ an engine reports about itself (`EngineInfo`)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from pipeline.config import EngineConfig
 from pipeline.stage.grammar import response_format_spec
+from pipeline.stage.graph import LoadedModels
 from pipeline.stage.sampling import SamplingError, SamplingParams, numerically_safe
 from pipeline.types import EngineInfo, OmniRequest, RequestError, StageLimit
-
-if TYPE_CHECKING:
-    from pipeline.stage.graph import LoadedModels
 
 
 class RequestRules:

@@ -50,7 +50,7 @@ def _slot_attention_op(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                        starts: torch.Tensor, lengths: torch.Tensor, scale: float) -> torch.Tensor:
     import triton
 
-    from pipeline.kernels.triton_attention import slot_attention_kernel
+    from pipeline.kernels.triton_attention import slot_attention_kernel  # deferred: Triton is optional
 
     b, heads, t, d = query.shape
     kv_heads = k_cache.shape[1]

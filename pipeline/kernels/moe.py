@@ -51,7 +51,7 @@ def align(top_k_index: torch.Tensor, num_experts: int, block_m: int) -> tuple[to
     every hit expert's run may need block_m - 1 pads. Rows past the total are left unwritten."""
     import triton
 
-    from pipeline.kernels.triton_moe import align_kernel
+    from pipeline.kernels.triton_moe import align_kernel  # deferred: Triton is optional
 
     pairs = top_k_index.numel()
     blocks = triton.cdiv(pairs + min(num_experts, pairs) * (block_m - 1), block_m)
@@ -79,7 +79,7 @@ def _fused_experts_op(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.T
                       top_k_weights: torch.Tensor, transposed: bool, tile_sizes: list[int]) -> torch.Tensor:
     import triton
 
-    from pipeline.kernels.triton_moe import down_kernel, gate_up_kernel
+    from pipeline.kernels.triton_moe import down_kernel, gate_up_kernel  # deferred: Triton is optional
 
     tiles = Tiles(*tile_sizes)
     x = hidden.to(gate_up.dtype).contiguous()

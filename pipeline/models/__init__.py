@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Protocol
 from pipeline.config import EngineConfig, ModelSpec
 from pipeline.models import qwen3_omni
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # type-only: the API process imports the registry, and must not import torch
     from pipeline.platform import Platform
     from pipeline.stage.graph import LoadedModels
 

@@ -40,7 +40,7 @@ from pipeline.types import (
     Usage,
 )
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # type-only: the core imports torch, the API process must not
     from pipeline.serving.core import Engine
 
 log = logging.getLogger("omnirt.client")

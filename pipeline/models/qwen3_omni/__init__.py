@@ -1,26 +1,20 @@
 """Qwen3-Omni (transformers' `Qwen3OmniMoeForConditionalGeneration`): Thinker -> Talker -> Code2Wav.
 
-This module declares the family's stages, the one place their names are written (the profile checks, the
-command line and the graph read them here), without importing torch: the API process checks deploy profiles
-against them before anything loads. `load()` builds the stage models (`models.py`) and the graph (`graph.py`).
+What the model registry asks of a family, without importing torch (the API process checks deploy profiles
+against `model_spec`): its stages (`stages.py`) and default profile, and `load()`, which builds the stage
+models, the prompt encoder and the stage graph (`models.py`, `graph.py`).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pipeline.config import EngineConfig, ModelSpec, StageSpec
+from pipeline.config import EngineConfig, ModelSpec
+from pipeline.models.qwen3_omni.stages import STAGES
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # type-only: the API process imports this package, and must not import torch
     from pipeline.models.qwen3_omni.models import OmniModels
     from pipeline.platform import Platform
-
-STAGES = (
-    StageSpec("thinker"),  # multimodal prompt -> text tokens, and the rows the Talker reads
-    StageSpec("talker"),  # -> codec frames (16 codes each; the code predictor fills codebooks 1..15)
-    StageSpec("code2wav", autoregressive=False),  # codec frames -> 24 kHz PCM, in chunks with left context
-)
-THINKER, TALKER, CODE2WAV = (s.name for s in STAGES)
 
 
 def model_spec(model: str) -> ModelSpec:

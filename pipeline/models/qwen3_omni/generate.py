@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pipeline.models.qwen3_omni import TALKER, THINKER
 from pipeline.models.qwen3_omni.code2wav import pcm16
 from pipeline.models.qwen3_omni.prompt import EncodedPrompt
+from pipeline.models.qwen3_omni.stages import TALKER, THINKER
 from pipeline.stage.graph import Generated
 from pipeline.stage.sampling import SamplingParams
 

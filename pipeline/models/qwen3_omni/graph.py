@@ -16,11 +16,11 @@ from collections.abc import Callable
 
 import torch
 
-from pipeline.models.qwen3_omni import CODE2WAV, TALKER, THINKER
 from pipeline.models.qwen3_omni.code2wav import frame_seconds, pcm16
 from pipeline.models.qwen3_omni.codec_stream import CodecStream
 from pipeline.models.qwen3_omni.prefix import TalkerPrefixes, ThinkerPrefixes
 from pipeline.models.qwen3_omni.prompt import PromptKey
+from pipeline.models.qwen3_omni.stages import CODE2WAV, TALKER, THINKER
 from pipeline.models.qwen3_omni.talker import NUM_ASSISTANT_PREFIX, TalkerState
 from pipeline.models.qwen3_omni.thinker import ThinkerInput
 from pipeline.stage.chunk_scheduler import ChunkScheduler

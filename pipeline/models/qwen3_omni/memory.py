@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 
 from pipeline.config import EngineConfig, StageConfig
-from pipeline.models.qwen3_omni import TALKER, THINKER
 from pipeline.models.qwen3_omni.code2wav import samples_per_frame
+from pipeline.models.qwen3_omni.stages import TALKER, THINKER
 from pipeline.stage.memory_plan import StageMemory
 
 ACTIVATION_ROWS = 32  # hidden-size rows one prefill token keeps live in a decoder layer: above what Qwen3-Omni's

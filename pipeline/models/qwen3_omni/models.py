@@ -18,12 +18,12 @@ from pipeline.config import EngineConfig
 from pipeline.kernels.attention import attend_in_place
 from pipeline.kernels.moe import use_fused_experts
 from pipeline.kernels.triton_runtime import available
-from pipeline.models.qwen3_omni import CODE2WAV, TALKER, THINKER
 from pipeline.models.qwen3_omni.code2wav import Code2WavModel, frame_buckets
 from pipeline.models.qwen3_omni.generate import generate
 from pipeline.models.qwen3_omni.graph import build_graph
 from pipeline.models.qwen3_omni.memory import stage_memory
 from pipeline.models.qwen3_omni.prompt import PromptEncoder
+from pipeline.models.qwen3_omni.stages import CODE2WAV, TALKER, THINKER
 from pipeline.models.qwen3_omni.talker import TalkerModel
 from pipeline.models.qwen3_omni.thinker import ThinkerModel
 from pipeline.models.qwen3_omni.tool_calls import CALL_START, ToolCallParser, tool_call_spec

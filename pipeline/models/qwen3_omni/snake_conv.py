@@ -76,7 +76,7 @@ def _causal_conv_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, d
                     residual: torch.Tensor | None) -> torch.Tensor:
     import triton
 
-    from pipeline.models.qwen3_omni.triton_conv import conv_kernel
+    from pipeline.models.qwen3_omni.triton_conv import conv_kernel  # deferred: Triton is optional
 
     x = _dense(x)
     batch, c_in, steps = x.shape
@@ -105,7 +105,7 @@ def snake(x: torch.Tensor, alpha: torch.Tensor, inv_beta: torch.Tensor) -> torch
     """SnakeBeta of x [B, C, T] with per-channel exp(alpha) and 1 / (exp(beta) + eps), in one pass."""
     import triton
 
-    from pipeline.models.qwen3_omni.triton_conv import snake_kernel
+    from pipeline.models.qwen3_omni.triton_conv import snake_kernel  # deferred: Triton is optional
 
     x = _dense(x)
     batch, channels, steps = x.shape
