@@ -15,7 +15,7 @@ from pipeline.api import DISTRIBUTED, DTYPES, PLATFORMS
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 OVERRIDES_EXAMPLE = '\'{"talker": {"max_num_seqs": 8}}\''
-# engine switches that became deploy profile keys (docs/deploy.md): the flag -> what replaces it
+# engine switches that became deploy profile keys (docs/operator-guide.md): the flag -> what replaces it
 REMOVED_FLAGS = {
     "--no-async-chunk": "--set async_chunk=false",
     "--no-async-output": "--set async_output=false",
@@ -92,7 +92,7 @@ class RemovedFlag(argparse.Action):
 
     def __call__(self, parser, namespace, values, option_string=None):
         parser.error(f"{option_string} was removed: use {REMOVED_FLAGS[option_string]} "
-                     "(a deploy profile key; docs/deploy.md)")
+                     "(a deploy profile key; docs/operator-guide.md)")
 
 
 def _ice_servers(text: str):
@@ -145,7 +145,7 @@ def add_engine_args(s: argparse.ArgumentParser) -> None:
     g.add_argument("--set", action="append", default=[], type=_setting, dest="settings", metavar="KEY=VALUE",
                    help="any deploy profile key over the profile, its value read as YAML (repeatable): e.g. "
                         "--set dtype=bfloat16, --set connector.codec_chunk_frames=16, --set "
-                        "stages.talker.max_num_seqs=32, --set 'stages.*.prefix_caching=false' (docs/deploy.md)")
+                        "stages.talker.max_num_seqs=32, --set 'stages.*.prefix_caching=false' (docs/operator-guide.md)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs and no compilation in any stage (slower; for debugging a device)")
     g.add_argument("--gpu-memory-utilization", type=number(float, 0, 1, above=True), default=None,

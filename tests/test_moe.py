@@ -157,7 +157,7 @@ def test_moe_backend_choice(monkeypatch):
         EngineConfig(moe_backend="fused")
     monkeypatch.setattr(models, "available", lambda: False)
     assert models._experts("auto", gpu) == "grouped_mm"  # graphs without Triton
-    with pytest.raises(ValueError, match="--moe-backend triton needs Triton"):
+    with pytest.raises(ValueError, match="moe_backend: triton needs Triton"):
         models._experts("triton", gpu)
 
 

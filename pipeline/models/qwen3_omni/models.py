@@ -114,19 +114,19 @@ def _in_place(attention: str, platform: Platform) -> bool:
     if attention == "auto":
         return platform.supports_graphs and available()
     if attention == "slots" and not available():
-        raise ValueError("--attention slots needs Triton (pip install triton; on the CPU also TRITON_INTERPRET=1)")
+        raise ValueError("attention: slots needs Triton (pip install triton; on the CPU also TRITON_INTERPRET=1)")
     return attention == "slots"
 
 
 def _experts(backend: str, platform: Platform) -> str:
-    """The transformers experts implementation for `--moe-backend` (auto: the fused Triton kernels where graphs
+    """The transformers experts implementation for `moe_backend` (auto: the fused Triton kernels where graphs
     run and Triton imports, 1.5-2x faster than grouped_mm at decode batches on the H200; eager otherwise)."""
     if backend == "auto":
         backend = "triton" if platform.supports_graphs and available() else (
             "grouped_mm" if platform.supports_graphs else "eager")
     if backend == "triton":
         if not available():
-            raise ValueError("--moe-backend triton needs Triton "
+            raise ValueError("moe_backend: triton needs Triton "
                              "(pip install triton; on the CPU also TRITON_INTERPRET=1)")
         return use_fused_experts()
     return backend
