@@ -124,6 +124,7 @@ class _Recorder:
     """A replica that only records what it is sent, for the routing policy alone."""
 
     kind = "test"
+    pid = None
 
     def __init__(self, spec, on_report, on_death):
         self.spec, self.on_report, self.sent = spec, on_report, []
@@ -203,7 +204,7 @@ async def test_talker_in_its_own_process_on_the_engine_device(baseline):
             assert res.text == base.text and len(res.pcm) == len(base.pcm) and max_pcm_diff(res.pcm, base.pcm) <= 2
         # one hand-off message per Thinker step for both requests (+ an add and an input-done each)
         inbox = eng.stage("talker")._slots[0].handle.inbox.stats
-        assert inbox.num_messages <= eng.stage("thinker").num_steps + 2 * 2
+        assert inbox.num_messages <= eng.stage("thinker").counters.num_steps + 2 * 2
     finally:
         eng.stop()
 
