@@ -25,10 +25,10 @@ from app.ops.lifecycle import Lifecycle
 from app.ops.limits import BodySizeLimit, SlowClientGuard
 from app.ops.metrics import Metrics, StatusCounter
 from app.ops.quotas import KeyQuotas
+from app.ops.secret_store import SecretStore
 from app.ops.shared import SharedLimits
 from app.ops.worker_link import WorkerContext, WorkerLink
 from app.realtime import client_secrets
-from app.realtime.client_secrets import SecretStore
 from app.realtime.session import RealtimeLimits
 from app.transports import websocket
 from app.transports.ice import IceSettings

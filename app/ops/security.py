@@ -20,7 +20,7 @@ from app.errors import APIError, error_response
 from app.ops.keys import SECRET_PREFIX, ApiKey, KeyRing
 from app.ops.origins import OriginCheck
 from app.ops.quotas import KeyQuotas, QuotaGuard
-from app.realtime.client_secrets import ClientSecret, SecretStore
+from app.ops.secret_store import ClientSecret, SecretStore
 
 KEY_SUBPROTOCOL = "openai-insecure-api-key."
 PROTECTED_PREFIXES = ("/v1/",)  # /health, /metrics, the demo page and its /demo/ routes stay open

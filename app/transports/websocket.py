@@ -31,7 +31,7 @@ from app.ops.lifecycle import SHUTDOWN_REASON
 from app.ops.quotas import LimitExceeded
 from app.realtime.client_secrets import starting_config
 from app.realtime.events import ProtocolError, error_event
-from app.realtime.registry import SessionRegistry
+from app.realtime.registry import SessionRegistry, limit_error
 from app.realtime.session import RealtimeLimits, RealtimeSession
 
 log = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ async def realtime(ws: WebSocket) -> None:
     except ProtocolError as exc:
         return await _refuse(ws, registry, exc, CLOSE_POLICY)
     except LimitExceeded as exc:
-        return await _refuse(ws, registry, exc.realtime(), CLOSE_TRY_AGAIN)
+        return await _refuse(ws, registry, limit_error(exc), CLOSE_TRY_AGAIN)
     refusal = session_refusal(server)  # engine at capacity, or the server is draining
     if refusal is not None:
         code, reason = refusal
