@@ -18,7 +18,8 @@ from app.images import ImageLimits
 from app.ops.lifecycle import DrainingServer
 from app.ops.worker_link import WorkerContext
 from app.realtime.session import RealtimeLimits
-from app.server import ServerSettings, create_app
+from app.server import create_app
+from app.state import ServerSettings, app_state
 from app.transports.ice import IceSettings
 from pipeline.api import EngineClient
 
@@ -57,12 +58,13 @@ def serve(app: FastAPI, args: argparse.Namespace, sock: socket.socket, engine: E
     """Serve `app` on `sock` until told to stop (SIGTERM, SIGINT) and drained; then stop the engine.
     `kill -USR1 PID` prints every thread's stack to stderr, `kill -HUP PID` re-reads the keys file."""
     faulthandler.register(signal.SIGUSR1, all_threads=True)
-    signal.signal(signal.SIGHUP, lambda *_: app.state.keys.reload())
+    st = app_state(app)
+    signal.signal(signal.SIGHUP, lambda *_: st.keys.reload())
     if ready_line is not None:  # printed once the signals are ours: a SIGHUP after it re-reads the keys
         print(ready_line, flush=True)
     try:
-        server_class(_uvicorn_config(app, args, sock.getsockname()[1]), app.state.server.lifecycle,
-                     on_stopped=engine.stop).run(sockets=[sock])
+        config = _uvicorn_config(app, args, sock.getsockname()[1])
+        server_class(config, st.lifecycle, on_stopped=engine.stop).run(sockets=[sock])
     finally:
         engine.stop()
 
@@ -85,7 +87,7 @@ def server_settings(args: argparse.Namespace, system_prompt: str | None) -> Serv
 
 
 def _uvicorn_config(app: FastAPI, args: argparse.Namespace, port: int) -> uvicorn.Config:
-    limits = app.state.server.settings.realtime
+    limits = app_state(app).settings.realtime
     # frames a bit over the realtime event limit still arrive, so that they get an `error` event. The asyncio loop
     # whether or not uvloop is installed: aiortc's ICE fails on uvloop (encode/uvicorn#840); HTTP is parsed by
     # httptools (a dependency) where uvicorn finds it

@@ -45,7 +45,7 @@ def serve(args: argparse.Namespace) -> None:
     if args.api_workers > 1 and args.engine_process == "inproc":
         sys.exit("omnirt: --api-workers needs the engine core in a process of its own (--engine-process auto or "
                  "core), not inproc")
-    # deferred for start-up cost: FastAPI, PyAV, onnxruntime and the routes (~2 s) load once the flags are good
+    # deferred for start-up cost: FastAPI, scipy.signal and the routes (~1.5 s) load once the flags are good
     from app import api_process, workers
 
     if args.api_workers > 1:

@@ -1,6 +1,6 @@
 """The live client secrets (`ek_…`): minted for an API key, found by digest until they expire, at most
-`MAX_LIVE_PER_KEY` per key. What a secret is for and its routes are `app.realtime.client_secrets`'s; the
-settings it carries are opaque here. With `--api-workers` the store lives in the supervising process
+`MAX_LIVE_PER_KEY` per key. What a secret is for and its routes are `app.client_secrets`'s; the settings
+it carries are opaque here. With `--api-workers` the store lives in the supervising process
 (`app.ops.shared`), so that any worker finds a secret another minted."""
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ from app.errors import APIError
 from app.ops.secret_store import MAX_LIVE_PER_KEY, ClientSecret
 from app.realtime.config import SessionConfig, apply_session_update, initial_config, session_object
 from app.realtime.events import ProtocolError, new_id
+from app.state import AppState, app_state
 
 log = logging.getLogger(__name__)
 router = APIRouter()
@@ -66,7 +67,7 @@ async def create_session_beta(request: Request, body: Annotated[dict[str, Any] |
             "client_secret": {"value": secret.value, "expires_at": secret.expires_at}}
 
 
-def starting_config(server, secret: ClientSecret[SessionConfig] | None, model: str | None) -> SessionConfig:
+def starting_config(st: AppState, secret: ClientSecret[SessionConfig] | None, model: str | None) -> SessionConfig:
     """A new session's settings: its client secret's, else the server's for `model` (default: the served
     one). ProtocolError for a model that is not served, or not the one the secret is for."""
     if secret is not None:
@@ -74,11 +75,12 @@ def starting_config(server, secret: ClientSecret[SessionConfig] | None, model: s
             raise ProtocolError(f"this client secret is for the model {secret.config.model!r}, not {model!r}",
                                 "invalid_value", "model")
         return secret.config
-    model = model or server.model_names[0]
-    if model not in server.model_names:
-        raise ProtocolError(f"the model {model!r} does not exist; served: {', '.join(server.model_names)}",
-                            "model_not_found", "model")
-    return initial_config(server.engine.info(), model, server.system_prompt or "")
+    served = st.settings.model_names
+    model = model or served[0]
+    if model not in served:
+        raise ProtocolError(f"the model {model!r} does not exist; served: {', '.join(served)}", "model_not_found",
+                            "model")
+    return initial_config(st.engine.info(), model, st.settings.system_prompt or "")
 
 
 def http_error(exc: ProtocolError) -> APIError:
@@ -87,7 +89,7 @@ def http_error(exc: ProtocolError) -> APIError:
 
 
 def _config(request: Request, session: dict[str, Any], model: Any, where: str) -> SessionConfig:
-    server = request.app.state.server
+    st = app_state(request)
     prefix = f"{where}." if where else ""
     if model is not None and not isinstance(model, str):
         raise APIError(400, f"`{prefix}model` must be a string", f"{prefix}model", "invalid_type")
@@ -95,7 +97,7 @@ def _config(request: Request, session: dict[str, Any], model: Any, where: str) -
         raise APIError(400, f"the instructions of a client secret may be {MAX_INSTRUCTIONS_CHARS} characters; send "
                        "longer ones in a session.update once connected", f"{prefix}instructions", "invalid_value")
     try:
-        return apply_session_update(starting_config(server, None, model), session, server.engine.info().voice_names)
+        return apply_session_update(starting_config(st, None, model), session, st.engine.info().voice_names)
     except ProtocolError as exc:
         if exc.param == "model":
             exc.param = f"{prefix}model"
@@ -106,7 +108,7 @@ def _config(request: Request, session: dict[str, Any], model: Any, where: str) -
 
 def mint(request: Request, key_id: str | None, config: SessionConfig, ttl_s: int) -> ClientSecret[SessionConfig]:
     """A new secret of `key_id` (its limits apply to the sessions it starts)."""
-    secret = request.app.state.client_secrets.mint(key_id, config, ttl_s)
+    secret = app_state(request).client_secrets.mint(key_id, config, ttl_s)
     if secret is None:
         raise APIError(429, f"this key has as many live client secrets as it may ({MAX_LIVE_PER_KEY}); let some "
                        "expire first", None, "rate_limit_exceeded", headers={"Retry-After": "10"})
