@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from app.audio.files import StreamEncoder, encode_file
 from app.chat.protocol import ChatRequest, check_fields, to_engine_messages
-from app.chat.tools import check_tools, delta_tool_call, engine_response_format, message_tool_calls
+from app.chat.tool_calls import check_tools, delta_tool_call, engine_response_format, message_tool_calls
 from app.errors import APIError
 from app.ops.admission import check_draining, overloaded_error
 from app.state import app_state
