@@ -65,6 +65,7 @@ fuzz: $(VENV)/.installed-test
 
 lint: $(VENV)/.installed-test
 	$(BIN)/ruff check app pipeline loadtest tests
+	$(BIN)/lint-imports
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -18,12 +18,12 @@ anyone who can reach the server talk to the agent, within key ID's limits: give 
 
 from __future__ import annotations
 
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import APIRouter, Request
 
+from app.client_secrets import DEFAULT_TTL_S, ga_body, mint, starting_config
 from app.errors import APIError
 from app.ops.quotas import LimitExceeded
-from app.realtime.client_secrets import DEFAULT_TTL_S, ga_body, mint, starting_config
-from app.transports.ice import IceServer
+from app.state import app_state
 from pipeline.api import EngineInfo
 
 router = APIRouter(prefix="/demo", include_in_schema=False)
@@ -34,32 +34,26 @@ def voice_list(info: EngineInfo) -> dict:
     return {"voices": list(info.voices), "default": info.default_voice, "aliases": dict(info.voice_aliases)}
 
 
-def install(app: FastAPI, demo_key_id: str | None, ice_servers: tuple[IceServer, ...]) -> None:
-    app.state.demo_key_id = demo_key_id
-    app.state.demo_ice_servers = [s.browser() for s in ice_servers]
-    app.include_router(router)
-
-
 @router.get("/config")
 async def config(request: Request) -> dict:
-    state = request.app.state
-    auth = "none" if state.keys.is_open else "client_secret" if state.demo_key_id else "api_key"
-    return {"model": state.server.model_names[0], **voice_list(state.server.engine.info()), "auth": auth,
-            "ice_servers": state.demo_ice_servers}
+    st = app_state(request)
+    auth = "none" if st.keys.is_open else "client_secret" if st.settings.demo_key_id else "api_key"
+    return {"model": st.settings.model_names[0], **voice_list(st.engine.info()), "auth": auth,
+            "ice_servers": [s.browser() for s in st.settings.ice.servers]}
 
 
 @router.post("/client_secret")
 async def client_secret(request: Request) -> dict:
-    state = request.app.state
-    if state.demo_key_id is None:
+    st = app_state(request)
+    key_id = st.settings.demo_key_id
+    if key_id is None:
         raise APIError(404, "the demo has no client secrets: start the server with --demo-key-id ID", None,
                        "demo_not_enabled")
-    key = state.keys.get(state.demo_key_id)
+    key = st.keys.get(key_id)
     if key is None:
-        raise APIError(503, f"the demo's key {state.demo_key_id!r} is not in the keys file", None,
-                       "demo_not_enabled")
+        raise APIError(503, f"the demo's key {key_id!r} is not in the keys file", None, "demo_not_enabled")
     try:
-        state.quotas.take_request(key)
+        st.quotas.take_request(key)
     except LimitExceeded as exc:
         raise exc.http() from exc
-    return ga_body(mint(request, key.id, starting_config(state.server, None, None), DEFAULT_TTL_S))
+    return ga_body(mint(request, key.id, starting_config(st, None, None), DEFAULT_TTL_S))

@@ -15,10 +15,11 @@ from app.ops.limits import TokenBucket
 from app.ops.metrics import Metrics
 from app.ops.origins import is_allowed, normalize
 from app.ops.quotas import KeyQuotas, LimitExceeded
+from app.ops.secret_store import SecretStore
 from app.ops.security import authenticate
 from app.ops.shared import SharedLimits
-from app.realtime.client_secrets import SecretStore
 from app.realtime.config import initial_config
+from app.realtime.registry import limit_error
 
 KEY_A, KEY_B = "sk-alpha-0001", "sk-bravo-0002"
 
@@ -157,7 +158,7 @@ def test_key_quotas_per_minute_and_in_flight(engine):
     quotas.begin(busy)
     with pytest.raises(LimitExceeded) as exc:
         quotas.begin(busy)
-    assert exc.value.limit == "max_requests" and exc.value.realtime().code == "rate_limit_exceeded"
+    assert exc.value.limit == "max_requests" and limit_error(exc.value).code == "rate_limit_exceeded"
     quotas.end(busy)
     quotas.begin(busy)
     sample = metrics.registry.get_sample_value

@@ -17,7 +17,8 @@ from starlette.testclient import TestClient
 from transformers import AutoTokenizer, Qwen3OmniMoeConfig, Qwen3OmniMoeProcessor, WhisperFeatureExtractor
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-from app.server import ServerSettings, create_app
+from app.server import create_app
+from app.state import ServerSettings
 from pipeline.api import RequestError
 from pipeline.models.qwen3_omni import released
 from pipeline.models.qwen3_omni.prompt import LruCache, PromptConfigError, PromptEncoder

@@ -26,7 +26,8 @@ from starlette.testclient import TestClient
 from app.realtime.input_buffer import InputBuffer
 from app.realtime.response import Response
 from app.realtime.session import RealtimeSession
-from app.server import ServerSettings, create_app
+from app.server import create_app
+from app.state import ServerSettings, app_state
 from tests.conftest import ServerProcess, until, wait_for
 from tests.realtime_helpers import ask, b64_chunks, espeak_utterance, lost_audio, recv_type, until_done, ws_url
 from tests.soak_helpers import RssSampler, check_plateau, report
@@ -163,8 +164,8 @@ def test_no_session_outlives_its_connection(engine, speech):
                                                                       "talker_sampling": {"max_tokens": 8}}})
                 while ws.receive_json()["type"] != "response.done":
                     pass
-        wait_for(lambda: not app.state.realtime.sessions, "every session gone", poll_s=0.05)
+        wait_for(lambda: not app_state(app).sessions.sessions, "every session gone", poll_s=0.05)
     gc.collect()
     kinds = (RealtimeSession, InputBuffer, Response)
     alive = collections.Counter(type(o).__name__ for o in gc.get_objects() if type(o) in kinds)
-    assert not alive and not app.state.realtime.sessions, alive
+    assert not alive and not app_state(app).sessions.sessions, alive

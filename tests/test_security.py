@@ -22,8 +22,8 @@ from app.audio.pcm import encode_wav
 from app.cli import build_parser
 from app.errors import APIError
 from app.ops.keys import KeyRing
+from app.ops.secret_store import SecretStore
 from app.ops.security import AccessCheck, authenticate
-from app.realtime.client_secrets import SecretStore
 from loadtest.server_metrics import steps
 from tests.conftest import ServerProcess, until
 from tests.realtime_helpers import ask, recv_type, ws_url

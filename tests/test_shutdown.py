@@ -16,7 +16,8 @@ from starlette.testclient import TestClient
 from starlette.websockets import WebSocketDisconnect
 
 from app.ops.lifecycle import SHUTDOWN_REASON
-from app.server import ServerSettings, create_app
+from app.server import create_app
+from app.state import ServerSettings, app_state
 from tests.conftest import ServerProcess, until, wait_for
 from tests.realtime_helpers import ask, lost_audio, recv, recv_type, ws_url
 from tests.sse_client import audio_body, stream_chat
@@ -97,12 +98,12 @@ def done_id(events: list[dict]) -> str:
 def test_realtime_connect_while_draining_is_refused_with_1001(engine):
     """In process: a session that connects while the server drains gets an `error` event and 1001, counted."""
     app = create_app(engine, ServerSettings())
-    app.state.server.lifecycle.is_draining = True
+    app_state(app).lifecycle.is_draining = True
     with TestClient(app) as client, client.websocket_connect("/v1/realtime") as ws:
         err = ws.receive_json()
         assert err["type"] == "error" and err["error"]["code"] == "server_shutting_down"
         with pytest.raises(WebSocketDisconnect) as closed:
             ws.receive_json()
     assert closed.value.code == 1001 and closed.value.reason == SHUTDOWN_REASON
-    text = app.state.server.metrics.render().decode()
+    text = app_state(app).metrics.render().decode()
     assert 'omnirt_sessions_total{state="refused",transport="websocket"} 1.0' in text

@@ -15,9 +15,10 @@ import pytest
 from aiortc import RTCConfiguration, RTCPeerConnection
 
 from app.audio.vad import VAD_RATE
-from app.server import ServerSettings, create_app
+from app.server import create_app
+from app.state import ServerSettings, app_state
 from app.transports.ice import IceSettings
-from app.transports.webrtc import CLOSE_STEP_TIMEOUT_S, Call
+from app.transports.webrtc import CLOSE_STEP_TIMEOUT_S, Call, call_registry
 from loadtest.webrtc_client import RealtimeCall, connect
 from tests.conftest import ROOT, ServerProcess, until
 from tests.realtime_helpers import LEAD_S, espeak_utterance
@@ -273,12 +274,12 @@ async def test_no_task_or_track_outlives_a_call(engine):
     for how in ("page closed", "server shutdown"):
         call = await connect("http://omnirt", transport=transport)
         await call.wait_for(of_type("session.created"), 30)
-        server_call = next(iter(app.state.webrtc.calls.values()))
+        server_call = next(iter(call_registry(app).calls.values()))
         await long_answer(call)
         if how == "page closed":
             await call.close()
         else:
-            await app.state.webrtc.close_all()
+            await call_registry(app).close_all()
             await call.close()
         await asyncio.wait_for(server_call.closing, 60)
         ended.append(server_call)
@@ -287,7 +288,7 @@ async def test_no_task_or_track_outlives_a_call(engine):
     for c in ended:
         assert c.track.readyState == "ended" and c.pc.connectionState == "closed"
         assert all(t.done() for t in [*c.tasks, c.writer]) and c.session.response.task.done()
-    assert not app.state.webrtc.calls and not app.state.realtime.sessions
+    assert not call_registry(app).calls and not app_state(app).sessions.sessions
     leftover = [t for t in asyncio.all_tasks() - baseline if not t.done()]
     assert not leftover, leftover
     assert engine.num_active_requests == 0
@@ -316,7 +317,7 @@ async def test_a_stalled_session_drops_old_microphone_audio_and_still_takes_turn
         call.send({"type": "session.update", "session": {"type": "realtime", "audio": {"input": {"turn_detection": {
             "type": "server_vad", "create_response": False}}}}})
         await call.wait_for(of_type("session.updated"), 30)
-        server_call = next(iter(app.state.webrtc.calls.values()))
+        server_call = next(iter(call_registry(app).calls.values()))
         gate, taken = asyncio.Event(), []
         append = server_call.session.append_audio
 
@@ -348,7 +349,7 @@ async def test_a_stalled_session_drops_old_microphone_audio_and_still_takes_turn
         assert call.types().count("input_audio_buffer.speech_stopped") == 1
     finally:
         await call.close()
-        await app.state.webrtc.close_all()
+        await call_registry(app).close_all()
 
 
 async def test_too_many_calls_then_shutdown_closes_the_call(one_session_server):

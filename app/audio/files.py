@@ -130,7 +130,7 @@ def _decode(container, fmt: str, max_seconds: float) -> tuple[np.ndarray, int]:
 
 def _av():
     """PyAV, imported on first use."""
-    import av
+    import av  # deferred: a server without PyAV still serves text, pcm16 and wav
 
     return av
 

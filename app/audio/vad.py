@@ -87,7 +87,7 @@ class SileroBatch:
     """Silero v5 over onnxruntime, a batch of streams' next windows per call."""
 
     def __init__(self):
-        import onnxruntime
+        import onnxruntime  # start-up cost (~0.2 s): loaded with the model, once a session first needs the VAD
 
         opts = onnxruntime.SessionOptions()
         opts.intra_op_num_threads = opts.inter_op_num_threads = 1

@@ -16,7 +16,7 @@ from app.audio.resample import resample
 from app.errors import APIError
 from app.fields import FieldError, FieldRule, rule
 from app.images import DETAILS, ImageError, ImageLimits, decode_data_url
-from app.tools import FUNCTION_NAME
+from app.tool_checks import FUNCTION_NAME
 
 NO_LIST, NO_MAP = (None, []), (None, {})  # an unserved field at one of these asks for nothing
 

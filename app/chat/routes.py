@@ -22,9 +22,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from app.audio.files import StreamEncoder, encode_file
 from app.chat.protocol import ChatRequest, check_fields, to_engine_messages
-from app.chat.tools import check_tools, delta_tool_call, engine_response_format, message_tool_calls
+from app.chat.tool_calls import check_tools, delta_tool_call, engine_response_format, message_tool_calls
 from app.errors import APIError
 from app.ops.admission import check_draining, overloaded_error
+from app.state import app_state
 from pipeline.api import (
     AudioChunk,
     EngineDeadError,
@@ -42,10 +43,11 @@ AUDIO_TTL_S = 3600
 
 
 async def _engine_request(body: ChatRequest, request: Request) -> OmniRequest:
-    server = request.app.state.server
+    st = app_state(request)
+    settings = st.settings
     check_fields(body)
-    if body.model not in server.model_names:
-        raise APIError(404, f"the model {body.model!r} does not exist; served: {', '.join(server.model_names)}",
+    if body.model not in settings.model_names:
+        raise APIError(404, f"the model {body.model!r} does not exist; served: {', '.join(settings.model_names)}",
                        "model", "model_not_found")
     wants_audio = "audio" in body.modalities
     if wants_audio and body.audio is None:
@@ -55,10 +57,10 @@ async def _engine_request(body: ChatRequest, request: Request) -> OmniRequest:
     tool_choice = check_tools(tools, body.tool_choice)
     response_format = engine_response_format(body.response_format)
     # decoding audio files and images is not the event loop's work
-    messages = await asyncio.to_thread(to_engine_messages, body.messages, server.engine.info().input_sample_rate,
-                                       server.max_audio_s, server.settings.images)
-    if server.system_prompt and not any(m["role"] == "system" for m in messages):
-        messages.insert(0, {"role": "system", "content": server.system_prompt})
+    messages = await asyncio.to_thread(to_engine_messages, body.messages, st.engine.info().input_sample_rate,
+                                       settings.max_audio_s, settings.images)
+    if settings.system_prompt and not any(m["role"] == "system" for m in messages):
+        messages.insert(0, {"role": "system", "content": settings.system_prompt})
     return OmniRequest(
         request_id=f"chatcmpl-{uuid.uuid4().hex}", messages=messages, modalities=tuple(body.modalities),
         voice=body.audio.voice if body.audio else None, thinker_sampling=body.thinker_overrides(),
@@ -71,21 +73,21 @@ async def _engine_request(body: ChatRequest, request: Request) -> OmniRequest:
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatRequest, request: Request):
     started = time.monotonic()
-    server = request.app.state.server
-    check_draining(server)
+    st = app_state(request)
+    check_draining(st.lifecycle)
     req = await _engine_request(body, request)
     try:
-        events = await server.engine.submit(req)
+        events = await st.engine.submit(req)
     except RequestError as exc:
         raise APIError(400, str(exc), exc.param, exc.code) from exc
     except EngineOverloaded as exc:
-        server.metrics.requests.labels("chat", "rejected").inc()
+        st.metrics.requests.labels("chat", "rejected").inc()
         raise overloaded_error(exc) from exc
     except EngineDeadError as exc:  # the core died before it took the request: nothing was streamed yet
         raise APIError(503, str(exc), code="engine_unavailable") from exc
-    events = server.metrics.observe(events, "chat", started, {"request_id": req.request_id,
-                                                               "key_id": request.state.principal.key_id})
-    rate = server.engine.info().output_sample_rate
+    events = st.metrics.observe(events, "chat", started, {"request_id": req.request_id,
+                                                           "key_id": request.state.principal.key_id})
+    rate = st.engine.info().output_sample_rate
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return ClosingStreamingResponse(_sse(body, req, events, include_usage, rate), media_type="text/event-stream",

@@ -7,8 +7,8 @@ from __future__ import annotations
 import math
 
 from app.errors import APIError
-from app.ops.lifecycle import SHUTDOWN_REASON
-from pipeline.api import EngineOverloaded
+from app.ops.lifecycle import SHUTDOWN_REASON, Lifecycle
+from pipeline.api import EngineClient, EngineOverloaded
 
 WS_TRY_AGAIN_LATER = 1013
 WS_GOING_AWAY = 1001
@@ -24,26 +24,26 @@ def draining_error() -> APIError:
                     headers={"Retry-After": "5"})
 
 
-def check_draining(server) -> None:
-    if server.lifecycle.is_draining:
+def check_draining(lifecycle: Lifecycle) -> None:
+    if lifecycle.is_draining:
         raise draining_error()
 
 
-def session_refusal(server, wants_audio: bool = True) -> tuple[int, str] | None:
+def session_refusal(engine: EngineClient, lifecycle: Lifecycle, wants_audio: bool = True) -> tuple[int, str] | None:
     """(close code, reason) if a new realtime session must be refused now, else None."""
-    if server.lifecycle.is_draining:
+    if lifecycle.is_draining:
         return WS_GOING_AWAY, SHUTDOWN_REASON
     try:
-        server.engine.check_admission(wants_audio)
+        engine.check_admission(wants_audio)
     except EngineOverloaded as exc:
         return WS_TRY_AGAIN_LATER, f"server at capacity ({exc.stage} stage full); retry in {exc.retry_after_s:.0f} s"
     return None
 
 
-def check_admission(server, wants_audio: bool = True) -> None:
+def check_admission(engine: EngineClient, lifecycle: Lifecycle, wants_audio: bool = True) -> None:
     """Raise the HTTP error (503 draining, 429 full) for a new session, as a chat request would get."""
-    check_draining(server)
+    check_draining(lifecycle)
     try:
-        server.engine.check_admission(wants_audio)
+        engine.check_admission(wants_audio)
     except EngineOverloaded as exc:
         raise overloaded_error(exc) from exc

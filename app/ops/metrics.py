@@ -1,8 +1,8 @@
-"""GET /metrics in Prometheus' text format: requests and sessions by state, per-stage queue depths and
-batch sizes (read from the engine at scrape time), when each stage first served a request, audio TTFP and
-RTF histograms, underruns, errors by type, and one structured log line per finished request. One registry
-per app: no global state. With `--api-workers` every worker's figures are summed (`app.ops.worker_link`),
-the process_* ones labelled by `worker` instead; the engine's come once."""
+"""What GET /metrics (`app.server`) shows in Prometheus' text format: requests and sessions by state,
+per-stage queue depths and batch sizes (read from the engine at scrape time), when each stage first served
+a request, audio TTFP and RTF histograms, underruns, errors by type, and one structured log line per
+finished request. One registry per app: no global state. With `--api-workers` every worker's figures are
+summed (`app.ops.worker_link`), the process_* ones labelled by `worker` instead; the engine's come once."""
 
 from __future__ import annotations
 
@@ -11,8 +11,6 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
-from fastapi import APIRouter, Request
-from fastapi.responses import Response
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, SummaryMetricFamily
 
@@ -21,7 +19,6 @@ from app.errors import error_type
 from pipeline.api import FIRST_OUTPUT_BUCKETS_S, AudioChunk, Event, Finished, StageStats
 
 log = logging.getLogger("omnirt.requests")
-router = APIRouter()
 
 
 class Metrics:
@@ -244,13 +241,6 @@ class StatusCounter:
             await send(message)
 
         return await self.app(scope, receive, counting_send)
-
-
-@router.get("/metrics", include_in_schema=False)
-async def metrics(request: Request):
-    link, own = request.app.state.worker_link, request.app.state.server.metrics
-    body = own.render() if link is None else await link.merged_metrics()
-    return Response(body, media_type="text/plain; version=0.0.4")
 
 
 class VadCollector:

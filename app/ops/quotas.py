@@ -2,7 +2,8 @@
 of requests that refills at that rate (so N at once, then one every 60/N s), and HTTP requests in flight.
 HTTP requests are held to both by `QuotaGuard`; a WebSocket session start counts as a request per minute
 (`take_request`, from the handshake). A key's open sessions are the session registry's to count. Over a
-limit: 429 in OpenAI's shape (`rate_limit_exceeded`, `Retry-After`) or a Realtime `error` and close.
+limit: 429 in OpenAI's shape (`rate_limit_exceeded`, `Retry-After`) or a Realtime `error` and close
+(`app.realtime.registry.limit_error`).
 /metrics counts by key id, never the key."""
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from app.errors import APIError, error_response
 from app.ops.keys import ApiKey
 from app.ops.metrics import Metrics
 from app.ops.shared import SharedLimits
-from app.realtime.events import ProtocolError
 
 log = logging.getLogger(__name__)
 
@@ -27,9 +27,6 @@ class LimitExceeded(Exception):
     def http(self) -> APIError:
         return APIError(429, self.message, None, "rate_limit_exceeded",
                         headers={"Retry-After": str(max(1, math.ceil(self.retry_after_s)))})
-
-    def realtime(self) -> ProtocolError:
-        return ProtocolError(self.message, "rate_limit_exceeded", error_type="rate_limit_error")
 
 
 class KeyQuotas:

@@ -3,7 +3,7 @@ transport: HTTP takes `Authorization: Bearer <credential>`; WebSocket (and the W
 take the same header, or the subprotocol `openai-insecure-api-key.<credential>` that browsers use since
 they cannot set headers on a WebSocket.
 
-A credential is an API key (`app.ops.keys`) or a client secret (`ek_…`, `app.realtime.client_secrets`).
+A credential is an API key (`app.ops.keys`) or a client secret (`ek_…`, `app.client_secrets`).
 A client secret starts Realtime sessions (`SECRET_ROUTES`) and does nothing else: minting more, chat,
 models, hangups get 403 `client_secret_not_allowed`. The resolved caller rides the request's state
 (`request.state.principal`) to the quotas and the routes.
@@ -20,7 +20,7 @@ from app.errors import APIError, error_response
 from app.ops.keys import SECRET_PREFIX, ApiKey, KeyRing
 from app.ops.origins import OriginCheck
 from app.ops.quotas import KeyQuotas, QuotaGuard
-from app.realtime.client_secrets import ClientSecret, SecretStore
+from app.ops.secret_store import ClientSecret, SecretStore
 
 KEY_SUBPROTOCOL = "openai-insecure-api-key."
 PROTECTED_PREFIXES = ("/v1/",)  # /health, /metrics, the demo page and its /demo/ routes stay open

@@ -1,6 +1,6 @@
 """The counts that must hold across API processes: open Realtime sessions (the server's `max_sessions` and
 each key's own), each key's HTTP requests in flight and its requests per minute, and the live client
-secrets (`app.realtime.client_secrets.SecretStore`).
+secrets (`app.ops.secret_store.SecretStore`).
 
 With one API process they are plain objects in it. With `--api-workers N` they live in the supervising
 process, served to the workers over a Unix socket by `multiprocessing.managers` (`serve` / `connect`):
@@ -18,7 +18,7 @@ from collections.abc import Callable
 from multiprocessing.managers import BaseManager
 
 from app.ops.limits import TokenBucket
-from app.realtime.client_secrets import SecretStore
+from app.ops.secret_store import SecretStore
 
 
 class SharedLimits:

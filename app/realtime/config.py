@@ -6,7 +6,7 @@ Fields follow the one rule of `app/fields.py` (docs/api-fields.md): what omnirt 
 semantic VAD, out-of-band `input`, another speed) is accepted only at a value that asks for nothing (so a
 client may send back the `session` object it got) and refused with an `error` otherwise, as is any unknown
 field. Input transcription has its own module (`app/realtime/transcription.py`), tools theirs
-(`app/realtime/tools.py`).
+(`app/realtime/tool_config.py`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from app.audio.vad import VadConfig
 from app.audio.wire import FORMATS, FORMATS_BY_MIME, PCM16, AudioFormat
 from app.fields import FieldRule, rule
 from app.realtime.events import ProtocolError, check_fields, require
-from app.realtime.tools import engine_tools, parse_tools
+from app.realtime.tool_config import engine_tools, parse_tools
 from app.realtime.transcription import TranscriptionConfig, parse_transcription, transcription_object
 from pipeline.api import EngineInfo
 

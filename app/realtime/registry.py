@@ -52,9 +52,9 @@ class SessionRegistry:
             error = ProtocolError(f"the server has {self.limits.max_sessions} realtime sessions open; try again "
                                   "later", "session_limit_reached", error_type="server_error")
         elif full == "key":
-            error = refused(self.metrics, LimitExceeded(
+            error = limit_error(refused(self.metrics, LimitExceeded(
                 key.id, "max_sessions", f"API key {key.id!r} has {key.limits.max_sessions} realtime sessions open, "
-                "its limit (max_sessions); close one first.", 5.0)).realtime()
+                "its limit (max_sessions); close one first.", 5.0)))
         else:
             return None
         self.refused(transport)
@@ -96,3 +96,8 @@ class SessionRegistry:
             await asyncio.wait_for(session.send_error(ProtocolError(reason, "server_shutting_down",
                                                                     error_type="server_error")), NOTICE_TIMEOUT_S)
         await entry.end(reason)
+
+
+def limit_error(exc: LimitExceeded) -> ProtocolError:
+    """A key's limit as the Realtime `error` a session is refused with."""
+    return ProtocolError(exc.message, "rate_limit_exceeded", error_type="rate_limit_error")

@@ -22,7 +22,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -33,9 +33,6 @@ from app.realtime.events import ProtocolError, check_fields, new_id, require
 from app.realtime.outbox import Outbox
 from app.realtime.submit import submit
 from pipeline.api import EngineClient, Finished, OmniRequest, TextDelta
-
-if TYPE_CHECKING:
-    from app.realtime.response import Response
 
 log = logging.getLogger(__name__)
 # OpenAI's transcription models: a client written for OpenAI names one of them; each is served by the Thinker
@@ -93,6 +90,15 @@ def transcription_messages(audio: np.ndarray, cfg: TranscriptionConfig) -> list[
     return [{"role": "system", "content": ask}, {"role": "user", "content": [{"type": "audio", "audio": audio}]}]
 
 
+class Reply(Protocol):
+    """What a transcription waits for: the session's response in progress (`app.realtime.response.Response`)."""
+
+    @property
+    def has_output(self) -> bool: ...
+
+    async def first_output(self) -> None: ...
+
+
 @dataclass(slots=True)
 class _Job:
     item: Item
@@ -104,7 +110,7 @@ class _Job:
 class Transcriber:
     """A session's transcriptions. `reply` returns the session's current response (None: none yet)."""
 
-    def __init__(self, engine: EngineClient, outbox: Outbox, reply: Callable[[], Response | None],
+    def __init__(self, engine: EngineClient, outbox: Outbox, reply: Callable[[], Reply | None],
                  metrics: Metrics | None = None, log_ids: dict[str, str | None] | None = None):
         self.engine, self.outbox, self.reply, self.metrics = engine, outbox, reply, metrics
         self.log_ids = log_ids or {}

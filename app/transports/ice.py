@@ -88,7 +88,7 @@ def check_address(text: str) -> str:
 
 
 def rtc_configuration(settings: IceSettings):
-    from aiortc import RTCConfiguration, RTCIceServer
+    from aiortc import RTCConfiguration, RTCIceServer  # the `webrtc` extra: the flags read this module without it
 
     return RTCConfiguration(iceServers=[RTCIceServer(list(s.urls), s.username, s.credential)
                                         for s in settings.servers])
@@ -101,7 +101,7 @@ def offer_host_addresses(addresses: tuple[str, ...]) -> None:
     so a server bound to 127.0.0.1 would offer only addresses it does not listen on. Empty: aioice's
     own choice.
     """
-    import aioice.ice
+    import aioice.ice  # the `webrtc` extra (aiortc's ICE): the flags read this module without it
 
     if addresses:
         aioice.ice.get_host_addresses = lambda use_ipv4, use_ipv6: [

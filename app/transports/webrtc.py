@@ -11,7 +11,7 @@ the VAD's 16 kHz mono and fed to the same `RealtimeSession` as the WebSocket API
 flows out on a `PacedAudioTrack` (the session's audio sink); the Realtime JSON events travel both
 ways on the data channel `oai-events`, exactly as over the WebSocket.
 
-The app owns the calls (`app.state.webrtc`): a call ends when its connection fails or closes, its
+The app owns the calls (`AppState.webrtc`): a call ends when its connection fails or closes, its
 data channel closes, no microphone audio arrives for `MEDIA_TIMEOUT_S`, it does not connect within
 `connect_timeout_s`, the client posts
 `/v1/realtime/calls/{id}/hangup`, or the server shuts down (all calls closed with `gather`, after an
@@ -37,15 +37,18 @@ from aiortc import RTCPeerConnection, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.applications import Starlette
+from starlette.requests import HTTPConnection
 
 from app.audio.vad import VAD_RATE
+from app.client_secrets import http_error, starting_config
 from app.errors import APIError
 from app.ops.admission import check_admission
 from app.ops.lifecycle import SHUTDOWN_REASON
-from app.realtime.client_secrets import http_error, starting_config
 from app.realtime.config import SessionConfig
 from app.realtime.events import ProtocolError, new_id
 from app.realtime.session import RealtimeSession
+from app.state import AppState, app_state
 from app.transports.ice import IceSettings, advertise, candidates, offer_host_addresses, rtc_configuration
 from app.transports.webrtc_track import MicBacklog, PacedAudioTrack
 
@@ -74,19 +77,26 @@ class CallRegistry:
                              return_exceptions=True)
 
 
+def call_registry(where: HTTPConnection | Starlette) -> CallRegistry:
+    """The app's calls (`AppState.webrtc`, which `install` sets)."""
+    registry = app_state(where).webrtc
+    assert isinstance(registry, CallRegistry)
+    return registry
+
+
 class Call:
     """One WebRTC session: the peer connection, the Realtime session, and the tasks between them."""
 
     def __init__(self, request: Request, beta: bool, config: SessionConfig, key_id: str | None):
-        server = request.app.state.server
-        self.registry: CallRegistry = request.app.state.webrtc
-        self.sessions, self.limits = request.app.state.realtime, request.app.state.realtime.limits
+        st = app_state(request)
+        self.registry = call_registry(request)
+        self.sessions, self.limits = st.sessions, st.sessions.limits
         self.id = new_id("rtc")
         self.pc = RTCPeerConnection(rtc_configuration(self.registry.ice))  # no ICE server unless configured
-        self.track = PacedAudioTrack(self.send, input_rate=server.engine.info().output_sample_rate)
-        self.mic, self.metrics = MicBacklog(self.registry.max_input_lag_s), server.metrics
-        self.session = RealtimeSession(server.engine, config, self.limits, self.sessions.vad, beta=beta,
-                                       audio_sink=self.track, metrics=server.metrics, key_id=key_id)
+        self.track = PacedAudioTrack(self.send, input_rate=st.engine.info().output_sample_rate)
+        self.mic, self.metrics = MicBacklog(self.registry.max_input_lag_s), st.metrics
+        self.session = RealtimeSession(st.engine, config, self.limits, self.sessions.vad, beta=beta,
+                                       audio_sink=self.track, metrics=st.metrics, key_id=key_id)
         self.log = logging.LoggerAdapter(log, self.session.log_ids)
         self.channel = None
         self.channel_open = asyncio.Event()
@@ -258,17 +268,20 @@ class Call:
 # ---- signalling ------------------------------------------------------------------------------------
 
 
-def install(app: FastAPI, ice: IceSettings, connect_timeout_s: float = 30.0, max_input_lag_s: float = 1.0) -> None:
-    offer_host_addresses(ice.host_addresses)
-    app.state.webrtc = CallRegistry(connect_timeout_s, max_input_lag_s, ice)
-    app.router.on_shutdown.insert(0, app.state.webrtc.close_all)
-    if app.state.worker_link is not None:
-        app.state.worker_link.handlers["hangup"] = lambda req: _linked_hangup(app, req)
+def install(app: FastAPI, st: AppState) -> CallRegistry:
+    """The routes, and the registry of the calls (for `AppState.webrtc`)."""
+    settings = st.settings
+    offer_host_addresses(settings.ice.host_addresses)
+    registry = CallRegistry(settings.webrtc_connect_timeout_s, settings.webrtc_max_input_lag_s, settings.ice)
+    app.router.on_shutdown.insert(0, registry.close_all)
+    if st.worker_link is not None:
+        st.worker_link.handlers["hangup"] = lambda req: _linked_hangup(registry, req)
     app.include_router(router)
+    return registry
 
 
-async def _linked_hangup(app: FastAPI, request: dict) -> bytes:
-    return b"ended" if await _hang_up(app, request["call_id"], request["key_id"]) else b"none"
+async def _linked_hangup(registry: CallRegistry, request: dict) -> bytes:
+    return b"ended" if await _hang_up(registry, request["call_id"], request["key_id"]) else b"none"
 
 
 @router.post("/v1/realtime/calls", status_code=201)
@@ -284,17 +297,17 @@ async def create_call_beta(request: Request) -> Response:
 @router.post("/v1/realtime/calls/{call_id}/hangup")
 async def hangup(call_id: str, request: Request) -> JSONResponse:
     """The call ends wherever it lives: here, or (`--api-workers`) in the sibling worker that answered its offer."""
-    key_id, link = request.state.principal.key_id, request.app.state.worker_link
-    if not await _hang_up(request.app, call_id, key_id):
+    key_id, link = request.state.principal.key_id, app_state(request).worker_link
+    if not await _hang_up(call_registry(request), call_id, key_id):
         answers = [] if link is None else await link.ask_others("hangup", call_id=call_id, key_id=key_id)
         if b"ended" not in (answer for _, answer in answers):
             raise APIError(404, f"no call {call_id!r}", "call_id", "call_not_found")
     return JSONResponse({})
 
 
-async def _hang_up(app: FastAPI, call_id: str, key_id: str | None) -> bool:
+async def _hang_up(registry: CallRegistry, call_id: str, key_id: str | None) -> bool:
     """End a call of this process, if it is there and `key_id`'s (only its own key may)."""
-    call = app.state.webrtc.calls.get(call_id)
+    call = registry.calls.get(call_id)
     if call is None or call.session.log_ids["key_id"] != key_id:
         return False
     await call.end("hangup")
@@ -303,13 +316,14 @@ async def _hang_up(app: FastAPI, call_id: str, key_id: str | None) -> bool:
 
 async def _call(request: Request, beta: bool, status: int) -> Response:
     offer = await _read_offer(request)
-    server, sessions, principal = request.app.state.server, request.app.state.realtime, request.state.principal
+    st, principal = app_state(request), request.state.principal
+    sessions = st.sessions
     try:  # a client secret's settings, else the server's for ?model=
-        config = starting_config(server, principal.secret, request.query_params.get("model"))
+        config = starting_config(st, principal.secret, request.query_params.get("model"))
     except ProtocolError as exc:
         raise http_error(exc) from exc
     try:
-        check_admission(server)  # 429 when the engine's wait queues are full, 503 while draining
+        check_admission(st.engine, st.lifecycle)  # 429 when the engine's wait queues are full, 503 while draining
     except APIError:
         sessions.refused(TRANSPORT)
         raise
@@ -318,7 +332,7 @@ async def _call(request: Request, beta: bool, status: int) -> Response:
         raise APIError(429, error.message, None, error.code, headers={"Retry-After": "5"})
     call = Call(request, beta, config, principal.key_id)
     sessions.add(call.session, TRANSPORT, functools.partial(call.end, state="shutdown"))
-    request.app.state.webrtc.calls[call.id] = call
+    call_registry(request).calls[call.id] = call
     try:
         answer = await call.answer(offer)
     except asyncio.CancelledError:

@@ -19,20 +19,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import json
 import logging
 
-from fastapi import APIRouter, FastAPI, WebSocket
+from fastapi import APIRouter, WebSocket
 from starlette.websockets import WebSocketDisconnect, WebSocketState
 
+from app.client_secrets import starting_config
 from app.ops.admission import WS_GOING_AWAY, WS_TRY_AGAIN_LATER, session_refusal
-from app.ops.lifecycle import SHUTDOWN_REASON
 from app.ops.quotas import LimitExceeded
-from app.realtime.client_secrets import starting_config
 from app.realtime.events import ProtocolError, error_event
-from app.realtime.registry import SessionRegistry
+from app.realtime.registry import SessionRegistry, limit_error
 from app.realtime.session import RealtimeLimits, RealtimeSession
+from app.state import app_state
 
 log = logging.getLogger(__name__)
 router = APIRouter()
@@ -43,14 +42,6 @@ Close = tuple[int, str, str]  # (close code, reason, how the session ended for /
 TRANSPORT = "websocket"
 
 
-def install(app: FastAPI, limits: RealtimeLimits) -> None:
-    server = app.state.server
-    app.state.realtime = registry = SessionRegistry(limits, server.metrics, app.state.shared, app.state.worker_index)
-    server.lifecycle.on_deadline(registry.end_all)  # after running responses finished, or at the deadline
-    app.router.on_shutdown.append(functools.partial(registry.end_all, SHUTDOWN_REASON))  # whatever is left
-    app.include_router(router)
-
-
 def _is_beta(ws: WebSocket) -> bool:
     header = ws.headers.get("openai-beta", "").replace(" ", "").lower()
     offered = ws.headers.get("sec-websocket-protocol", "").replace(" ", "").lower().split(",")
@@ -59,18 +50,19 @@ def _is_beta(ws: WebSocket) -> bool:
 
 @router.websocket("/v1/realtime")
 async def realtime(ws: WebSocket) -> None:
-    server, registry, principal = ws.app.state.server, ws.app.state.realtime, ws.state.principal
+    st, principal = app_state(ws), ws.state.principal
+    registry = st.sessions
     offered = [p.strip() for p in ws.headers.get("sec-websocket-protocol", "").split(",") if p.strip()]
     await ws.accept(subprotocol="realtime" if "realtime" in offered else None)
     try:  # a client secret's settings, else the server's for ?model=
-        config = starting_config(server, principal.secret, ws.query_params.get("model"))
+        config = starting_config(st, principal.secret, ws.query_params.get("model"))
         if principal.key is not None:
-            ws.app.state.quotas.take_request(principal.key)  # a session start is a request per minute
+            st.quotas.take_request(principal.key)  # a session start is a request per minute
     except ProtocolError as exc:
         return await _refuse(ws, registry, exc, CLOSE_POLICY)
     except LimitExceeded as exc:
-        return await _refuse(ws, registry, exc.realtime(), CLOSE_TRY_AGAIN)
-    refusal = session_refusal(server)  # engine at capacity, or the server is draining
+        return await _refuse(ws, registry, limit_error(exc), CLOSE_TRY_AGAIN)
+    refusal = session_refusal(st.engine, st.lifecycle)  # engine at capacity, or the server is draining
     if refusal is not None:
         code, reason = refusal
         return await _refuse(ws, registry, ProtocolError(reason, "server_busy" if code == CLOSE_TRY_AGAIN else
@@ -78,8 +70,8 @@ async def realtime(ws: WebSocket) -> None:
     error = registry.refusal(TRANSPORT, principal.key)  # the server's session limit, or the key's
     if error is not None:
         return await _refuse(ws, None, error, CLOSE_TRY_AGAIN)
-    session = RealtimeSession(server.engine, config, registry.limits, registry.vad, beta=_is_beta(ws),
-                              metrics=server.metrics, key_id=principal.key_id)
+    session = RealtimeSession(st.engine, config, registry.limits, registry.vad, beta=_is_beta(ws),
+                              metrics=st.metrics, key_id=principal.key_id)
     conn = _Connection(ws, session)
     registry.add(session, TRANSPORT, conn.end)
     conn.log.info("realtime session open (model %s, beta %s)", config.model, session.beta)

@@ -10,82 +10,29 @@ without ever seeing the key.
 A secret carries its session's settings (checked when minted, as a `session.update` would be), starts
 sessions until `expires_at` (default 60 s, 10 s to 2 h; a started session outlives it), counts against
 the limits of the key that minted it, and stops working when that key leaves the keys file. It starts
-sessions and nothing else (`app.ops.security`). Secrets live in memory (with `--api-workers`, in the
-supervising process, so that any worker finds a secret another minted): a restart voids them.
+sessions and nothing else (`app.ops.security`). Secrets live in memory (`app.ops.secret_store`; with
+`--api-workers`, in the supervising process, so that any worker finds a secret another minted): a restart
+voids them.
 """
 
 from __future__ import annotations
 
-import collections
 import logging
-import secrets
-import threading
-import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Request
 from pydantic import BaseModel, ConfigDict
 
 from app.errors import APIError
-from app.ops.keys import SECRET_PREFIX, digest
+from app.ops.secret_store import MAX_LIVE_PER_KEY, ClientSecret
 from app.realtime.config import SessionConfig, apply_session_update, initial_config, session_object
 from app.realtime.events import ProtocolError, new_id
+from app.state import AppState, app_state
 
 log = logging.getLogger(__name__)
 router = APIRouter()
 DEFAULT_TTL_S, MIN_TTL_S, MAX_TTL_S = 60, 10, 7200
-MAX_LIVE_PER_KEY = 1000  # unexpired secrets of one key; beyond, minting answers 429 (memory stays bounded)
 MAX_INSTRUCTIONS_CHARS = 100_000  # in a secret's settings; longer ones go in a session.update once connected
-
-
-@dataclass(slots=True, frozen=True)
-class ClientSecret:
-    value: str
-    key_id: str | None  # the key that minted it; None: minted while the server had no keys (open)
-    config: SessionConfig
-    expires_at: int  # unix seconds: it starts sessions while the clock is before this
-
-
-class SecretStore:
-    """The live secrets, by digest; expired ones are dropped when found or when a key reaches its cap. Shared
-    by every API worker (`app.ops.shared`): its methods return values and hold a lock."""
-
-    def __init__(self, clock: Callable[[], float] = time.time, max_live_per_key: int = MAX_LIVE_PER_KEY):
-        self._clock, self.max_live_per_key = clock, max_live_per_key
-        self._lock = threading.Lock()
-        self._secrets: dict[bytes, ClientSecret] = {}
-        self._num_by_key: collections.Counter[str | None] = collections.Counter()
-
-    def mint(self, key_id: str | None, config: SessionConfig, ttl_s: int) -> ClientSecret | None:
-        """A new secret, or None when the key has `max_live_per_key` live ones."""
-        with self._lock:
-            if self._num_by_key[key_id] >= self.max_live_per_key:
-                self._drop_expired()
-            if self._num_by_key[key_id] >= self.max_live_per_key:
-                return None
-            value = SECRET_PREFIX + secrets.token_urlsafe(32)
-            secret = ClientSecret(value, key_id, config, int(self._clock()) + ttl_s)
-            self._secrets[digest(value)] = secret
-            self._num_by_key[key_id] += 1
-            return secret
-
-    def find(self, value: str) -> ClientSecret | None:
-        """The secret, while it has not expired."""
-        d = digest(value)
-        with self._lock:
-            secret = self._secrets.get(d)
-            if secret is not None and self._clock() >= secret.expires_at:
-                del self._secrets[d]
-                self._num_by_key[secret.key_id] -= 1
-                return None
-            return secret
-
-    def _drop_expired(self) -> None:
-        now = self._clock()
-        self._secrets = {d: s for d, s in self._secrets.items() if now < s.expires_at}
-        self._num_by_key = collections.Counter(s.key_id for s in self._secrets.values())
 
 
 class _Open(BaseModel):
@@ -120,7 +67,7 @@ async def create_session_beta(request: Request, body: Annotated[dict[str, Any] |
             "client_secret": {"value": secret.value, "expires_at": secret.expires_at}}
 
 
-def starting_config(server, secret: ClientSecret | None, model: str | None) -> SessionConfig:
+def starting_config(st: AppState, secret: ClientSecret[SessionConfig] | None, model: str | None) -> SessionConfig:
     """A new session's settings: its client secret's, else the server's for `model` (default: the served
     one). ProtocolError for a model that is not served, or not the one the secret is for."""
     if secret is not None:
@@ -128,11 +75,12 @@ def starting_config(server, secret: ClientSecret | None, model: str | None) -> S
             raise ProtocolError(f"this client secret is for the model {secret.config.model!r}, not {model!r}",
                                 "invalid_value", "model")
         return secret.config
-    model = model or server.model_names[0]
-    if model not in server.model_names:
-        raise ProtocolError(f"the model {model!r} does not exist; served: {', '.join(server.model_names)}",
-                            "model_not_found", "model")
-    return initial_config(server.engine.info(), model, server.system_prompt or "")
+    served = st.settings.model_names
+    model = model or served[0]
+    if model not in served:
+        raise ProtocolError(f"the model {model!r} does not exist; served: {', '.join(served)}", "model_not_found",
+                            "model")
+    return initial_config(st.engine.info(), model, st.settings.system_prompt or "")
 
 
 def http_error(exc: ProtocolError) -> APIError:
@@ -141,7 +89,7 @@ def http_error(exc: ProtocolError) -> APIError:
 
 
 def _config(request: Request, session: dict[str, Any], model: Any, where: str) -> SessionConfig:
-    server = request.app.state.server
+    st = app_state(request)
     prefix = f"{where}." if where else ""
     if model is not None and not isinstance(model, str):
         raise APIError(400, f"`{prefix}model` must be a string", f"{prefix}model", "invalid_type")
@@ -149,7 +97,7 @@ def _config(request: Request, session: dict[str, Any], model: Any, where: str) -
         raise APIError(400, f"the instructions of a client secret may be {MAX_INSTRUCTIONS_CHARS} characters; send "
                        "longer ones in a session.update once connected", f"{prefix}instructions", "invalid_value")
     try:
-        return apply_session_update(starting_config(server, None, model), session, server.engine.info().voice_names)
+        return apply_session_update(starting_config(st, None, model), session, st.engine.info().voice_names)
     except ProtocolError as exc:
         if exc.param == "model":
             exc.param = f"{prefix}model"
@@ -158,9 +106,9 @@ def _config(request: Request, session: dict[str, Any], model: Any, where: str) -
         raise http_error(exc) from exc
 
 
-def mint(request: Request, key_id: str | None, config: SessionConfig, ttl_s: int) -> ClientSecret:
+def mint(request: Request, key_id: str | None, config: SessionConfig, ttl_s: int) -> ClientSecret[SessionConfig]:
     """A new secret of `key_id` (its limits apply to the sessions it starts)."""
-    secret = request.app.state.client_secrets.mint(key_id, config, ttl_s)
+    secret = app_state(request).client_secrets.mint(key_id, config, ttl_s)
     if secret is None:
         raise APIError(429, f"this key has as many live client secrets as it may ({MAX_LIVE_PER_KEY}); let some "
                        "expire first", None, "rate_limit_exceeded", headers={"Retry-After": "10"})
@@ -168,7 +116,7 @@ def mint(request: Request, key_id: str | None, config: SessionConfig, ttl_s: int
     return secret
 
 
-def ga_body(secret: ClientSecret) -> dict[str, Any]:
+def ga_body(secret: ClientSecret[SessionConfig]) -> dict[str, Any]:
     """The GA answer: the secret and the session settings it carries."""
     session = {**session_object(secret.config, new_id("sess"), beta=False), "expires_at": secret.expires_at}
     return {"value": secret.value, "expires_at": secret.expires_at, "session": session}

@@ -1,6 +1,6 @@
 """Realtime's function tools: a session's or response's `tools` (the flat shape, `{"type": "function", name,
 description, parameters}`) and `tool_choice` (`{"type": "function", name}` for one function), checked as
-chat completions checks them (`app/tools.py`) and turned into the engine's (chat) shapes."""
+chat completions checks them (`app/tool_checks.py`) and turned into the engine's (chat) shapes."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 from app.fields import FieldError, rule
 from app.realtime.events import ProtocolError, check_fields, require
-from app.tools import check_functions, engine_tool_choice
+from app.tool_checks import check_functions, engine_tool_choice
 
 TOOL_FIELDS = rule(("type", "name", "description", "parameters"))
 

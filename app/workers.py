@@ -34,8 +34,10 @@ import tempfile
 import threading
 import time
 
+from app import api_process
 from app.ops import shared
 from app.ops.lifecycle import DrainingServer
+from app.ops.logs import setup as setup_logs
 from app.ops.worker_link import WorkerContext
 from pipeline.api import EngineOptions, EngineStartError, connect_engine, start_core
 
@@ -46,13 +48,11 @@ POLL_S = 0.5  # how often the supervisor looks at its children, and a worker at 
 def supervise(args: argparse.Namespace, opts: EngineOptions, sock: socket.socket, ready_line) -> int:
     """Run the core and `args.api_workers` workers until told to stop; the exit status. `ready_line(info)`:
     what to print once every worker serves."""
-    from app.ops.logs import setup
-
     run_dir = tempfile.mkdtemp(prefix="omnirt-api-")
     authkey = secrets.token_bytes(16)
     limits, _, stop_shared = shared.serve(os.path.join(run_dir, "shared.sock"), authkey)
     try:
-        core = start_core(opts, args.api_workers, log_setup=setup)
+        core = start_core(opts, args.api_workers, log_setup=setup_logs)
     except EngineStartError as exc:
         stop_shared()
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -148,25 +148,13 @@ class WorkerServer(DrainingServer):
 
 def worker_main(args: argparse.Namespace, handle, ctx: WorkerContext, port: int, supervisor_pid: int) -> None:
     """Entry point of a spawned API worker: one API process on the shared port, serving until told to stop."""
-    import faulthandler
-
-    from app.cli import listen, server_settings, uvicorn_config
-    from app.ops.logs import setup
-    from app.server import create_app
-
-    setup(args.log_level, args.log_format)
+    setup_logs(args.log_level, args.log_format)
     engine = connect_engine(handle)
-    app = create_app(engine, server_settings(args, handle.info.system_prompt), ctx)
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
-    signal.signal(signal.SIGHUP, lambda *_: app.state.keys.reload())
-    sock = listen(args.host, port, reuse_port=True)
+    app = api_process.build_app(args, engine, handle.info.system_prompt, ctx)
+    sock = api_process.listen(args.host, port, reuse_port=True)
     threading.Thread(target=_watch_supervisor, args=(supervisor_pid,), name="omnirt-supervisor-watch",
                      daemon=True).start()
-    try:
-        WorkerServer(uvicorn_config(app, args, port), app.state.server.lifecycle, on_stopped=engine.stop).run(
-            sockets=[sock])
-    finally:
-        engine.stop()
+    api_process.serve(app, args, sock, engine, server_class=WorkerServer)
     if not engine.health().is_alive:
         sys.exit(1)
 

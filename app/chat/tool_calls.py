@@ -10,7 +10,7 @@ from typing import Any
 from app.chat.protocol import ResponseFormat, Tool
 from app.errors import APIError
 from app.fields import FieldError
-from app.tools import check_functions, check_schema, engine_tool_choice
+from app.tool_checks import check_functions, check_schema, engine_tool_choice
 
 
 def check_tools(tools: list[Tool], tool_choice: Any) -> str | dict:
