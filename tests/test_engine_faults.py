@@ -10,7 +10,6 @@ import logging
 import os
 import random
 import time
-from types import SimpleNamespace
 
 import pytest
 from faults import MARK, inject
@@ -100,8 +99,8 @@ async def test_admission_refuses_beyond_max_waiting(tiny_config):
         assert exc.value.retry_after_s == 2.0 and exc.value.capacity == 3
         with pytest.raises(EngineOverloaded):
             eng.check_admission(wants_audio=True)
-        server = SimpleNamespace(engine=eng, lifecycle=Lifecycle(eng, deadline_s=1.0))
-        code, reason = session_refusal(server)  # what a realtime endpoint answers at connect now
+        lifecycle = Lifecycle(eng, deadline_s=1.0)
+        code, reason = session_refusal(eng, lifecycle)  # what a realtime endpoint answers at connect now
         assert code == 1013 and "capacity" in reason and len(reason.encode()) <= 123
         assert eng.admission.num_waiting("thinker") == 1
         fins = []
@@ -109,9 +108,9 @@ async def test_admission_refuses_beyond_max_waiting(tiny_config):
             fins += [ev async for ev in events if isinstance(ev, Finished)]
         assert [f.finish_reason for f in fins] == ["length"] * 3
         eng.check_admission(wants_audio=True)  # room again
-        assert session_refusal(server) is None
-        server.lifecycle.is_draining = True
-        assert session_refusal(server) == (1001, "server shutting down")
+        assert session_refusal(eng, lifecycle) is None
+        lifecycle.is_draining = True
+        assert session_refusal(eng, lifecycle) == (1001, "server shutting down")
         assert eng.admission.num_admitted == dict.fromkeys(eng.admission.limits, 0)
     finally:
         eng.stop()
