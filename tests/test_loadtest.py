@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -224,3 +225,41 @@ def test_step_log_summary_per_span(tmp_path):
     assert first[1]["rows_mean"] == 1.5 and first[1]["rows_max"] == 2 and first[1]["ms_max"] == 8.0
     assert [r["stage"] for r in summarize(in_span(steps, *spans[1][1:]))] == ["thinker", "talker"]
     assert summarize(in_span(steps, *spans[2][1:]))[0]["tokens_mean"] == 1.0
+
+
+def test_bench_serves_a_named_variant_itself(tmp_path):
+    """`omnirt bench --serve reference`: the bench starts transformers' generate() behind the API from this
+    checkout on a free port, runs against it and stops it; the report names the variant, and the reference's
+    points have no engine stages to report (the omnirt engine's do)."""
+    from loadtest.local_server import health
+
+    run = subprocess.run([sys.executable, "-m", "app.cli", "bench", "--serve", "reference", "--serve-args",
+                          "--threads 1", "--prompt-lens", "10", "--concurrency", "1", "--requests-per-point", "1",
+                          "--rounds", "1", "--warmup", "0", "--thinker-tokens", "4", "--talker-frames", "6",
+                          "--name", "ref", "--out", str(tmp_path)], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+    port = re.search(r"--port (\d+)", run.stdout)[1]
+    assert health(f"http://127.0.0.1:{port}") is None  # stopped with the run
+    report = json.loads((tmp_path / "ref.json").read_text())
+    [row] = report["results"]
+    assert report["args"]["serve"] == "reference" and (row["ok"], row["failed"]) == (1, 0), row
+    assert set(row["first_output_ms"]) == {"api"} and not row["engine"]["steps"], row
+
+
+def test_variants_join_and_the_profile_key_lands_in_a_copy():
+    """Variants joined by `+` give one --stage-overrides with both stages' keys, and a variant that changes a
+    deploy profile key serves a copy of the given profile with that key changed; an unknown name is refused."""
+    from loadtest.variants import VARIANTS, serve_args
+    from pipeline.config import load_profile
+
+    args = serve_args("fixed-ramp+sync-talker+c2w-eager", ROOT / "deploy" / "qwen3_omni_moe_1gpu.yaml")
+    assert args.count("--stage-overrides") == 1 and args.count("--deploy-config") == 1
+    assert json.loads(args[args.index("--stage-overrides") + 1]) == {"1": {"async_scheduling": False},
+                                                                     "2": {"enforce_eager": True}}
+    copy = args[args.index("--deploy-config") + 1]
+    assert load_profile(copy, "cuda").connector.codec_chunk_pacing == "fixed"
+    assert load_profile(ROOT / "deploy" / "qwen3_omni_moe_1gpu.yaml", "cuda").connector.codec_chunk_pacing != "fixed"
+    assert serve_args("profile") == [] and "reference" in VARIANTS
+    with pytest.raises(SystemExit, match="unknown variant 'no-such'"):
+        serve_args("profile+no-such")
