@@ -235,8 +235,7 @@ def server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny", help="the served model id")
     p.add_argument("--voice", default="ethan", help="the voice replies are spoken in")
     p.add_argument("--out", default=None, help="folder for NAME.json, NAME.md and NAME.png (default: "
-                   "bench-results/NAME-<date>-<time>/, a run folder git ignores; docs/benchmarks/ holds the "
-                   "committed figures, refreshed only on purpose)")
+                   "bench-results/NAME-<date>-<time>/, a run folder git ignores)")
     p.add_argument("--dry-run", action="store_true", help="say what would run against this server, and stop")
     local_server.add_args(p)
 

@@ -5,7 +5,7 @@ over time.
 
     python -m loadtest.step_log STEPS.log[.gz] [--spans CALL.log] [--plot OUT.png]
 
-`--spans` reads lines "NAME from T" / "NAME until T" (wall-clock seconds, as `loadtest/gpu/realtime_targets.sh`
+`--spans` reads lines "NAME from T" / "NAME until T" (wall-clock seconds, as the GPU driver's `points` scenario
 prints them around each point); without it the whole log is one span.
 """
 

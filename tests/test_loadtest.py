@@ -263,3 +263,33 @@ def test_variants_join_and_the_profile_key_lands_in_a_copy():
     assert serve_args("profile") == [] and "reference" in VARIANTS
     with pytest.raises(SystemExit, match="unknown variant 'no-such'"):
         serve_args("profile+no-such")
+
+
+def test_gpu_driver_resolves_every_scenario(tmp_path):
+    """`python -m loadtest.gpu --dry-run`: every scenario's steps resolve (their variants, values and modules), and a
+    value no scenario of the run reads is refused, naming the ones they read."""
+    import importlib.util
+
+    from loadtest.gpu.scenarios import SCENARIOS
+
+    run = subprocess.run([sys.executable, "-m", "loadtest.gpu", "--dry-run", "--out", str(tmp_path), *SCENARIOS,
+                          "variants=profile no-graphs fixed-ramp+no-priority"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+    assert [line[3:].split(":")[0] for line in run.stdout.splitlines() if line.startswith("== ")] == list(SCENARIOS)
+    modules = set(re.findall(r" -m ([\w.]+)", run.stdout))
+    assert {"app.cli", "loadtest.gpu.diag", "loadtest.gpu.hf_parity", "pytest"} <= modules
+    assert all(importlib.util.find_spec(m) for m in modules), modules
+    assert "--enforce-eager" in run.stdout and "codec_chunk_pacing" not in run.stdout  # a copy of the profile
+    assert "{" not in "".join(line for line in run.stdout.splitlines() if "--stage-overrides" not in line)
+    stray = subprocess.run([sys.executable, "-m", "loadtest.gpu", "--dry-run", "sweep", "sessions=1"], cwd=ROOT,
+                           capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert stray.returncode == 2 and "sessions: no parameter of sweep" in stray.stderr, stray.stderr
+
+
+def test_only_the_variants_table_spells_the_ablation_flags():
+    """The serve flags of the ablations appear in loadtest/ only in loadtest/variants.py: one place to change."""
+    flags = re.compile(r"--(no-async-chunk|no-async-output|no-first-packet-priority|no-prefix-caching|compile|"
+                       r"attention|moe-backend|conv-backend|enforce-eager)\b|--engine reference")
+    files = [p for p in (ROOT / "loadtest").rglob("*") if p.suffix in (".py", ".sh") and p.name != "variants.py"]
+    assert files and not [str(p) for p in files if flags.search(p.read_text())]
