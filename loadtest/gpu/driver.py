@@ -42,7 +42,7 @@ class Check:
     """`{python} ARGV` (or ARGV as given when it does not start with -m), stdout into `out`."""
     name: str
     argv: str
-    limit_s: int = 300
+    limit_s: int | str = 300  # seconds it may take (a value in braces allowed)
     env: str = ""  # KEY=VALUE ...
     variant: str = ""  # its serve arguments appended
     out: str = ""  # default NAME.txt
@@ -58,8 +58,9 @@ class MustFail:
 
 @dataclass(frozen=True)
 class Serve:
+    """One server of a variant from a checkout, its clients in turn, then stopped."""
     variant: str
-    clients: tuple[tuple[str, str, int], ...]  # (name, verb and arguments, seconds it may take)
+    clients: tuple[tuple[str, str, int | str], ...]  # (name, verb and arguments, seconds it may take)
     args: str = ""  # more serve arguments
     src: str = "."  # the checkout the server runs from
     name: str = "{variant}"
@@ -69,6 +70,7 @@ class Serve:
 
 @dataclass(frozen=True)
 class ForEach:
+    """The steps once per word of a parameter: `{each}`, and for KEY=VALUE words `{each_key}`, `{each_value}`."""
     param: str
     steps: tuple
 
@@ -137,6 +139,9 @@ class Runner:
             except subprocess.TimeoutExpired:
                 print(f"{name}: stopped at its limit of {limit_s} s", flush=True)
                 return 124
+            except OSError as exc:  # a program this machine lacks (nvidia-smi on a CPU)
+                print(f"{name}: {exc}", flush=True)
+                return 127
 
     def check(self, step: Check, **more: str) -> None:
         name = self.fill(step.name, **more)
