@@ -29,7 +29,7 @@ import httpx
 
 from app.audio.playback import PlaybackClock, pcm16_seconds
 from app.audio.wire import PCM16
-from loadtest import server_metrics
+from loadtest import local_server, plot, server_metrics
 from loadtest.stats import NOTE, summary
 
 
@@ -229,37 +229,15 @@ def markdown(rows: list[dict], title: str) -> str:
     return f"### {title}\n\n{head}{body}\n{engine}\n{NOTE}\n"
 
 
-def plot(rows: list[dict], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    for prompt_len in sorted({r["prompt_len"] for r in rows}):
-        pts = [r for r in rows if r["prompt_len"] == prompt_len and r["ok"]]
-        c = [r["concurrency"] for r in pts]
-        for ax, key in zip(axes, ("req_per_s", "ttfp_mean_ms", "rtf_mean")):
-            ax.plot(c, [r[key] for r in pts], marker="o", label=f"prompt {prompt_len}")
-    for ax, label in zip(axes, ("requests / s", "mean audio TTFP (ms)", "mean RTF")):
-        ax.set_xlabel("concurrency")
-        ax.set_ylabel(label)
-        ax.grid(alpha=0.3)
-    axes[0].legend()
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
-
 def server_args(p: argparse.ArgumentParser) -> None:
     """The flags both benches take to reach a server, and where their report goes."""
     p.add_argument("--url", default="http://127.0.0.1:8091", help="the running server")
     p.add_argument("--model", default="tiny", help="the served model id")
     p.add_argument("--voice", default="ethan", help="the voice replies are spoken in")
     p.add_argument("--out", default=None, help="folder for NAME.json, NAME.md and NAME.png (default: "
-                   "bench-results/NAME-<date>-<time>/, a run folder git ignores; docs/benchmarks/ holds the "
-                   "committed figures, refreshed only on purpose)")
+                   "bench-results/NAME-<date>-<time>/, a run folder git ignores)")
     p.add_argument("--dry-run", action="store_true", help="say what would run against this server, and stop")
+    local_server.add_args(p)
 
 
 def server_platform(url: str) -> str:
@@ -331,8 +309,10 @@ def say_plan(args: argparse.Namespace, plan_text: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = plan(build_parser().parse_args(argv))
-    write_report(args, asyncio.run(sweep(args)), markdown, plot)
+    args = build_parser().parse_args(argv)
+    with local_server.serving(args):
+        args = plan(args)
+        write_report(args, asyncio.run(sweep(args)), markdown, plot.chat)
 
 
 if __name__ == "__main__":

@@ -1,29 +1,26 @@
 #!/usr/bin/env bash
-# Side-by-side: the same bench run against servers that differ in one thing, each started on its own.
-# CPU + tiny model by default. Variants (VARIANTS, space-separated):
-#   omnirt         the default server (engine core in a process of its own)
-#   omnirt-inproc  the engine in the API process (--engine-process inproc)
-#   reference      transformers' generate(), one request at a time (--engine reference)
-#   VARIANTS="omnirt omnirt-inproc" OUT=/tmp/cmp bash loadtest/compare.sh [extra bench args...]
+# The same bench against servers that differ in one thing, each started for its run and stopped after, one after
+# the other in one session (CPU and the tiny model unless SERVE_ARGS says otherwise):
+#   VARIANTS="profile reference" bash loadtest/compare.sh [realtime] [bench args...]
+# VARIANTS: names of loadtest/variants.py (`python -m loadtest.variants` lists them); VARIANT@DIR serves it from the
+# checkout in DIR (e.g. `git worktree add /tmp/before REV`), to compare builds. Without bench args, the chat bench
+# runs prompt 160 at c 1/4/8 (16 tokens, 3.2 s of audio a reply), the voice bench 1 and 16 sessions of 3 turns.
+# Reports: NAME-VARIANT.{json,md,png} in OUT (default bench-results/compare-<date>-<time>/).
 set -euo pipefail
-BIN=${BIN:-.venv/bin}
-OUT=${OUT:-docs/benchmarks}
-ARGS=(--prompt-lens 160 --concurrency 1 4 8 --thinker-tokens 16 --talker-frames 40 --requests-per-point 8 --warmup 2 "$@")
-serve_args() {
-  case $1 in
-    omnirt) ;;
-    omnirt-inproc) echo "--engine-process inproc" ;;
-    reference) echo "--engine reference" ;;
-    *) echo "unknown variant $1" >&2; exit 2 ;;
-  esac
-}
-for variant in ${VARIANTS:-omnirt reference}; do
-  port=$((18100 + RANDOM % 500))
-  # shellcheck disable=SC2046
-  $BIN/python -m app.cli serve $(serve_args "$variant") --port $port --threads 1 --log-level warning > "/tmp/compare-$variant.log" 2>&1 &
-  pid=$!
-  for _ in $(seq 120); do curl -sf "http://127.0.0.1:$port/health" > /dev/null && break; sleep 1; kill -0 $pid; done
-  curl -sf "http://127.0.0.1:$port/health" > /dev/null || { echo "$variant server not healthy"; kill $pid; exit 1; }
-  $BIN/python -m loadtest.bench --url "http://127.0.0.1:$port" --name "cpu-tiny-$variant" --out "$OUT" "${ARGS[@]}" | tail -3
-  kill $pid; wait $pid 2>/dev/null || true
+here=$(cd "$(dirname "$0")/.." && pwd)
+BIN=${BIN:-$here/.venv/bin}
+OUT=${OUT:-$here/bench-results/compare-$(date +%Y%m%d-%H%M%S)}
+if [ "${1:-}" = realtime ]; then
+  shift; bench=(bench realtime); name=${NAME:-cpu-tiny-realtime}
+  [ $# -gt 0 ] || set -- --sessions 1 16 --turns 3 --mode cancel --clients 4
+else
+  bench=(bench); name=${NAME:-cpu-tiny}
+  [ $# -gt 0 ] || set -- --prompt-lens 160 --concurrency 1 4 8 --thinker-tokens 16 --talker-frames 40 \
+    --requests-per-point 8 --warmup 2
+fi
+for v in ${VARIANTS:-profile reference}; do
+  variant=${v%@*} src=$here
+  [[ $v == *@* ]] && src=${v#*@}
+  "$BIN/python" -m app.cli "${bench[@]}" --serve "$variant" --serve-from "$src" \
+    --serve-args "${SERVE_ARGS:---threads 1 --realtime-max-sessions 160}" --name "$name-${variant//+/-}" --out "$OUT" "$@"
 done

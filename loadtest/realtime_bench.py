@@ -37,14 +37,14 @@ import random
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import numpy as np
 
 from app.audio.pcm import float_to_pcm16
 from app.audio.wire import PCM16
-from loadtest import server_metrics
+from loadtest import plot, server_metrics
 from loadtest.bench import _underruns, say_plan, server_args, server_platform, write_report
+from loadtest.local_server import serving
 from loadtest.stats import NOTE, cell, summary
 
 RATE = PCM16.sample_rate
@@ -598,59 +598,6 @@ def _row(r: dict) -> str:
             f"{r['turns_without_audio']} | {underruns} | {r['errors']} | {server_cpu} | {r['client_cpu']:.2f} |\n")
 
 
-def plot(rows: list[dict], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    panels = [(key, label) for key, label in (("vad_lag_ms", "VAD lag (ms)"), ("response_ms", "response latency (ms)"),
-                                              ("voice_to_voice_ms", "voice-to-voice (ms)"))
-              if any(r[key]["p50"] is not None for r in rows)]  # no-responses: the VAD lag alone
-    by_turn = has_turns(rows)
-    fig, axes = plt.subplots(1 + by_turn, len(panels), figsize=(5 * len(panels), 4 * (1 + by_turn)), squeeze=False)
-    for ax, (key, label) in zip(axes[0], panels):
-        for abusive, transcribe in sorted({(r["abusive"], bool(r.get("transcription"))) for r in rows}):
-            part = [r for r in rows if r["abusive"] == abusive and bool(r.get("transcription")) == transcribe]
-            tags = [*([f"{abusive} abusive"] if abusive else []), *(["transcripts"] if transcribe else [])]
-            for q in ("p50", "p90", "p99", "max"):  # a percentile the point has too few turns for is left out
-                ax.plot([r["sessions"] for r in part], [r[key][q] for r in part], marker="o",
-                        linestyle="--" if abusive else ":" if transcribe else "-", label=", ".join([q, *tags]))
-        ax.set_xlabel("sessions")
-        ax.set_ylabel(label)
-        ax.grid(alpha=0.3)
-        ax.legend()
-    if by_turn:
-        plot_turns(axes[1][0], axes[1][1], rows, "")
-        for ax in axes[1][2:]:
-            ax.set_visible(False)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
-
-def has_turns(rows: list[dict]) -> bool:
-    """Whether the rows have several answered turns to draw against the turn index."""
-    return any(len(r.get("by_turn") or []) > 1 and r["mode"] != "no-responses" for r in rows)
-
-
-def plot_turns(latency_ax, tokens_ax, rows: list[dict], label: str) -> None:
-    """Response latency p50, and prefilled prompt tokens, against the turn of the conversation: a line per
-    session count (and abuse-free rows only)."""
-    for r in rows:
-        if r.get("abusive") or not r.get("by_turn"):
-            continue
-        turns = [t["turn"] for t in r["by_turn"]]
-        name = f"{label}{r['sessions']} sessions{', transcripts' if r.get('transcription') else ''}"
-        latency_ax.plot(turns, [t["response_ms"]["p50"] for t in r["by_turn"]], marker="o", label=name)
-        tokens_ax.plot(turns, [t["prefilled_tokens"] for t in r["by_turn"]], marker="o", label=name)
-    for ax, what in ((latency_ax, "response latency p50 (ms)"), (tokens_ax, "prompt tokens prefilled (mean)")):
-        ax.set_xlabel("turn of the conversation")
-        ax.set_ylabel(what)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-
-
 SESSIONS = {"cpu": [1, 4], "gpu": [1, 8, 16]}  # session counts when none are given
 
 
@@ -698,6 +645,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    with serving(args):
+        run_sessions(args)
+
+
+def run_sessions(args: argparse.Namespace) -> None:
     platform = server_platform(args.url)
     args.sessions = args.sessions or SESSIONS["cpu" if platform == "cpu" else "gpu"]
     say_plan(args, f"{platform} server at {args.url}: {args.sessions} {args.transport} sessions x "
@@ -711,7 +663,7 @@ def main(argv: list[str] | None = None) -> None:
                 rows.append(run_point(args, n, abusive, transcribe))
                 print(markdown(rows[-1:], f"{args.name}: {n} sessions, {abusive} abusive, transcripts "
                                           f"{'on' if transcribe else 'off'}"), flush=True)
-    write_report(args, rows, markdown, plot)
+    write_report(args, rows, markdown, plot.voice)
 
 
 if __name__ == "__main__":

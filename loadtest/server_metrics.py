@@ -127,18 +127,24 @@ def engine_cell(counters: dict) -> str:
     ...; allocator: 0 retries, 2 device allocations" ('-' for none)."""
     parts = []
     for stage, c in counters.get("steps", {}).items():
-        n = c.get("prefill_steps", 0) + c.get("decode_steps", 0)
-        if not n:
+        if (rows := rows_per_step(counters, stage)) is None:
             continue
         first = c.get("first_wait_steps", 0) / c["first_steps"] if c.get("first_steps") else 0.0
         parts.append(f"{stage}: {c.get('prefill_steps', 0):.0f} prefill steps x {_per_step_ms(c, 'prefill')} ms, "
                      f"{c.get('decode_steps', 0):.0f} decode x {_per_step_ms(c, 'decode')} ms, "
-                     f"{c.get('rows', 0) / n:.1f} rows a step, {first:.1f} steps waited before the first")
+                     f"{rows:.1f} rows a step, {first:.1f} steps waited before the first")
     alloc = counters.get("allocator", {})
     if alloc:
         parts.append(f"allocator: {alloc.get('alloc_retries', 0):.0f} retries, "
                      f"{alloc.get('device_allocs', 0):.0f} device allocations")
     return "; ".join(parts) or "-"
+
+
+def rows_per_step(counters: dict, stage: str) -> float | None:
+    """The requests a step of `stage` held on average over a point (None: it made no step)."""
+    c = counters.get("steps", {}).get(stage, {})
+    n = c.get("prefill_steps", 0) + c.get("decode_steps", 0)
+    return c.get("rows", 0) / n if n else None
 
 
 def _per_step_ms(counts: dict[str, float], kind: str) -> str:

@@ -5,7 +5,7 @@ over time.
 
     python -m loadtest.step_log STEPS.log[.gz] [--spans CALL.log] [--plot OUT.png]
 
-`--spans` reads lines "NAME from T" / "NAME until T" (wall-clock seconds, as `loadtest/gpu/realtime_targets.sh`
+`--spans` reads lines "NAME from T" / "NAME until T" (wall-clock seconds, as the GPU driver's `points` scenario
 prints them around each point); without it the whole log is one span.
 """
 
@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from loadtest import plot
 
 STAGES = ("thinker", "talker", "code2wav")
 KINDS = ("prefill", "decode")
@@ -88,31 +90,6 @@ def markdown(spans: list[tuple[str, list[Step]]]) -> str:
     return "".join(out)
 
 
-def plot(spans: list[tuple[str, list[Step]]], path: Path, stage: str = "thinker") -> None:
-    """Left: the stage's prefill step time against its tokens, a colour per span; right: requests per prefill
-    step over each span's time."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5))
-    for name, steps in spans:
-        pre = [s for s in steps if s.stage == stage and s.kind == "prefill"]
-        if not pre:
-            continue
-        left.scatter([s.tokens for s in pre], [s.ms for s in pre], s=10, alpha=0.6, label=name)
-        right.plot([s.at - pre[0].at for s in pre], [s.rows for s in pre], marker=".", lw=0.6, label=name)
-    left.set(xlabel="tokens in the step", ylabel="ms", title=f"{stage} prefill steps", yscale="log")
-    right.set(xlabel="seconds into the span", ylabel="requests in the step", title=f"{stage} prefill: new requests "
-              "per step")
-    for ax in (left, right):
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m loadtest.step_log", description=__doc__.split("\n\n")[0])
     p.add_argument("log", type=Path, help="the file the server's --step-log wrote")
@@ -124,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
              else [("all", steps)])
     print(markdown(spans), end="")
     if args.plot:
-        plot(spans, args.plot)
+        plot.prefill_steps(spans, args.plot)
         print(f"plot: {args.plot}")
 
 

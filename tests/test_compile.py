@@ -129,7 +129,8 @@ def test_a_stages_own_compile_setting_and_the_conv_backend(tiny_config):
         build_config(raw, "cuda", {}, {"2": {"compile": "maybe"}})
     profile = "deploy/qwen3_omni_moe_1gpu.yaml"
     served = engine_config(EngineOptions(model="qwen3-omni-30b-a3b", deploy_config=profile), "cuda")
-    # the shipped profile: graphs of the uncompiled Code2Wav with its Triton convolutions (docs/benchmarks.md)
+    # the shipped profile: graphs of the uncompiled Code2Wav with its Triton convolutions
+    # (docs/lab/2026-12-02-host-path-code2wav-async.md)
     assert not served.stage("code2wav").enforce_eager and not served.compiles("code2wav", graphs=True)
     assert served.conv_backend == "triton"
     on_cpu = engine_config(EngineOptions(model="qwen3-omni-30b-a3b", deploy_config=profile), "cpu")

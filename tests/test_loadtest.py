@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -224,3 +225,78 @@ def test_step_log_summary_per_span(tmp_path):
     assert first[1]["rows_mean"] == 1.5 and first[1]["rows_max"] == 2 and first[1]["ms_max"] == 8.0
     assert [r["stage"] for r in summarize(in_span(steps, *spans[1][1:]))] == ["thinker", "talker"]
     assert summarize(in_span(steps, *spans[2][1:]))[0]["tokens_mean"] == 1.0
+
+
+def test_bench_serves_a_named_variant_itself(tmp_path):
+    """`omnirt bench --serve reference`: the bench starts transformers' generate() behind the API from this
+    checkout on a free port, runs against it and stops it; the report names the variant, and the reference's
+    points have no engine stages to report (the omnirt engine's do)."""
+    from loadtest.local_server import health
+
+    run = subprocess.run([sys.executable, "-m", "app.cli", "bench", "--serve", "reference", "--serve-args",
+                          "--threads 1", "--prompt-lens", "10", "--concurrency", "1", "--requests-per-point", "1",
+                          "--rounds", "1", "--warmup", "0", "--thinker-tokens", "4", "--talker-frames", "6",
+                          "--name", "ref", "--out", str(tmp_path)], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+    port = re.search(r"--port (\d+)", run.stdout)[1]
+    assert health(f"http://127.0.0.1:{port}") is None  # stopped with the run
+    report = json.loads((tmp_path / "ref.json").read_text())
+    [row] = report["results"]
+    assert report["args"]["serve"] == "reference" and (row["ok"], row["failed"]) == (1, 0), row
+    assert set(row["first_output_ms"]) == {"api"} and not row["engine"]["steps"], row
+
+
+def test_variants_join_and_their_settings_reach_the_engine_config():
+    """Variants joined by `+` give their `--set`s in order, and the server's config has each changed key (and the
+    profile's value otherwise); an unknown name is refused."""
+    from app.cli import engine_options
+    from app.flags import build_parser
+    from loadtest.variants import VARIANTS, serve_args
+    from tests.profiles import engine_config
+
+    profile = ["--model", "qwen3-omni-30b-a3b", "--deploy-config", str(ROOT / "deploy" / "qwen3_omni_moe_1gpu.yaml")]
+
+    def config(spec: str):
+        return engine_config(engine_options(build_parser().parse_args(["serve", *profile, *serve_args(spec)])), "cuda")
+
+    shipped, cfg = config("profile"), config("fixed-ramp+sync-talker+c2w-eager")
+    assert shipped.connector.codec_chunk_pacing == "adaptive" and cfg.connector.codec_chunk_pacing == "fixed"
+    assert shipped.stage("talker").async_scheduling and not cfg.stage("talker").async_scheduling
+    assert (cfg.conv_backend, cfg.stage("code2wav").enforce_eager) == ("native", True)
+    assert cfg.stage("thinker") == shipped.stage("thinker")
+    assert config("reference").engine == "reference" and not config("no-prefix-caching").stage("talker").prefix_caching
+    assert serve_args("profile") == [] and "reference" in VARIANTS
+    with pytest.raises(SystemExit, match="unknown variant 'no-such'"):
+        serve_args("profile+no-such")
+
+
+def test_gpu_driver_resolves_every_scenario(tmp_path):
+    """`python -m loadtest.gpu --dry-run`: every scenario's steps resolve (their variants, values and modules), and a
+    value no scenario of the run reads is refused, naming the ones they read."""
+    import importlib.util
+
+    from loadtest.gpu.scenarios import SCENARIOS
+
+    run = subprocess.run([sys.executable, "-m", "loadtest.gpu", "--dry-run", "--out", str(tmp_path), *SCENARIOS,
+                          "variants=profile no-graphs fixed-ramp+no-priority"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+    assert [line[3:].split(":")[0] for line in run.stdout.splitlines() if line.startswith("== ")] == list(SCENARIOS)
+    modules = set(re.findall(r" -m ([\w.]+)", run.stdout))
+    assert {"app.cli", "loadtest.gpu.diag", "loadtest.gpu.hf_parity", "pytest"} <= modules
+    assert all(importlib.util.find_spec(m) for m in modules), modules
+    assert "--enforce-eager" in run.stdout and "--set connector.codec_chunk_pacing=fixed" in run.stdout
+    assert "{" not in "".join(line for line in run.stdout.splitlines() if "--stage-overrides" not in line)
+    stray = subprocess.run([sys.executable, "-m", "loadtest.gpu", "--dry-run", "sweep", "sessions=1"], cwd=ROOT,
+                           capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert stray.returncode == 2 and "sessions: no parameter of sweep" in stray.stderr, stray.stderr
+
+
+def test_only_the_variants_table_spells_the_ablation_settings():
+    """The serve settings of the ablations (`--set`, `--enforce-eager`) appear in loadtest/ only in
+    loadtest/variants.py: one place to change; the flags they replaced appear nowhere."""
+    flags = re.compile(r"--(set|no-async-chunk|no-async-output|no-first-packet-priority|no-prefix-caching|compile|"
+                       r"attention|moe-backend|conv-backend|enforce-eager)\b|--engine reference")
+    files = [p for p in (ROOT / "loadtest").rglob("*") if p.suffix in (".py", ".sh") and p.name != "variants.py"]
+    assert files and not [str(p) for p in files if flags.search(p.read_text())]

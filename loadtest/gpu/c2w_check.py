@@ -1,6 +1,6 @@
 """Code2Wav at full size: FLOPs per chunk, and on a GPU its captured (batch, frames) graphs against eager.
 
-    python loadtest/gpu/c2w_check.py [--max-batch 16]
+    python -m loadtest.gpu.c2w_check [--max-batch 16]   (the GPU driver's `c2w-check` scenario)
 
 Builds the released Code2Wav (random weights) through `Code2WavModel`, the engine's own wrapper, so the
 buckets are the ones the 1-GPU profile derives (4-frame first chunk, 25-frame chunks, 25 frames of left

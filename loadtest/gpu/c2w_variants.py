@@ -1,6 +1,6 @@
 """Code2Wav formulations timed against the eager module as served, and checked against eager float32.
 
-    python loadtest/gpu/c2w_variants.py [--shapes 1x50 16x50 64x50] [--variants eager gemm ...] [--tiny]
+    python -m loadtest.gpu.c2w_variants [--shapes 1x50 16x50 64x50] [--variants eager gemm ...] [--tiny]
 
 Variants of one Code2Wav (released size with random bf16 weights on the GPU; `--tiny`: the tiny model's
 size in float32, on the CPU too, to check the script) through the engine's own rewrites

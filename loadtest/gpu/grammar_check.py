@@ -12,7 +12,7 @@ Parts, each printed as one JSON line:
   response format, and with `tool_choice: "required"`: wall time, completion tokens per second, and how many
   outputs are valid JSON matching the schema.
 
-python3 loadtest/gpu/grammar_check.py [--url http://127.0.0.1:8091 --model M --concurrency 64]
+python3 -m loadtest.gpu.grammar_check [--url http://127.0.0.1:8091 --model M --concurrency 64]
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ import torch
 
 from loadtest.gpu_check import cli
 from pipeline.api import OmniRequest, collect_reply
+from pipeline.models.qwen3_omni.generate import prompt_kwargs
 
 VOICE = "ethan"
 PENALTY = 1.05  # the Talker's repetition penalty, both sides
@@ -104,15 +105,9 @@ async def serve(engine, rid: str, messages: list[dict], tokens: int, frames: int
 def reference(models, messages: list[dict], tokens: int, frames: int):
     """transformers' generate() of the same prompt: text tokens, codec frames [frames][16], the logits of
     each Thinker step and each Talker (first codebook) step."""
-    hf, device = models.hf, models.thinker.device
+    hf = models.hf
     prompt = models.encoder.encode(messages)
-    ids = torch.tensor([prompt.input_ids], device=device)
-    kw = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-    if prompt.input_features is not None:
-        kw.update(input_features=prompt.input_features.to(device, hf.dtype),
-                  feature_attention_mask=prompt.feature_mask.to(device))
-    if prompt.pixel_values is not None:
-        kw.update(pixel_values=prompt.pixel_values.to(device), image_grid_thw=prompt.image_grid_thw.to(device))
+    kw = prompt_kwargs(hf, prompt, models.thinker.device)
     codes, original = {}, hf.code2wav.chunked_decode
 
     def capture(c, *a, **k):
@@ -130,7 +125,7 @@ def reference(models, messages: list[dict], tokens: int, frames: int):
     finally:
         hf.code2wav.chunked_decode = original
     eos = set(models.thinker.eos_ids)
-    text = [t for t in seqs[0, ids.shape[1]:].tolist() if t not in eos]
+    text = [t for t in seqs[0, len(prompt.input_ids):].tolist() if t not in eos]
     return text, codes["c"][0].T.tolist(), th.close(), tk.close(), [h.close() for h in heads]
 
 

@@ -15,7 +15,7 @@ what the replay moves.
 Prints one JSON line per (block, implementation, batch), then a markdown table of ms per block call in the
 graph (eager for `eager`), the fastest per row in bold.
 
-    PYTHONPATH=. python3 loadtest/gpu/moe_check.py [IMPL ...]   # default: every implementation below
+    python3 -m loadtest.gpu.moe_check [IMPL ...]   # default: every implementation below
 """
 
 from __future__ import annotations

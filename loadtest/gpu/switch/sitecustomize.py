@@ -1,5 +1,5 @@
-"""On PYTHONPATH for a GPU bench only (ab_builds.sh with SWITCH_MS): every interpreter of the server, the engine
-core's included, runs with that GIL switch interval instead of Python's 5 ms."""
+"""On PYTHONPATH only for a GPU server whose environment has SWITCH_MS (the GPU driver's `server_env=SWITCH_MS=0.2`):
+every interpreter of the server, the engine core's included, runs with that GIL switch interval instead of 5 ms."""
 import os
 import sys
 
