@@ -31,13 +31,18 @@ def build_context() -> list[str]:
     files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
                            capture_output=True, text=True, check=True).stdout.split()
 
+    def matches(path: str, pattern: str) -> bool:
+        """Docker's rule: a pattern names a path from the context's root (or a folder above the file);
+        one that starts with `**/` names it at any depth."""
+        parts = path.split("/")
+        if pattern.startswith("**/"):
+            return any(fnmatch.fnmatch(p, pattern[3:]) for p in parts)
+        return any(fnmatch.fnmatch("/".join(parts[:i]), pattern) for i in range(1, len(parts) + 1))
+
     def included(path: str) -> bool:
         keep = True
         for rule in rules:
-            pattern = rule.lstrip("!").rstrip("/").replace("**/", "")
-            parts = path.split("/")
-            if any(fnmatch.fnmatch("/".join(parts[:i]), pattern) or fnmatch.fnmatch(p, pattern)
-                   for i, p in enumerate(parts, 1)):
+            if matches(path, rule.lstrip("!").rstrip("/")):
                 keep = rule.startswith("!")
         return keep
 
