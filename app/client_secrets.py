@@ -24,6 +24,7 @@ from fastapi import APIRouter, Body, Request
 from pydantic import BaseModel, ConfigDict
 
 from app.errors import APIError
+from app.model_names import served_model
 from app.ops.secret_store import MAX_LIVE_PER_KEY, ClientSecret
 from app.realtime.config import SessionConfig, apply_session_update, initial_config, session_object
 from app.realtime.events import ProtocolError, new_id
@@ -69,18 +70,19 @@ async def create_session_beta(request: Request, body: Annotated[dict[str, Any] |
 
 def starting_config(st: AppState, secret: ClientSecret[SessionConfig] | None, model: str | None) -> SessionConfig:
     """A new session's settings: its client secret's, else the server's for `model` (default: the served
-    one). ProtocolError for a model that is not served, or not the one the secret is for."""
+    one; an alias of it names it too: `app.model_names`). ProtocolError for a model that is not served, or not
+    the one the secret is for."""
+    served, info = st.settings.model_names, st.engine.info()
+    resolved = served_model(model or served[0], served, info.model_aliases)
     if secret is not None:
-        if model not in (None, secret.config.model):
+        if model is not None and resolved != secret.config.model:
             raise ProtocolError(f"this client secret is for the model {secret.config.model!r}, not {model!r}",
                                 "invalid_value", "model")
         return secret.config
-    served = st.settings.model_names
-    model = model or served[0]
-    if model not in served:
-        raise ProtocolError(f"the model {model!r} does not exist; served: {', '.join(served)}", "model_not_found",
-                            "model")
-    return initial_config(st.engine.info(), model, st.settings.system_prompt or "")
+    if resolved is None:
+        raise ProtocolError(f"the model {model!r} does not exist; served: {', '.join(served)} (or an alias: "
+                            "GET /v1/models)", "model_not_found", "model")
+    return initial_config(info, resolved, st.settings.system_prompt or "")
 
 
 def http_error(exc: ProtocolError) -> APIError:
@@ -97,7 +99,8 @@ def _config(request: Request, session: dict[str, Any], model: Any, where: str) -
         raise APIError(400, f"the instructions of a client secret may be {MAX_INSTRUCTIONS_CHARS} characters; send "
                        "longer ones in a session.update once connected", f"{prefix}instructions", "invalid_value")
     try:
-        return apply_session_update(starting_config(st, None, model), session, st.engine.info().voice_names)
+        info = st.engine.info()
+        return apply_session_update(starting_config(st, None, model), session, info.voice_names, info.model_aliases)
     except ProtocolError as exc:
         if exc.param == "model":
             exc.param = f"{prefix}model"

@@ -19,6 +19,7 @@ from fastapi.staticfiles import StaticFiles
 from app import __version__, client_secrets, demo
 from app.chat import routes as chat
 from app.errors import install_error_handlers
+from app.model_names import listed_models
 from app.ops import security, shared
 from app.ops.keys import KeyRing
 from app.ops.lifecycle import SHUTDOWN_REASON, Lifecycle
@@ -80,8 +81,9 @@ def create_app(engine: EngineClient, settings: ServerSettings, worker: WorkerCon
     @app.get("/v1/models")
     async def models():
         created = int(st.started_at)
+        names = listed_models(settings.model_names, engine.info().model_aliases)  # the served ones first
         return {"object": "list", "data": [{"id": n, "object": "model", "created": created, "owned_by": "omnirt"}
-                                           for n in settings.model_names]}
+                                           for n in names]}
 
     @app.get("/v1/voices")
     async def voices():

@@ -24,6 +24,8 @@ AR_ONLY_KEYS = ("max_num_batched_tokens", "max_model_len", "prefix_caching", "de
 PACINGS = ("fixed", "adaptive")
 ROUTING = ("least_loaded", "round_robin")
 SAMPLING_KEYS = ("temperature", "top_k", "top_p", "repetition_penalty", "max_tokens", "min_tokens", "seed")
+# OpenAI's realtime and audio model families (fnmatch patterns): code written for them runs unchanged
+OPENAI_MODEL_ALIASES = ("gpt-realtime*", "gpt-4o*-realtime*", "gpt-audio*", "gpt-4o*-audio*")
 
 
 @dataclass(slots=True, frozen=True)
@@ -159,6 +161,8 @@ class EngineConfig:
     max_wait_steps: int = 4  # with it: a runnable request left out of this many steps in a row goes first
     default_voice: str = "ethan"
     voice_aliases: dict[str, str] = field(default_factory=dict)  # other names for the model's voices (OpenAI's)
+    # other names for the served model: names or fnmatch patterns (OpenAI's families unless the profile says)
+    model_aliases: list[str] = field(default_factory=lambda: list(OPENAI_MODEL_ALIASES))
     system_prompt: str = "You are a helpful voice assistant."
     connector: ConnectorConfig = field(default_factory=ConnectorConfig)
     stages: tuple[StageConfig, ...] = ()
@@ -185,6 +189,10 @@ class EngineConfig:
             check_key(isinstance(alias, str) and isinstance(voice, str), f"voice_aliases.{alias}",
                    "must map a name to one of the model's voices (a string)")
         object.__setattr__(self, "voice_aliases", {a.lower(): v.lower() for a, v in self.voice_aliases.items()})
+        for i, alias in enumerate(self.model_aliases):
+            check_key(isinstance(alias, str) and alias.strip() != "", f"model_aliases[{i}]",
+                      "must be a model name or an fnmatch pattern (e.g. 'gpt-realtime*'), a non-empty string")
+        object.__setattr__(self, "model_aliases", [a.lower() for a in self.model_aliases])
         check_key([s.stage_id for s in self.stages] == list(range(len(self.stages))), "stages",
                "must list stage_id 0, 1, ... once each, in order")
         if self.distributed == "none":  # with Ray the device indices only name replicas

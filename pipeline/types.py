@@ -186,6 +186,7 @@ class EngineInfo(msgspec.Struct, frozen=True, tag=True):
     kind: str = "omnirt"  # "omnirt" | "reference"
     platform: str = "cpu"  # where the engine runs (cuda, rocm, npu, xpu, cpu)
     voice_aliases: dict[str, str] = msgspec.field(default_factory=dict)  # other names -> voices (the profile's)
+    model_aliases: tuple[str, ...] = ()  # other names of the model: names or fnmatch patterns (the profile's)
 
     @property
     def voice_names(self) -> tuple[str, ...]:

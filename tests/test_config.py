@@ -74,6 +74,8 @@ def test_precedence_cli_over_platform_over_profile():
     ({"stages": [{"stage_id": 7}]}, "stages[7].stage_id"),
     ({"stages": {"stage_id": 0}}, "stages"),
     ({"voice_aliases": {"alloy": 1}}, "voice_aliases.alloy"),
+    ({"model_aliases": "gpt-realtime*"}, "model_aliases"),
+    ({"model_aliases": ["gpt-realtime*", ""]}, "model_aliases[1]"),
     ({"bogus": 1}, "bogus"),
     ({"max_wait_steps": 0}, "max_wait_steps"),
     ({"max_wait_steps": 2.5}, "max_wait_steps"),
@@ -257,6 +259,19 @@ def test_every_shipped_profile_names_openai_voices(profile):
     cfg.check_voices(["aiden", "chelsie", "ethan"])
     with pytest.raises(ProfileError, match="voice_aliases.alloy names 'chelsie', not a voice of this model"):
         cfg.check_voices(["ethan"])
+
+
+@pytest.mark.parametrize("profile", sorted(p.name for p in DEPLOY.glob("*.yaml")))
+def test_openai_model_names_are_aliases_unless_a_profile_or_flag_turns_them_off(profile):
+    from app.model_names import is_alias, served_model
+
+    aliases = tuple(load_profile(DEPLOY / profile, "cpu").model_aliases)
+    for name in ("gpt-realtime", "gpt-realtime-2.1", "gpt-4o-mini-realtime-preview-2024-12-17", "gpt-audio",
+                 "gpt-4o-audio-preview", "GPT-4o-mini-audio-preview"):
+        assert is_alias(name, aliases) and served_model(name, ("qwen",), aliases) == "qwen", name
+    assert not any(is_alias(name, aliases) for name in ("gpt-4o", "gpt-4o-transcribe", "whisper-1", "tiny"))
+    assert load_profile(DEPLOY / profile, "cpu", {"model_aliases": []}).model_aliases == []
+    assert build_config({"model_aliases": ["qwen-voice", "my-*"]}, "cpu").model_aliases == ["qwen-voice", "my-*"]
 
 
 def test_platform_detection_boundary(monkeypatch):

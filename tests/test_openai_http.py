@@ -24,8 +24,23 @@ def client(server):
 
 
 def test_models_and_health(client, server):
-    assert [m.id for m in client.models.list().data] == ["tiny"]
+    models = client.models.list().data
+    assert models[0].id == "tiny" and all(m.object == "model" and m.owned_by == "omnirt" for m in models)
+    ids = [m.id for m in models]  # the profile's model_aliases: OpenAI's realtime and audio models
+    assert {"gpt-realtime", "gpt-realtime-2025-08-28", "gpt-4o-realtime-preview", "gpt-4o-mini-realtime-preview",
+            "gpt-audio", "gpt-4o-audio-preview", "gpt-4o-mini-audio-preview"} <= set(ids) and len(set(ids)) == len(ids)
+    assert "gpt-4o" not in ids and not any("*" in i for i in ids)
     assert server.health()["status"] == "ok"
+
+
+def test_openai_audio_model_names_are_served_unchanged(client):
+    """Code written for gpt-4o-audio-preview runs as it is (its voice too); answers name the served model."""
+    kw = dict(model="gpt-4o-audio-preview", messages=MSG, modalities=["text", "audio"],
+              audio={"voice": "alloy", "format": "wav"}, max_tokens=8)
+    r = client.chat.completions.create(**kw)
+    assert r.model == "tiny" and r.choices[0].message.audio.data
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    assert chunks and {c.model for c in chunks} == {"tiny"}
 
 
 def test_text(client):

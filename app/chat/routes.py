@@ -24,6 +24,7 @@ from app.audio.files import StreamEncoder, encode_file
 from app.chat.protocol import ChatRequest, check_fields, to_engine_messages
 from app.chat.tool_calls import check_tools, delta_tool_call, engine_response_format, message_tool_calls
 from app.errors import APIError
+from app.model_names import served_model
 from app.ops.admission import check_draining, overloaded_error
 from app.state import app_state
 from pipeline.api import (
@@ -46,9 +47,11 @@ async def _engine_request(body: ChatRequest, request: Request) -> OmniRequest:
     st = app_state(request)
     settings = st.settings
     check_fields(body)
-    if body.model not in settings.model_names:
-        raise APIError(404, f"the model {body.model!r} does not exist; served: {', '.join(settings.model_names)}",
-                       "model", "model_not_found")
+    served = served_model(body.model, settings.model_names, st.engine.info().model_aliases)
+    if served is None:
+        raise APIError(404, f"the model {body.model!r} does not exist; served: {', '.join(settings.model_names)} "
+                       "(or an alias: GET /v1/models)", "model", "model_not_found")
+    body.model = served  # answers name the served model, an alias resolved (as OpenAI names an alias's snapshot)
     wants_audio = "audio" in body.modalities
     if wants_audio and body.audio is None:
         raise APIError(400, "audio output needs the `audio` parameter ({voice, format})", "audio",

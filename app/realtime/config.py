@@ -18,6 +18,7 @@ from typing import Any
 from app.audio.vad import VadConfig
 from app.audio.wire import FORMATS, FORMATS_BY_MIME, PCM16, AudioFormat
 from app.fields import FieldRule, rule
+from app.model_names import is_alias
 from app.realtime.events import ProtocolError, check_fields, require
 from app.realtime.tool_config import engine_tools, parse_tools
 from app.realtime.transcription import TranscriptionConfig, parse_transcription, transcription_object
@@ -90,14 +91,18 @@ def initial_config(info: EngineInfo, model: str, instructions: str) -> SessionCo
                          wants_audio=info.has_audio_output)
 
 
-def apply_session_update(cfg: SessionConfig, update: dict[str, Any], voices: tuple[str, ...]) -> SessionConfig:
-    """`session.update`'s `session` over the current config; only the fields present change."""
+def apply_session_update(cfg: SessionConfig, update: dict[str, Any], voices: tuple[str, ...],
+                         model_aliases: tuple[str, ...] = ()) -> SessionConfig:
+    """`session.update`'s `session` over the current config; only the fields present change. Its `model` may
+    name the session's model or one of `model_aliases` (`app.model_names`): only another model is refused."""
     a_in, a_out = _fields(update, SESSION_FIELDS, SESSION_AUDIO_FIELDS, "session")
     if update.get("type") not in (None, "realtime"):
         raise ProtocolError("only `realtime` sessions are served (no transcription sessions)", "invalid_value",
                             "session.type")
-    if update.get("model") not in (None, cfg.model):
-        raise ProtocolError("the model of a session cannot change", "invalid_value", "session.model")
+    model = require(update, "model", (str,), "session")
+    if model not in (None, cfg.model) and not is_alias(model, model_aliases):
+        raise ProtocolError(f"the model of a session cannot change ({cfg.model!r}, not {model!r})", "invalid_value",
+                            "session.model")
     changes: dict[str, Any] = {}
     if "instructions" in update:
         changes["instructions"] = require(update, "instructions", (str,), "session", "")

@@ -154,7 +154,8 @@ class RealtimeSession:
     # ---- session and input audio ----------------------------------------------------------------------
 
     async def _session_update(self, ev: dict) -> None:
-        new = apply_session_update(self.config, ev["session"], self.engine.info().voice_names)
+        info = self.engine.info()
+        new = apply_session_update(self.config, ev["session"], info.voice_names, info.model_aliases)
         if new.voice != self.config.voice and self._has_spoken:
             raise ProtocolError("the voice cannot change once the model has produced audio", "invalid_value",
                                 "session.voice")

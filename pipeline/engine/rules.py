@@ -28,7 +28,8 @@ class RequestRules:
         return EngineInfo(self.cfg.model, tuple(self.voices), self.cfg.default_voice, self.cfg.system_prompt,
                           graph.has_audio_output, self.models.input_sample_rate,
                           self.models.output_sample_rate, limits, self.cfg.retry_after_s,
-                          self.cfg.max_output_buffer_bytes, kind, self.cfg.platform, self.cfg.voice_aliases)
+                          self.cfg.max_output_buffer_bytes, kind, self.cfg.platform, self.cfg.voice_aliases,
+                          tuple(self.cfg.model_aliases))
 
     def check_voice(self, req: OmniRequest) -> str | None:
         if not req.wants_audio:
