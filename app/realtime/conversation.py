@@ -41,6 +41,7 @@ class Content:
     image: np.ndarray | None = None  # a user image: RGB uint8 [height, width, 3]
     detail: str = "auto"  # an image's (accepted, echoed)
     audio_ms: int = 0  # assistant audio delivered so far
+    is_truncated: bool = False  # cut where the client stopped playing: its response's later output is not added
 
     @property
     def spoken_text(self) -> str:
@@ -107,23 +108,27 @@ class Conversation:
         if 0 < num_messages < len(self._sent):
             self.start = self._sent[num_messages]
 
-    def truncate(self, item_id: str, content_index: int, audio_end_ms: int) -> None:
-        """Cut an assistant audio item at what the client played. The transcript is cut at the same
-        fraction of its length (the engine does not report word timings), so no unheard text stays
-        in the history."""
+    def truncate(self, item_id: str, content_index: int, audio_end_ms: int) -> int:
+        """Cut an assistant audio item at what the client played; returns where it was cut. The transcript is
+        cut at the same fraction of its length (the engine does not report word timings), so no unheard text
+        stays in the history. A point past the audio sent is its end (as OpenAI clamps it: clients round
+        their playback position up). An item still being generated stays cut: what its response sends after
+        this is not added to it (the response runs on until it is cancelled)."""
         item = self.get(item_id)
         if item.role != "assistant":
             raise ProtocolError("only assistant items can be truncated", "invalid_value", "item_id")
         if not 0 <= content_index < len(item.content) or item.content[content_index].type != "output_audio":
             raise ProtocolError("content_index does not point at an audio part", "invalid_value", "content_index")
         part = item.content[content_index]
-        if not 0 <= audio_end_ms <= part.audio_ms:
-            raise ProtocolError(f"audio_end_ms {audio_end_ms} is outside the item's audio (0..{part.audio_ms} ms)",
-                                "invalid_value", "audio_end_ms")
-        if audio_end_ms < part.audio_ms:
+        if audio_end_ms < 0:
+            raise ProtocolError("audio_end_ms must be >= 0", "invalid_value", "audio_end_ms")
+        end_ms = min(audio_end_ms, part.audio_ms)
+        if end_ms < part.audio_ms:
             text = part.transcript or ""
-            part.transcript = text[:round(len(text) * audio_end_ms / part.audio_ms)] if part.audio_ms else ""
-            part.audio_ms = audio_end_ms
+            part.transcript = text[:round(len(text) * end_ms / part.audio_ms)]
+            part.audio_ms = end_ms
+        part.is_truncated = True
+        return end_ms
 
     def history(self, instructions: str) -> list[dict[str, Any]]:
         """Engine messages: the instructions as the system turn, then every item in order."""

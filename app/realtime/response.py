@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -207,7 +208,8 @@ class Response:
         await self._open_message()
         part = self.item.content[0]
         if self.opts.wants_audio:
-            part.transcript += text
+            if not part.is_truncated:  # the client cut the item: what comes after the cut was not heard
+                part.transcript += text
             await self._emit("response.output_audio_transcript.delta", **self._where(), delta=text)
         else:
             part.text += text
@@ -221,7 +223,8 @@ class Response:
         part = self.item.content[0]
         if self.audio_sink is not None:
             if engine_pcm16:
-                part.audio_ms += len(engine_pcm16) // 2 * 1000 // self._engine_rate
+                if not part.is_truncated:
+                    part.audio_ms += len(engine_pcm16) // 2 * 1000 // self._engine_rate
                 await self.audio_sink.write(self.id, self.item.id, engine_pcm16)
                 self._has_output.set()
             return
@@ -230,7 +233,8 @@ class Response:
         fmt = self.opts.output_format
         data = engine_pcm16 if fmt is PCM16 and self._resampler.is_identity else encode(samples, fmt)
         self._num_samples_out += samples.size
-        part.audio_ms = self._num_samples_out * 1000 // self.opts.output_format.sample_rate
+        if not part.is_truncated:
+            part.audio_ms = self._num_samples_out * 1000 // self.opts.output_format.sample_rate
         await self._emit("response.output_audio.delta", **self._where(), delta=base64.b64encode(data).decode())
         self._has_output.set()
 
@@ -267,10 +271,11 @@ class Response:
         if self.cancel_reason:
             self.status, self.reason = "cancelled", self.cancel_reason
         for index, item in enumerate(self.outputs):
-            item.status = "completed" if self.status == "completed" else "incomplete"
+            is_whole = self.status == "completed" if item is self.item else self._is_whole_call(item)
+            item.status = "completed" if is_whole else "incomplete"
             if item is self.item:
                 await self._close_message()
-            elif not self.cancel_reason:  # a call cut short is not one to run: its arguments are not announced
+            elif is_whole:  # a call cut short is not one to run: its arguments are not announced
                 await self._emit("response.function_call_arguments.done", response_id=self.id, item_id=item.id,
                                  output_index=index, call_id=item.call_id, name=item.name, arguments=item.arguments)
             wire = item_object(item, self.beta)
@@ -278,6 +283,16 @@ class Response:
             if self.opts.in_conversation:
                 await self._emit("conversation.item.done", previous_item_id=self._previous[item.id], item=wire)
         await self._emit("response.done", response=self.object())
+
+    def _is_whole_call(self, item: Item) -> bool:
+        """A call to run: neither cancelled nor failed, and its arguments a JSON object (a call cut short by
+        `max_output_tokens` has only the start of one; so may an unforced call the model wrote badly)."""
+        if self.status not in ("completed", "incomplete"):
+            return False
+        try:
+            return isinstance(json.loads(item.arguments), dict)
+        except ValueError:
+            return False
 
     async def _close_message(self) -> None:
         part = self.item.content[0]

@@ -237,11 +237,11 @@ class RealtimeSession:
         await self._emit("conversation.item.done", previous_item_id=previous, item=wire)
 
     async def _item_truncate(self, ev: dict) -> None:
-        if self.is_busy and self.response.item.id == ev["item_id"]:
-            await self.response.cancel("client_cancelled")  # the client stopped playing it: stop making it
-        self.conversation.truncate(ev["item_id"], ev["content_index"], ev["audio_end_ms"])
+        """Cuts the item only: a response still making it runs on until `response.cancel` (OpenAI's order for
+        an interrupt is truncate, then cancel)."""
+        end_ms = self.conversation.truncate(ev["item_id"], ev["content_index"], ev["audio_end_ms"])
         await self._emit("conversation.item.truncated", item_id=ev["item_id"], content_index=ev["content_index"],
-                         audio_end_ms=ev["audio_end_ms"])
+                         audio_end_ms=end_ms)
 
     async def _item_delete(self, ev: dict) -> None:
         if self.is_busy and self.response.item.id == ev["item_id"]:

@@ -31,7 +31,11 @@ def parse_tools(obj: dict, where: str, current: tuple[dict, ...]) -> tuple[dict,
 
 
 def engine_tools(tools: tuple[dict, ...], choice: Any, where: str) -> tuple[tuple[dict, ...], str | dict]:
-    """Realtime's flat function tools and tool_choice in the engine's (chat) shapes; ProtocolError if bad."""
+    """Realtime's flat function tools and tool_choice in the engine's (chat) shapes; ProtocolError if bad.
+    `"required"` without tools forces nothing (as OpenAI's Realtime API, which keeps it for the tools a later
+    update brings; chat completions refuses it)."""
+    if choice == "required" and not tools:
+        return (), "auto"
     named = choice.get("name") if isinstance(choice, dict) and choice.get("type") == "function" else None
     try:
         check_functions([(t.get("name"), t.get("parameters")) for t in tools], f"{where}.tools.{{}}")
