@@ -141,7 +141,8 @@ async def test_an_expired_secret_starts_nothing_and_its_session_goes_on(keyed_se
     ("/v1/realtime/client_secrets", {"session": {"type": "transcription"}}, "session.type"),
     ("/v1/realtime/client_secrets", {"session": {"tools": [{"type": "function", "name": "f", "parameters": {
         "type": "objekt"}}]}}, "session.tools.0.parameters"),
-    ("/v1/realtime/client_secrets", {"session": {"tool_choice": "required"}}, "session.tool_choice"),
+    ("/v1/realtime/client_secrets", {"session": {"tool_choice": {"type": "function", "name": "f"}}},
+     "session.tool_choice"),
     ("/v1/realtime/client_secrets", {"session": {"audio": {"output": {"voice": "nobody"}}}}, "session.voice"),
     ("/v1/realtime/client_secrets", {"session": {"model": "gpt-4o"}}, "session.model"),
     ("/v1/realtime/client_secrets", {"session": {"model": 4}}, "session.model"),

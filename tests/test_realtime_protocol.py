@@ -12,7 +12,7 @@ import pytest
 import websockets
 
 from tests.conftest import HANG_GUARD_S, ServerProcess
-from tests.realtime_helpers import collect_until, recv, recv_type, until_done, ws_url
+from tests.realtime_helpers import collect_until, mint_secret, recv, recv_type, until_done, ws_url
 
 
 @pytest.fixture(scope="module")
@@ -291,3 +291,54 @@ async def test_a_client_may_send_back_the_session_it_was_given(server):
             updated = await recv(ws)
             assert updated["type"] == "session.updated", updated
             assert updated["session"] == created["session"], (updated, created)
+
+
+async def test_openai_model_names_name_the_served_model(server):
+    """The Agents SDK connects at ?model=gpt-realtime and repeats the name in every session.update: accepted
+    silently, as the served name and other aliases are; only another model is refused. Sessions report the
+    served model."""
+    async with websockets.connect(ws_url(server, "gpt-realtime")) as ws:
+        assert (await recv_type(ws, "session.created"))["session"]["model"] == "tiny"
+        for model in ("gpt-realtime", "tiny", "gpt-4o-mini-realtime-preview"):
+            await ws.send(json.dumps({"type": "session.update", "session": {
+                "type": "realtime", "model": model, "instructions": f"Be {model}."}}))
+            updated = await recv(ws)
+            assert updated["type"] == "session.updated" and updated["session"]["instructions"] == f"Be {model}."
+        await ws.send(json.dumps({"type": "session.update", "session": {"model": "gpt-4o", "instructions": "x"}}))
+        err = await recv(ws)
+        assert (err["type"], err["error"]["param"]) == ("error", "session.model")
+    secret = mint_secret(server, None, {"session": {"type": "realtime", "model": "gpt-realtime-2.1"}})
+    assert secret["session"]["model"] == "tiny"
+    async with websockets.connect(ws_url(server, "gpt-realtime"),
+                                  additional_headers={"Authorization": f"Bearer {secret['value']}"}) as ws:
+        assert (await recv_type(ws, "session.created"))["session"]["model"] == "tiny"
+
+
+@pytest.mark.parametrize("beta", [False, True])
+async def test_items_are_acknowledged_and_responses_echo_their_metadata(server, beta):
+    """What LiveKit's plugin waits for: each item create answered with the item (GA `added` and `done`, beta
+    `created`), each delete with `deleted` (an update is a delete and a create under the same id), a refusal
+    with the client event's id, and `response.created` with the metadata `response.create` sent."""
+    item = {"id": "item_lk1", "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi"}]}
+    added = ["conversation.item.created"] if beta else ["conversation.item.added", "conversation.item.done"]
+    async with websockets.connect(ws_url(server), additional_headers={"OpenAI-Beta": "realtime=v1"} if beta
+                                  else {}) as ws:
+        await recv_type(ws, "session.created")
+        for event in ({"type": "conversation.item.create", "item": item},
+                      {"type": "conversation.item.delete", "item_id": "item_lk1"},
+                      {"type": "conversation.item.create", "item": {**item, "content": [
+                          {"type": "input_text", "text": "Hello"}]}}):
+            await ws.send(json.dumps(event))
+        acks = [await recv(ws) for _ in range(2 * len(added) + 1)]
+        assert [e["type"] for e in acks] == [*added, "conversation.item.deleted", *added]
+        assert {e.get("item", {}).get("id") or e.get("item_id") for e in acks} == {"item_lk1"}
+        assert acks[-1]["item"]["content"][0]["text"] == "Hello"
+        await ws.send(json.dumps({"type": "conversation.item.delete", "item_id": "nope", "event_id": "ev_del"}))
+        err = await recv(ws)
+        assert (err["type"], err["error"]["code"], err["error"]["event_id"]) == ("error", "item_not_found", "ev_del")
+        metadata = {"client_event_id": "response_create_abc"}
+        await ws.send(json.dumps({"type": "response.create", "event_id": "response_create_abc", "response": {
+            "metadata": metadata, "max_output_tokens": 2, ("modalities" if beta else "output_modalities"): ["text"]}}))
+        created = await recv_type(ws, "response.created")
+        assert created["response"]["metadata"] == metadata
+        assert (await recv_type(ws, "response.done"))["response"]["metadata"] == metadata

@@ -245,8 +245,8 @@ async def test_truncate_cuts_item_and_transcript(client):
         item = done.output[0]
         full = item.content[0].transcript
         await conn.conversation.item.truncate(item_id=item.id, content_index=0, audio_end_ms=10**7)
-        err = (await collect_until(conn, lambda e: e.type == "error"))[-1]
-        assert err.error.code == "invalid_value" and err.error.param == "audio_end_ms"
+        clamped = (await collect_until(conn, lambda e: e.type == "conversation.item.truncated"))[-1]
+        assert 300 < clamped.audio_end_ms < 10**7  # past the audio: clamped to its end, nothing cut
         await conn.conversation.item.retrieve(item_id=item.id)
         retrieved = (await collect_until(conn, lambda e: e.type == "conversation.item.retrieved"))[-1]
         assert retrieved.item.content[0].transcript == full
@@ -259,6 +259,31 @@ async def test_truncate_cuts_item_and_transcript(client):
         assert len(cut.item.content[0].transcript) < len(full)
     finally:
         await conn.close()
+
+
+async def test_truncate_leaves_the_response_running_until_it_is_cancelled(client):
+    """The Agents SDK's interrupt(): truncate (its playback position rounded up, past the audio sent), then
+    response.cancel. The truncate cuts the item and nothing else; the cancel finds the response running."""
+    conn, _ = await open_session(client, {"type": "realtime", "audio": {"input": {"turn_detection": None}}})
+    try:
+        await user_text(conn, "Tell me a very long story.")
+        await conn.response.create(response=LONG_AUDIO)
+        events = await collect_until(conn, lambda e: e.type == "response.output_audio.delta")
+        item_id = events[-1].item_id
+        sent_ms = sum(len(base64.b64decode(e.delta)) // 2 for e in events if e.type == "response.output_audio.delta"
+                      ) * 1000 // 24000
+        await conn.conversation.item.truncate(item_id=item_id, content_index=0, audio_end_ms=sent_ms + 1)
+        after = await collect_until(conn, lambda e: e.type == "conversation.item.truncated")
+        cut_ms = after[-1].audio_end_ms
+        after += await collect_until(conn, lambda e: e.type == "response.output_audio.delta")  # still running
+        await conn.response.cancel()
+        after += await collect_until(conn, is_done)
+    finally:
+        await conn.close()
+    assert not [e for e in after if e.type == "error"]
+    assert sent_ms <= cut_ms <= sent_ms + 1  # at most the audio sent when the truncate arrived
+    done = after[-1].response
+    assert done.status == "cancelled" and done.status_details.reason == "client_cancelled"
 
 
 async def test_second_turn_depends_on_first(client, server):

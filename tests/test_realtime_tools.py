@@ -115,8 +115,6 @@ async def test_bad_tools_get_error_events_and_the_session_goes_on(client):
         await conn.session.update(session={"tools": [{"type": "function", "name": "f",
                                                       "parameters": {"type": "objekt"}}]})
         bad_schema = await conn.recv()
-        await conn.response.create(response={"tool_choice": "required"})
-        no_tools = await conn.recv()
         await conn.conversation.item.create(item={"type": "function_call_output", "call_id": "call_x", "output": "1"})
         no_call = await conn.recv()
         events = await _ask(conn, "Hello", {"max_output_tokens": 4})
@@ -124,6 +122,44 @@ async def test_bad_tools_get_error_events_and_the_session_goes_on(client):
         await conn.close()
     assert (bad_schema.type, bad_schema.error.code, bad_schema.error.param) == (
         "error", "invalid_schema", "session.tools.0.parameters")
-    assert (no_tools.type, no_tools.error.param) == ("error", "response.tool_choice")
     assert (no_call.type, no_call.error.param) == ("error", "item.call_id")
     assert events[-1].response.status in ("completed", "incomplete")
+
+
+async def test_required_before_the_tools_is_kept_and_applies_once_they_arrive(client):
+    """pipecat sends tool_choice "required" before its tools: no error (it would end pipecat's session); a
+    response without tools has nothing to force and answers."""
+    conn, session = await _session(client, {"type": "realtime", "output_modalities": ["text"],
+                                            "tool_choice": "required", "audio": {"input": {"turn_detection": None}}})
+    try:
+        assert session.tool_choice == "required" and not session.tools
+        answer = await _ask(conn, "Hello", {"max_output_tokens": 4})
+        await conn.session.update(session={"tools": TOOLS})
+        updated = await conn.recv()
+        forced = await _ask(conn, "What is the weather in Oslo?", {"max_output_tokens": 200})
+    finally:
+        await conn.close()
+    assert not [e for e in answer + forced if e.type == "error"]
+    assert [o.type for o in answer[-1].response.output] == ["message"]
+    assert updated.type == "session.updated" and updated.session.tool_choice == "required"
+    assert {o.type for o in forced[-1].response.output} == {"function_call"}
+
+
+async def test_a_forced_call_cut_short_by_max_output_tokens_is_incomplete_and_unannounced(client):
+    """No `.done` with the start of some JSON (which pipecat would fail to parse): the item is `incomplete`
+    and the response says why. (50 tokens: the tiny model's call is open, its arguments unfinished.)"""
+    conn, _ = await _session(client, {**MANUAL, "output_modalities": ["text"]})
+    try:
+        events = await _ask(conn, "Weather in Oslo?", {"tool_choice": {"type": "function", "name": "get_weather"},
+                                                       "max_output_tokens": 50})
+    finally:
+        await conn.close()
+    response = events[-1].response
+    assert not any(e.type in ("response.function_call_arguments.done", "error") for e in events)
+    assert response.status == "incomplete" and response.status_details.reason == "max_output_tokens"
+    (call,) = response.output
+    assert (call.type, call.status) == ("function_call", "incomplete") and call.arguments.startswith('{"')
+    deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert deltas == call.arguments
+    (done,) = [e for e in events if e.type == "response.output_item.done"]
+    assert done.item.status == "incomplete"

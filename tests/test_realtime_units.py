@@ -136,8 +136,10 @@ def test_truncate_cuts_the_transcript_at_the_played_fraction():
     conv.truncate("a1", 0, 400)
     assert conv.get("a1").content[0].transcript == "0123" and conv.get("a1").content[0].audio_ms == 400
     assert conv.history("sys")[-1] == {"role": "assistant", "content": "0123"}
+    assert conv.truncate("a1", 0, 401) == 400  # past what is left: clamped (clients round up), nothing more cut
+    assert conv.get("a1").content[0].transcript == "0123"
     with pytest.raises(ProtocolError):
-        conv.truncate("a1", 0, 401)  # past what is left
+        conv.truncate("a1", 0, -1)
     with pytest.raises(ProtocolError):
         conv.truncate("u1", 0, 0)  # not an assistant item
 
@@ -241,6 +243,40 @@ async def test_barge_in_through_an_audio_sink(engine, tmp_path):
     assert types.index("input_audio_buffer.speech_started") < types.index("response.done") < \
         types.index("output_audio_buffer.cleared")
     assert session.conversation.get(truncated["item_id"]).content[0].audio_ms == 240
+
+
+async def test_a_truncated_item_stays_cut_while_its_response_runs_on(engine):
+    """The cut holds: the audio and text the response sends after a truncate are not added to the item."""
+    session = RealtimeSession(engine, initial_config(engine.info(), "tiny", ""), RealtimeLimits(), VadBatcher())
+    await session.start()
+    events: list[dict] = []
+
+    async def drain():
+        while (ev := await session.outbox.get()) is not None:
+            events.append(ev)
+
+    reader = asyncio.create_task(drain())
+    await session.handle_event({"type": "session.update", "session": {"audio": {"input": {"turn_detection": None}}}})
+    await session.handle_event({"type": "conversation.item.create", "item": {
+        "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Talk for a long time."}]}})
+    await session.handle_event({"type": "response.create", "response": {
+        "max_output_tokens": 30, "talker_sampling": {"min_tokens": 2000, "max_tokens": 2000}}})
+    part = session.response.item.content[0]
+    await until(lambda: part.audio_ms >= 500, "half a second of the answer")
+    await session.handle_event({"type": "conversation.item.truncate", "item_id": session.response.item.id,
+                                "content_index": 0, "audio_end_ms": 200})
+    cut = part.transcript, part.audio_ms
+    num_deltas = len(events)
+    await until(lambda: sum(e["type"] == "response.output_audio.delta" for e in events[num_deltas:]) >= 3,
+                "more of the answer after the truncate")
+    assert not session.response.is_done and (part.transcript, part.audio_ms) == cut and cut[1] == 200
+    await session.handle_event({"type": "response.cancel"})
+    await session.close()
+    await reader
+    assert (part.transcript, part.audio_ms) == cut
+    assert session.conversation.history("")[-1] == {"role": "assistant", "content": cut[0]} or not cut[0]
+    assert not [e for e in events if e["type"] == "error"]
+    assert events[-1]["type"] == "response.done" and events[-1]["response"]["status"] == "cancelled"
 
 
 async def test_outbox_is_bounded_and_drops_a_cancelled_responses_audio():
