@@ -263,7 +263,7 @@ def test_every_shipped_profile_names_openai_voices(profile):
 
 @pytest.mark.parametrize("profile", sorted(p.name for p in DEPLOY.glob("*.yaml")))
 def test_openai_model_names_are_aliases_unless_a_profile_or_flag_turns_them_off(profile):
-    from app.model_names import is_alias, served_model
+    from app.model_names import is_alias, listed_models, served_model
 
     aliases = tuple(load_profile(DEPLOY / profile, "cpu").model_aliases)
     for name in ("gpt-realtime", "gpt-realtime-2.1", "gpt-4o-mini-realtime-preview-2024-12-17", "gpt-audio",
@@ -272,6 +272,8 @@ def test_openai_model_names_are_aliases_unless_a_profile_or_flag_turns_them_off(
     assert not any(is_alias(name, aliases) for name in ("gpt-4o", "gpt-4o-transcribe", "whisper-1", "tiny"))
     assert load_profile(DEPLOY / profile, "cpu", {"model_aliases": []}).model_aliases == []
     assert build_config({"model_aliases": ["qwen-voice", "my-*"]}, "cpu").model_aliases == ["qwen-voice", "my-*"]
+    assert listed_models(("qwen",), ("qwen-voice", "my-*")) == ["qwen", "qwen-voice"]  # a pattern is not a name
+    assert listed_models(("qwen",), ()) == ["qwen"] and served_model("gpt-realtime", ("qwen",), ()) is None
 
 
 def test_platform_detection_boundary(monkeypatch):
