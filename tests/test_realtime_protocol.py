@@ -291,3 +291,33 @@ async def test_a_client_may_send_back_the_session_it_was_given(server):
             updated = await recv(ws)
             assert updated["type"] == "session.updated", updated
             assert updated["session"] == created["session"], (updated, created)
+
+
+async def test_semantic_vad_with_noise_reduction_commits_a_spoken_turn(server, tmp_path):
+    """pipecat's example session (GA `audio.input`: semantic_vad and near_field noise reduction) is taken and shown
+    back as sent; a spoken sentence over a steady hiss is one turn: speech_started, speech_stopped once the
+    sentence is over (Smart Turn, batched in the server), committed; the session sent back whole is accepted."""
+    from tests.realtime_helpers import b64_chunks, espeak_utterance
+
+    samples, seconds = espeak_utterance(tmp_path, "What is the weather like in Paris today?")
+    samples = samples + np.random.default_rng(0).standard_normal(len(samples)).astype(np.float32) * 0.003
+    td = {"type": "semantic_vad", "eagerness": "high", "create_response": False, "interrupt_response": True}
+    async with websockets.connect(ws_url(server)) as ws:
+        await recv_type(ws, "session.created")
+        await ws.send(json.dumps({"type": "session.update", "session": {"type": "realtime", "audio": {"input": {
+            "turn_detection": td, "noise_reduction": {"type": "near_field"}}}}}))
+        updated = await recv_type(ws, "session.updated")
+        assert updated["session"]["audio"]["input"]["turn_detection"] == td
+        assert updated["session"]["audio"]["input"]["noise_reduction"] == {"type": "near_field"}
+        for chunk in b64_chunks(samples, chunk_ms=20):
+            await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": chunk}))
+        events = [await recv(ws)]
+        while events[-1]["type"] != "input_audio_buffer.committed":
+            events.append(await recv(ws))
+        kinds = [e["type"] for e in events]
+        assert kinds.count("input_audio_buffer.speech_started") == 1, kinds
+        stopped = next(e for e in events if e["type"] == "input_audio_buffer.speech_stopped")
+        assert (1 + seconds - 1.0) * 1000 < stopped["audio_end_ms"] < (1 + seconds + 0.5) * 1000
+        await ws.send(json.dumps({"type": "session.update", "session": updated["session"]}))
+        again = await recv_type(ws, "session.updated")
+        assert again["session"] == updated["session"]
