@@ -12,14 +12,17 @@ takes RNNoise's output as it is; `far_field` (a laptop or room microphone: quiet
 full-strength suppressor starts to eat) mixes `FAR_FIELD_DRY` of the original back in, so that it never takes
 away more than ~14 dB and keeps the quiet, distant parts of the voice.
 
-Cost: ~0.35 ms of one CPU core per 10 ms frame on the 2-core test machine (docs/realtime.md): ~0.7 ms per 20 ms
-chunk, 3-4 % of a core per session, too much for the event loop, so `DenoiseBatcher` runs every session's chunks
-of a round on a thread of its own (RNNoise's C code runs without the GIL).
+Cost (docs/realtime.md): ~0.9 ms of a CPU core per 20 ms chunk on the 2-core test machine, 4-5 % of a core per
+session while audio flows (the wheel's librnnoise is a plain x86-64 build, without AVX). Far too much for the event
+loop: `DenoiseBatcher` takes every session's chunks of a round off the loop, and spreads them over up to
+`MAX_THREADS` threads (RNNoise's C code runs without the GIL; each session's chunks stay in order, one at a time).
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -31,6 +34,7 @@ RATE = 48000
 FRAME = 480
 DELAY = 2 * FRAME  # RNNoise's output lags its input by this many samples
 FAR_FIELD_DRY = 0.2  # the share of the original that far_field keeps (at most 20*log10(1/0.2) = 14 dB less noise)
+MAX_THREADS = 4  # the denoising threads of a process (at most its CPU count)
 _SCALE = 32768.0  # RNNoise takes 16-bit sample values as floats
 _P = ctypes.POINTER(ctypes.c_float)
 
@@ -91,17 +95,23 @@ class _Job:
 
 
 class DenoiseBatcher:
-    """The process's noise reduction: `await denoise(denoiser, samples, rate)` from any session; one thread hop
-    per round for every session's chunks."""
+    """The process's noise reduction: `await denoise(denoiser, samples, rate)` from any session; one hop off the
+    event loop per round for every session's chunks, spread over the denoising threads."""
 
-    def __init__(self):
+    def __init__(self, num_threads: int = min(MAX_THREADS, os.cpu_count() or 1)):
         self._rounds = Rounds(self._round, "omnirt-denoise")
+        self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="omnirt-rnnoise") if num_threads > 1 else None
         self.num_chunks = 0
 
     async def denoise(self, denoiser: Denoiser, samples: np.ndarray, sample_rate: int) -> np.ndarray:
         return await self._rounds.submit(_Job(denoiser, samples, sample_rate))
 
     def _round(self, jobs: list[_Job]) -> None:
-        for job in jobs:
-            job.out = job.denoiser(job.samples, job.sample_rate)
-            self.num_chunks += 1
+        outs = map(_run, jobs) if self._pool is None or len(jobs) == 1 else self._pool.map(_run, jobs)
+        for job, out in zip(jobs, list(outs)):
+            job.out = out
+        self.num_chunks += len(jobs)
+
+
+def _run(job: _Job) -> np.ndarray:
+    return job.denoiser(job.samples, job.sample_rate)
