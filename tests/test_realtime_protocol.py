@@ -302,6 +302,7 @@ async def test_semantic_vad_with_noise_reduction_commits_a_spoken_turn(server, t
     samples, seconds = espeak_utterance(tmp_path, "What is the weather like in Paris today?")
     samples = samples + np.random.default_rng(0).standard_normal(len(samples)).astype(np.float32) * 0.003
     td = {"type": "semantic_vad", "eagerness": "high", "create_response": False, "interrupt_response": True}
+    pauses, chunks = server.metric("omnirt_turn_end_pauses_total"), server.metric("omnirt_denoise_chunks_total")
     async with websockets.connect(ws_url(server)) as ws:
         await recv_type(ws, "session.created")
         await ws.send(json.dumps({"type": "session.update", "session": {"type": "realtime", "audio": {"input": {
@@ -318,6 +319,8 @@ async def test_semantic_vad_with_noise_reduction_commits_a_spoken_turn(server, t
         assert kinds.count("input_audio_buffer.speech_started") == 1, kinds
         stopped = next(e for e in events if e["type"] == "input_audio_buffer.speech_stopped")
         assert (1 + seconds - 1.0) * 1000 < stopped["audio_end_ms"] < (1 + seconds + 0.5) * 1000
+        assert server.metric("omnirt_turn_end_pauses_total") > pauses  # the end-of-turn model was asked
+        assert server.metric("omnirt_denoise_chunks_total") - chunks >= len(samples) // 480 // 2  # every chunk
         await ws.send(json.dumps({"type": "session.update", "session": updated["session"]}))
         again = await recv_type(ws, "session.updated")
         assert again["session"] == updated["session"]

@@ -428,6 +428,7 @@ async def test_vad_counts_reach_metrics(engine):
     await asyncio.gather(*(registry.vad.probabilities(s, np.zeros((2, WINDOW), np.float32)) for s in streams))
     text = metrics.render().decode()
     assert "omnirt_vad_windows_total 6.0" in text and "omnirt_vad_model_calls_total 2.0" in text
+    assert "omnirt_turn_end_model_calls_total 0.0" in text and "omnirt_denoise_chunks_total 0.0" in text
 
 
 def test_audio_rate_limit_allows_real_time_and_a_burst_then_refuses():
