@@ -223,12 +223,12 @@ class TurnDetector:
             return None
         if self._silence_start is None:
             self._silence_start = start
-        silence_ms_x_rate = (end - self._silence_start) * 1000
-        if silence_ms_x_rate >= self.cfg.silence_duration_ms * VAD_RATE:
+        silence_ms = (end - self._silence_start) * 1000 / VAD_RATE  # exact: 16 samples a millisecond
+        if silence_ms >= self.cfg.silence_duration_ms:
             self.is_speaking = False
             return SpeechStopped(self._silence_start, end)
         candidate_ms = self.cfg.candidate_pause_ms
-        if candidate_ms is not None and not self._is_candidate and silence_ms_x_rate >= candidate_ms * VAD_RATE:
+        if candidate_ms is not None and not self._is_candidate and silence_ms >= candidate_ms:
             self._is_candidate = True
             return PauseCandidate(self._silence_start, end)
         return None
