@@ -6,7 +6,10 @@ sessions start staggered. The sessions are spread over several client processes 
 not the bottleneck (its own CPU is reported). Per session count N it reports p50/p90/p99 (nearest rank; where
 the point has too few turns for a p90 or p99, the maximum, labelled so: `loadtest/stats.py`) of
 
-- VAD lag: end of speech (the last speech chunk sent) -> `speech_stopped`, less the VAD's silence;
+- VAD lag: end of speech (the last speech chunk sent) -> `speech_stopped`, less the silence the turn detection
+  must wait for (server_vad: its 500 ms; semantic_vad: the pause at which it asks its end-of-turn model);
+- turn end: the same, in full (what the speaker waits for), and false cut-ins (`speech_stopped` while the
+  utterance is still being sent: a turn ended inside a mid-sentence pause of `--speech paused`);
 - response latency: `speech_stopped` -> first audio delta;
 - voice-to-voice: end of speech -> first audio delta;
 
@@ -21,7 +24,8 @@ at its first audio: turn latency alone), `full` (whole replies), `no-responses` 
 alone). With `--transcription on` the sessions ask for transcripts of the user (`input_audio_transcription`),
 a turn lasts until its transcript came too, and the point also reports the transcript latency
 (`speech_stopped` -> `.completed`); `both` runs each point without, then with them, so that the reply's
-latency compares in one run. JSON, markdown and a plot per run.
+latency compares in one run. `--turn-detection semantic_vad` (`--eagerness`) and `--noise-reduction` set the
+sessions' front end. JSON, markdown and a plot per run.
 """
 
 from __future__ import annotations
@@ -58,6 +62,8 @@ class Turn:
     session: int
     index: int
     speech_end: float  # perf_counter of the chunk that ended the speech
+    wait_ms: float = SILENCE_MS  # the silence the turn detection waits for at least
+    cut_ins: int = 0  # speech_stopped while the utterance was still being sent
     speech_stopped: float | None = None
     first_audio: float | None = None
     audio_s: float = 0.0
@@ -70,7 +76,11 @@ class Turn:
 
     @property
     def vad_lag_ms(self) -> float | None:
-        return None if self.speech_stopped is None else (self.speech_stopped - self.speech_end) * 1000 - SILENCE_MS
+        return None if self.turn_end_ms is None else self.turn_end_ms - self.wait_ms
+
+    @property
+    def turn_end_ms(self) -> float | None:
+        return None if self.speech_stopped is None else (self.speech_stopped - self.speech_end) * 1000
 
     @property
     def response_ms(self) -> float | None:
@@ -113,6 +123,25 @@ def utterance(wav: str | None, synthetic: bool = False) -> tuple[np.ndarray, flo
     return audio.astype(np.float32), len(audio) / RATE
 
 
+def utterances(args: argparse.Namespace) -> list[np.ndarray]:
+    """The utterances sessions say in turn: the one of `utterance`, or (`--speech paused`) sentences with a
+    600-900 ms pause mid-sentence (`loadtest/speech.py`)."""
+    if args.speech == "plain":
+        return [utterance(args.wav)[0]]
+    from loadtest.speech import paused_speech
+
+    return [audio for audio, _, _ in paused_speech(RATE)]
+
+
+def wait_ms(args: argparse.Namespace) -> float:
+    """The least silence after speech that the sessions' turn detection waits for before a turn may end."""
+    if args.turn_detection == "server_vad":
+        return SILENCE_MS
+    from app.audio.turn_end import SemanticVadConfig
+
+    return SemanticVadConfig(eagerness=args.eagerness).candidate_pause_ms
+
+
 def _chunks(audio: np.ndarray, chunk_s: float = CHUNK_S) -> list[str]:
     pcm = (np.clip(audio, -1, 1) * 32767).astype("<i2").tobytes()
     step = int(RATE * chunk_s) * 2
@@ -126,6 +155,7 @@ class Mic:
     def __init__(self, index: int, args: argparse.Namespace, result: ClientResult):
         self.index, self.args, self.result = index, args, result
         self.turn: Turn | None = None
+        self.is_speaking, self._cut_ins = False, 0
         self.turn_over = asyncio.Event()
         self._arrivals: list[tuple[float, float]] = []  # (arrival, seconds of audio) per delta
         self._playback: dict | None = None  # the server's own playback report (WebRTC)
@@ -134,7 +164,10 @@ class Mic:
     async def run(self, start_at: float) -> None:
         await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
         for t in range(self.args.warmup_turns + self.args.turns):
-            self.turn = Turn(self.index, t, speech_end=await self.speak(t))
+            self.is_speaking, self._cut_ins = True, 0
+            speech_end = await self.speak(t)
+            self.is_speaking = False
+            self.turn = Turn(self.index, t, speech_end, wait_ms(self.args), self._cut_ins)
             self.turn_over.clear()
             if not await self.silence_until(self.turn_over, self.args.turn_timeout):
                 self.result.errors.append(f"session {self.index} turn {t}: no end within "
@@ -163,6 +196,8 @@ class Mic:
         kind, turn = ev["type"], self.turn
         if kind == "error":
             self.result.errors.append(f"session {self.index}: {ev['error'].get('message')}")
+        if kind == "input_audio_buffer.speech_stopped" and self.is_speaking:
+            self._cut_ins += 1
         if turn is None:
             return
         if kind == "input_audio_buffer.speech_stopped" and turn.speech_stopped is None:
@@ -208,14 +243,15 @@ class Mic:
             turn.audio_s = sum(d for _, d in self._arrivals)
             turn.underruns = _underruns([(t - self._arrivals[0][0], d) for t, d in self._arrivals])
         self._arrivals, self._playback = [], None
-        self.result.turns.append({**asdict(turn), "vad_lag_ms": turn.vad_lag_ms, "response_ms": turn.response_ms,
+        self.result.turns.append({**asdict(turn), "vad_lag_ms": turn.vad_lag_ms, "turn_end_ms": turn.turn_end_ms,
+                                  "response_ms": turn.response_ms,
                                   "voice_to_voice_ms": turn.voice_to_voice_ms, "transcript_ms": turn.transcript_ms})
 
 
 class WebSocketMic(Mic):
     """Paced 20 ms `input_audio_buffer.append` events; a reader task notes what comes back."""
 
-    def __init__(self, ws, index: int, speech: list[str], args: argparse.Namespace, result: ClientResult):
+    def __init__(self, ws, index: int, speech: list[list[str]], args: argparse.Namespace, result: ClientResult):
         super().__init__(index, args, result)
         self.ws, self.speech = ws, speech
         self.silence = _chunks(np.zeros(int(RATE * CHUNK_S), np.float32))[0]
@@ -230,7 +266,7 @@ class WebSocketMic(Mic):
             reader.cancel()
 
     async def speak(self, t: int) -> float:
-        for chunk in self.speech:
+        for chunk in self.speech[(self.index + t) % len(self.speech)]:
             await self._send(chunk)
         return time.perf_counter()
 
@@ -261,7 +297,7 @@ class WebRtcMic(Mic):
     written); events come on the data channel; first audio is the server's `output_audio_buffer.started`
     (the reply's first frame left on its track), underruns are its track's own count."""
 
-    def __init__(self, index: int, pcm16: bytes, args: argparse.Namespace, result: ClientResult):
+    def __init__(self, index: int, pcm16: list[bytes], args: argparse.Namespace, result: ClientResult):
         super().__init__(index, args, result)
         self.pcm16, self.call = pcm16, None
         self._spoken: dict[str, float] = {}
@@ -277,7 +313,7 @@ class WebRtcMic(Mic):
     async def speak(self, t: int) -> float:
         name = f"utterance-{t}"
         self._sent.clear()
-        await self.call.mic.write(name, name, self.pcm16)
+        await self.call.mic.write(name, name, self.pcm16[(self.index + t) % len(self.pcm16)])
         self.call.mic.response_done(name)
         await self._sent.wait()
         return self._spoken.pop(name)
@@ -312,8 +348,11 @@ def _session_update(args: argparse.Namespace, index: int) -> dict:
     another's)."""
     return {"type": "session.update", "session": {
         "instructions": f"You are voice assistant number {index}. Be brief.",
-        "turn_detection": {"type": "server_vad", "silence_duration_ms": SILENCE_MS,
+        "turn_detection": {**({"type": "server_vad", "silence_duration_ms": SILENCE_MS}
+                              if args.turn_detection == "server_vad" else
+                              {"type": "semantic_vad", "eagerness": args.eagerness}),
                            "create_response": args.mode != "no-responses"},
+        "input_audio_noise_reduction": None if args.noise_reduction == "off" else {"type": args.noise_reduction},
         "input_audio_format": "pcm16", "output_audio_format": "pcm16", "voice": args.voice,
         "modalities": ["text", "audio"],
         "input_audio_transcription": {"model": args.model} if args.transcribe else None,
@@ -325,8 +364,8 @@ async def _client(index: int, sessions: list[int], args: argparse.Namespace, sta
     import websockets
 
     result = ClientResult()
-    audio = utterance(args.wav)[0]
-    speech, pcm16 = _chunks(audio), float_to_pcm16(audio)
+    audios = utterances(args)
+    speech, pcm16 = [_chunks(a) for a in audios], [float_to_pcm16(a) for a in audios]
     url = args.url.replace("http", "ws", 1) + f"/v1/realtime?model={args.model}"
 
     async def over_websocket(i: int) -> None:
@@ -522,8 +561,10 @@ def summarize(n: int, turns: list[dict], errors: list[str], args: argparse.Names
               client_cpu: float) -> dict:
     wants_audio = args.mode != "no-responses"
     return {"sessions": n, "mode": args.mode, "transcription": args.transcribe, "turns": len(turns),
-            "expected_turns": n * args.turns,
+            "expected_turns": n * args.turns, "front_end": front_end(args),
             "vad_lag_ms": summary([t["vad_lag_ms"] for t in turns]),
+            "turn_end_ms": summary([t["turn_end_ms"] for t in turns]),
+            "cut_ins": sum(t["cut_ins"] for t in turns), "turns_cut": sum(t["cut_ins"] > 0 for t in turns),
             "response_ms": summary([t["response_ms"] for t in turns]),
             "voice_to_voice_ms": summary([t["voice_to_voice_ms"] for t in turns]),
             "transcript_ms": summary([t["transcript_ms"] for t in turns]),
@@ -535,6 +576,13 @@ def summarize(n: int, turns: list[dict], errors: list[str], args: argparse.Names
             "errors": len(errors), "error_samples": errors[:5],
             "server_cpu_per_session": server_cpu / n if server_cpu is not None else None,
             "client_cpu": client_cpu, "by_turn": _by_turn(turns)}
+
+
+def front_end(args: argparse.Namespace) -> str:
+    """The sessions' turn detection, noise reduction and speech, as the report names them."""
+    td = "server_vad" if args.turn_detection == "server_vad" else f"semantic_vad ({args.eagerness})"
+    noise = "" if args.noise_reduction == "off" else f", {args.noise_reduction}"
+    return f"{td}{noise}{', paused speech' if args.speech == 'paused' else ''}"
 
 
 def _mean(values: list) -> float | None:
@@ -558,9 +606,10 @@ def _by_turn(turns: list[dict]) -> list[dict]:
 
 
 def markdown(rows: list[dict], title: str) -> str:
-    head = ("| sessions | abusive | mode | transcripts | turns | VAD lag ms p50/p90/p99 | response ms p50/p90/p99 | "
-            "voice-to-voice ms p50/p90/p99 | transcript ms p50/p90/p99 | no audio | underruns | errors | server CPU "
-            "per session | client CPU |\n|" + "---|" * 14 + "\n")
+    head = ("| sessions | abusive | mode | front end | transcripts | turns | VAD lag ms p50/p90/p99 | turn end ms "
+            "p50/p90/p99 | false cut-ins (turns) | response ms p50/p90/p99 | voice-to-voice ms p50/p90/p99 | "
+            "transcript ms p50/p90/p99 | no audio | underruns | errors | server CPU per session | client CPU |\n|"
+            + "---|" * 17 + "\n")
     abuse = "".join(f"\n- {r['sessions']} sessions, {r['abusive']} abusive: {kind}: {a['connections']} connections, "
                     f"closed {a['closes']}, errors {a['errors']}" for r in rows for kind, a in r["abuse"].items())
     return (f"### {title}\n\n{head}" + "".join(_row(r) for r in rows) + abuse + "\n" + _turns_markdown(rows)
@@ -592,8 +641,11 @@ def _row(r: dict) -> str:
     server_cpu = "-" if r["server_cpu_per_session"] is None else f"{r['server_cpu_per_session']:.3f}"
     underruns = "-" if r["underruns"] is None else r["underruns"]
     transcripts = f"on ({r['transcripts_failed']} failed)" if r.get("transcription") else "off"
-    return (f"| {r['sessions']} | {r['abusive']} | {r['mode']} | {transcripts} | {r['turns']}/{r['expected_turns']} | "
-            f"{cell(r['vad_lag_ms'])} | {cell(r['response_ms'])} | {cell(r['voice_to_voice_ms'])} | "
+    cut = f"{r['cut_ins']} ({r['turns_cut']})" if "cut_ins" in r else "-"
+    return (f"| {r['sessions']} | {r['abusive']} | {r['mode']} | {r.get('front_end', 'server_vad')} | {transcripts} | "
+            f"{r['turns']}/{r['expected_turns']} | {cell(r['vad_lag_ms'])} | "
+            f"{cell(r['turn_end_ms']) if 'turn_end_ms' in r else '-'} | {cut} | {cell(r['response_ms'])} | "
+            f"{cell(r['voice_to_voice_ms'])} | "
             f"{cell(r['transcript_ms']) if 'transcript_ms' in r else '-'} | "
             f"{r['turns_without_audio']} | {underruns} | {r['errors']} | {server_cpu} | {r['client_cpu']:.2f} |\n")
 
@@ -630,6 +682,14 @@ def build_parser() -> argparse.ArgumentParser:
                    "per session (seeded: the same every run); 0: every gap --gap, and sessions whose turns ended "
                    "together stay in step")
     p.add_argument("--wav", help="the utterance (any rate, mono or not) (default: an espeak-ng phrase)")
+    p.add_argument("--speech", choices=("plain", "paused"), default="plain", help="paused: sentences with a 600-900 "
+                   "ms pause mid-sentence (espeak-ng), for turn end and false cut-ins; plain: the one utterance")
+    p.add_argument("--turn-detection", choices=("server_vad", "semantic_vad"), default="server_vad",
+                   help=f"the sessions' turn detection (server_vad: {SILENCE_MS} ms of silence ends a turn)")
+    p.add_argument("--eagerness", choices=("low", "medium", "high", "auto"), default="auto",
+                   help="semantic_vad's eagerness")
+    p.add_argument("--noise-reduction", choices=("off", "near_field", "far_field"), default="off",
+                   help="the sessions' input noise reduction (RNNoise)")
     p.add_argument("--turn-timeout", type=float, default=120.0, help="seconds a turn may take")
     p.add_argument("--abusive", type=int, default=0, help="also run each point with this many abusive sessions "
                    "beside the normal ones (flooding audio, malformed events, not reading), after the same point "
@@ -653,7 +713,8 @@ def run_sessions(args: argparse.Namespace) -> None:
     platform = server_platform(args.url)
     args.sessions = args.sessions or SESSIONS["cpu" if platform == "cpu" else "gpu"]
     say_plan(args, f"{platform} server at {args.url}: {args.sessions} {args.transport} sessions x "
-             f"({args.warmup_turns} + {args.turns}) turns, mode {args.mode}, transcripts {args.transcription}"
+             f"({args.warmup_turns} + {args.turns}) turns, mode {args.mode}, {front_end(args)}, transcripts "
+             f"{args.transcription}"
              f"{f', each point again beside {args.abusive} abusive' if args.abusive else ''} (--sessions to change)")
     rows = []
     transcribing = {"off": (False,), "on": (True,), "both": (False, True)}[args.transcription]

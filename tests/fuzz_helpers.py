@@ -34,7 +34,10 @@ modalities = st.sampled_from([["audio"], ["text"], ["text", "audio"], [], ["vide
 voices = st.sampled_from(["ethan", "chelsie", "nobody", ""])
 vad = st.none() | st.fixed_dictionaries({"type": st.sampled_from(["server_vad", "semantic_vad", "bogus"])}, optional={
     "threshold": st.floats(-1, 2), "silence_duration_ms": small_ints, "prefix_padding_ms": small_ints,
-    "create_response": st.booleans(), "interrupt_response": st.booleans(), "eagerness": st.text(max_size=6)})
+    "create_response": st.booleans(), "interrupt_response": st.booleans(),
+    "eagerness": st.sampled_from(["low", "medium", "high", "auto"]) | st.text(max_size=6)})
+noise_reduction = st.none() | st.fixed_dictionaries({}, optional={
+    "type": st.sampled_from(["near_field", "far_field", "studio", None])})
 opt = st.fixed_dictionaries  # every key optional: st.fixed_dictionaries({}, optional=...)
 transcription = st.none() | opt({}, optional={
     "model": sometimes_junk(st.sampled_from(["tiny", "whisper-1", "gpt-4o-transcribe", "whisper-2", ""])),
@@ -53,10 +56,12 @@ session = opt({}, optional={
     "output_modalities": sometimes_junk(modalities), "modalities": sometimes_junk(modalities),
     "voice": sometimes_junk(voices), "turn_detection": sometimes_junk(vad),
     "input_audio_transcription": sometimes_junk(transcription),
+    "input_audio_noise_reduction": sometimes_junk(noise_reduction),
     "input_audio_format": sometimes_junk(st.sampled_from(["pcm16", "g711_ulaw", "g711_alaw", "mp3"])),
     "audio": sometimes_junk(opt({}, optional={
         "input": sometimes_junk(opt({}, optional={"format": sometimes_junk(fmt), "turn_detection": sometimes_junk(vad),
-                                                  "transcription": sometimes_junk(transcription)})),
+                                                  "transcription": sometimes_junk(transcription),
+                                                  "noise_reduction": sometimes_junk(noise_reduction)})),
         "output": sometimes_junk(opt({}, optional={"format": sometimes_junk(fmt), "voice": sometimes_junk(voices)}))})),
     "temperature": sometimes_junk(st.floats(allow_nan=True, allow_infinity=True)),
     "max_output_tokens": sometimes_junk(small_ints | st.just("inf")), "tools": sometimes_junk(tools),

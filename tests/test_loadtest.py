@@ -137,6 +137,26 @@ def test_bench_realtime_short_run(server, tmp_path, mode, transport):
     assert (tmp_path / "rt.md").read_text().count("\n| 2 |") == 1 and (tmp_path / "rt.png").stat().st_size > 0
 
 
+def test_bench_realtime_paused_speech_semantic_vad_against_server_vad(server, tmp_path):
+    """`--speech paused --turn-detection ...`: sentences with a 600-900 ms pause mid-sentence; server_vad (500 ms)
+    cuts every one at its pause (a false cut-in per turn), semantic_vad with noise reduction on cuts none, and every
+    turn still ends after its last word."""
+    rows = {}
+    for td in ("server_vad", "semantic_vad"):
+        run = subprocess.run([sys.executable, "-m", "app.cli", "bench", "realtime", "--url", server.url, "--sessions",
+                              "2", "--turns", "1", "--clients", "1", "--mode", "no-responses", "--speech", "paused",
+                              "--turn-detection", td, *(["--noise-reduction", "far_field"] if td == "semantic_vad"
+                                                        else []), "--name", td, "--out", str(tmp_path)],
+                             cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+        rows[td] = json.loads((tmp_path / f"{td}.json").read_text())["results"][0]
+    for row in rows.values():
+        assert row["turns"] == row["expected_turns"] == 2 and row["errors"] == 0, row["error_samples"]
+        assert row["turn_end_ms"]["n"] == 2 and row["turn_end_ms"]["max"] > 0
+    assert rows["server_vad"]["turns_cut"] == 2 and rows["semantic_vad"]["cut_ins"] == 0
+    assert rows["semantic_vad"]["front_end"] == "semantic_vad (auto), far_field, paused speech"
+
+
 def test_bench_realtime_with_and_without_transcripts(server, tmp_path):
     """`--transcription both`: each point runs without, then with transcripts of the user; with them every
     measured turn gets its transcript (none fails) and still its reply's audio."""

@@ -342,3 +342,36 @@ async def test_items_are_acknowledged_and_responses_echo_their_metadata(server, 
         created = await recv_type(ws, "response.created")
         assert created["response"]["metadata"] == metadata
         assert (await recv_type(ws, "response.done"))["response"]["metadata"] == metadata
+
+
+async def test_semantic_vad_with_noise_reduction_commits_a_spoken_turn(server, tmp_path):
+    """pipecat's example session (GA `audio.input`: semantic_vad and near_field noise reduction) is taken and shown
+    back as sent; a spoken sentence over a steady hiss is one turn: speech_started, speech_stopped once the
+    sentence is over (Smart Turn, batched in the server), committed; the session sent back whole is accepted."""
+    from tests.realtime_helpers import b64_chunks, espeak_utterance
+
+    samples, seconds = espeak_utterance(tmp_path, "What is the weather like in Paris today?")
+    samples = samples + np.random.default_rng(0).standard_normal(len(samples)).astype(np.float32) * 0.003
+    td = {"type": "semantic_vad", "eagerness": "high", "create_response": False, "interrupt_response": True}
+    pauses, chunks = server.metric("omnirt_turn_end_pauses_total"), server.metric("omnirt_denoise_chunks_total")
+    async with websockets.connect(ws_url(server)) as ws:
+        await recv_type(ws, "session.created")
+        await ws.send(json.dumps({"type": "session.update", "session": {"type": "realtime", "audio": {"input": {
+            "turn_detection": td, "noise_reduction": {"type": "near_field"}}}}}))
+        updated = await recv_type(ws, "session.updated")
+        assert updated["session"]["audio"]["input"]["turn_detection"] == td
+        assert updated["session"]["audio"]["input"]["noise_reduction"] == {"type": "near_field"}
+        for chunk in b64_chunks(samples, chunk_ms=20):
+            await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": chunk}))
+        events = [await recv(ws)]
+        while events[-1]["type"] != "input_audio_buffer.committed":
+            events.append(await recv(ws))
+        kinds = [e["type"] for e in events]
+        assert kinds.count("input_audio_buffer.speech_started") == 1, kinds
+        stopped = next(e for e in events if e["type"] == "input_audio_buffer.speech_stopped")
+        assert (1 + seconds - 1.0) * 1000 < stopped["audio_end_ms"] < (1 + seconds + 0.5) * 1000
+        assert server.metric("omnirt_turn_end_pauses_total") > pauses  # the end-of-turn model was asked
+        assert server.metric("omnirt_denoise_chunks_total") - chunks >= len(samples) // 480 // 2  # every chunk
+        await ws.send(json.dumps({"type": "session.update", "session": updated["session"]}))
+        again = await recv_type(ws, "session.updated")
+        assert again["session"] == updated["session"]

@@ -12,6 +12,7 @@ import soxr
 from scipy.signal import resample_poly
 
 from app.audio.resample import LowDelayResampler, StreamResampler
+from app.audio.turn_end import SemanticVadConfig
 from app.audio.vad import (
     QUIET_DB,
     VAD_RATE,
@@ -103,14 +104,45 @@ def test_session_update_accepts_both_generations():
     assert session_object(beta, "s", beta=True)["max_response_output_tokens"] == 20
     assert session_object(ga, "s", beta=False)["audio"]["input"]["format"] == {"type": "audio/pcmu"}
     for bad, param in [({"tools": [{"type": "function"}]}, "session.tools.0.name"),
-                       ({"audio": {"input": {"turn_detection": {"type": "semantic_vad"}}}},
-                        "session.audio.input.turn_detection.type"),
+                       ({"audio": {"input": {"turn_detection": {"type": "semantic_vad", "eagerness": "eager"}}}},
+                        "session.audio.input.turn_detection.eagerness"),
+                       ({"turn_detection": {"type": "semantic_vad", "threshold": 0.5}},
+                        "session.turn_detection.threshold"),
+                       ({"turn_detection": {"type": "bogus_vad"}}, "session.turn_detection.type"),
+                       ({"input_audio_noise_reduction": {"type": "studio"}},
+                        "session.input_audio_noise_reduction.type"),
+                       ({"audio": {"input": {"noise_reduction": "near_field"}}}, "session.audio.input.noise_reduction"),
                        ({"turn_detection": {"threshold": 3}}, "session.turn_detection"),
                        ({"output_audio_format": "mp3"}, "session.output_audio_format"),
                        ({"bogus": 1}, "session.bogus")]:
         with pytest.raises(ProtocolError) as err:
             apply_session_update(cfg, bad, VOICES)
         assert err.value.param == param
+
+
+def test_semantic_vad_and_noise_reduction_parse_and_echo_in_both_generations():
+    """OpenAI's semantic_vad fields and noise reduction types, GA (`audio.input`) and beta (flat), shown back as
+    OpenAI shows them; null turns noise reduction off."""
+    cfg = SessionConfig(model="tiny", voice="ethan")
+    ga = apply_session_update(cfg, {"audio": {"input": {
+        "turn_detection": {"type": "semantic_vad", "eagerness": "low", "interrupt_response": False},
+        "noise_reduction": {"type": "far_field"}}}}, VOICES)
+    assert ga.turn_detection == SemanticVadConfig(eagerness="low", interrupt_response=False)
+    assert ga.noise_reduction == "far_field"
+    a_in = session_object(ga, "s", beta=False)["audio"]["input"]
+    assert a_in["turn_detection"] == {"type": "semantic_vad", "eagerness": "low", "create_response": True,
+                                      "interrupt_response": False}
+    assert a_in["noise_reduction"] == {"type": "far_field"}
+    beta = apply_session_update(cfg, {"turn_detection": {"type": "semantic_vad"},
+                                      "input_audio_noise_reduction": {"type": "near_field"}}, VOICES)
+    obj = session_object(beta, "s", beta=True)
+    assert obj["turn_detection"] == {"type": "semantic_vad", "eagerness": "auto", "create_response": True,
+                                     "interrupt_response": True}
+    assert obj["input_audio_noise_reduction"] == {"type": "near_field"}
+    off = apply_session_update(beta, {"input_audio_noise_reduction": None, "turn_detection": {"type": "server_vad"}},
+                               VOICES)
+    assert off.noise_reduction is None and off.turn_detection == VadConfig()
+    assert session_object(off, "s", beta=True)["input_audio_noise_reduction"] is None
 
 
 def test_session_talker_sampling_is_every_responses_default_unless_it_sets_its_own():
@@ -432,6 +464,7 @@ async def test_vad_counts_reach_metrics(engine):
     await asyncio.gather(*(registry.vad.probabilities(s, np.zeros((2, WINDOW), np.float32)) for s in streams))
     text = metrics.render().decode()
     assert "omnirt_vad_windows_total 6.0" in text and "omnirt_vad_model_calls_total 2.0" in text
+    assert "omnirt_turn_end_model_calls_total 0.0" in text and "omnirt_denoise_chunks_total 0.0" in text
 
 
 def test_audio_rate_limit_allows_real_time_and_a_burst_then_refuses():

@@ -42,10 +42,13 @@ def test_chat_bench_rows_label_a_p99_of_few_requests_as_the_maximum():
 def test_realtime_rows_label_percentiles_of_few_turns_as_the_maximum():
     turns = [{"index": 0, "vad_lag_ms": 100.0 + i, "response_ms": 500.0 + i, "voice_to_voice_ms": 1000.0 + i,
               "first_audio": 1.0, "speech_stopped": 1.0, "underruns": 0, "input_tokens": 10, "cached_tokens": 0,
-              "transcript_ms": None, "transcript_failed": False}
+              "transcript_ms": None, "transcript_failed": False, "turn_end_ms": 600.0 + i, "cut_ins": i // 2}
              for i in range(3)]
-    args = type("Args", (), {"mode": "cancel", "turns": 3, "transcribe": False})()
+    args = type("Args", (), {"mode": "cancel", "turns": 3, "transcribe": False, "turn_detection": "semantic_vad",
+                             "eagerness": "high", "noise_reduction": "far_field", "speech": "paused"})()
     row = {**realtime_summarize(1, turns, [], args, None, 0.1), "abusive": 0, "abuse": {}}
     text = realtime_markdown([row], "t")
-    assert "| 101 / max 102 / max 102 | 501 / max 502 / max 502 | 1001 / max 1002 / max 1002 |" in text
+    assert "| semantic_vad (high), far_field, paused speech |" in text
+    assert ("| 101 / max 102 / max 102 | 601 / max 602 / max 602 | 1 (1) | 501 / max 502 / max 502 | 1001 / max 1002 "
+            "/ max 1002 |") in text
     assert "| turn 1 | 1 | 501 / max 502 | 1001 |" in text

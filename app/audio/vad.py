@@ -17,16 +17,21 @@ keeps the probability up for one to four windows after the speech has ended (0-1
 utterances), and counting that hangover as speech would end every turn that much later than its silence. Where
 the background is louder than that gate (a noisy microphone) the level never passes it and the probability alone
 decides, as before. Positions are absolute sample indices of the session's 16 kHz input stream.
+
+`semantic_vad` (`app/audio/turn_end.py`) uses the same detector: its short pauses become candidates that the
+end-of-turn model decides on.
 """
 
 from __future__ import annotations
 
-import asyncio
 import importlib.resources
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from app.audio.denoise import DenoiseBatcher
+from app.audio.rounds import Rounds
+from app.audio.turn_end import SemanticVadConfig, TurnEndBatcher
 
 VAD_RATE = 16000
 HYSTERESIS = 0.15
@@ -59,6 +64,14 @@ class VadConfig:
     def prefix_padding_samples(self) -> int:
         return self.prefix_padding_ms * VAD_RATE // 1000
 
+    @property
+    def candidate_pause_ms(self) -> None:
+        """server_vad asks no end-of-turn model: the silence alone ends the turn."""
+        return None
+
+
+TurnDetection = VadConfig | SemanticVadConfig
+
 
 @dataclass(slots=True, frozen=True)
 class SpeechStarted:
@@ -72,7 +85,15 @@ class SpeechStopped:
     commit_sample: int  # where it was detected: the turn's audio runs up to here
 
 
-VadEvent = SpeechStarted | SpeechStopped
+@dataclass(slots=True, frozen=True)
+class PauseCandidate:
+    """semantic_vad: a short pause after speech; `resolve` it with the end-of-turn model's probability."""
+
+    end_sample: int  # where the silence began
+    at_sample: int  # where the pause became a candidate: the turn's audio up to here goes to the model
+
+
+VadEvent = SpeechStarted | SpeechStopped | PauseCandidate
 
 
 @dataclass(slots=True)
@@ -110,54 +131,43 @@ class SileroBatch:
 class _Job:
     stream: VadStream
     windows: np.ndarray  # [k, WINDOW]
-    done: asyncio.Future
     probs: list[np.ndarray] = field(default_factory=list)
     next: int = 0
+
+    def is_pending(self) -> bool:
+        return self.next < len(self.windows)
+
+    def result(self) -> np.ndarray:
+        return np.concatenate(self.probs)
 
 
 class VadBatcher:
     """The process's VAD: `await probabilities(stream, windows)` from any session; one batched model call
-    per window position of a round, on one thread, for every session that has windows pending."""
+    per window position of a round, on one thread, for every session that has windows pending. It also holds
+    the process's other input-audio models, each batched the same way on a thread of its own: the end-of-turn
+    model of `semantic_vad` (`turn_end`) and the noise reduction (`denoise`)."""
 
     def __init__(self):
         self._model: SileroBatch | None = None  # loaded on first use
-        self._jobs: list[_Job] = []
-        self._task: asyncio.Task | None = None
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="omnirt-vad")
-        self.num_rounds = self.num_calls = self.num_windows = 0
+        self._rounds = Rounds(self._round, "omnirt-vad")
+        self.turn_end = TurnEndBatcher()
+        self.denoise = DenoiseBatcher()
+        self.num_calls = self.num_windows = 0
+
+    @property
+    def num_rounds(self) -> int:
+        return self._rounds.num_rounds
 
     async def probabilities(self, stream: VadStream, windows: np.ndarray) -> np.ndarray:
         if not len(windows):
             return np.zeros(0, np.float32)
-        job = _Job(stream, windows, asyncio.get_running_loop().create_future())
-        self._jobs.append(job)
-        if self._task is None or self._task.done():
-            self._task = asyncio.create_task(self._run())
-        return await job.done
-
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        while self._jobs:
-            jobs, self._jobs = self._jobs, []
-            try:
-                await loop.run_in_executor(self._executor, self._round, jobs)
-            except Exception as exc:  # a broken model fails the waiting sessions' audio, not the loop
-                for job in jobs:
-                    if not job.done.done():
-                        job.done.set_exception(exc)
-                continue
-            for job in jobs:
-                if job.next < len(job.windows):
-                    self._jobs.append(job)  # more than one round's worth: it goes on in the next round
-                elif not job.done.done():
-                    job.done.set_result(np.concatenate(job.probs))
+        return await self._rounds.submit(_Job(stream, windows))
 
     def _round(self, jobs: list[_Job]) -> None:
         if self._model is None:
             self._model = SileroBatch()
-        self.num_rounds += 1
         for _ in range(MAX_WINDOWS_PER_ROUND):
-            live = [j for j in jobs if j.next < len(j.windows)]
+            live = [j for j in jobs if j.is_pending()]
             if not live:
                 return
             probs = self._model.step([j.stream for j in live], np.stack([j.windows[j.next] for j in live]))
@@ -170,15 +180,18 @@ class VadBatcher:
 
 class TurnDetector:
     """One session's turn decisions: audio in, windows out to the `VadBatcher`, their probabilities back in.
-    `quiet_db=None` lets the probability alone decide what is silence."""
+    `quiet_db=None` lets the probability alone decide what is silence. With semantic_vad a pause of the
+    eagerness's candidate length is a `PauseCandidate`, once per pause, that `resolve` ends or lets go on; the
+    eagerness's longest pause ends the turn as `silence_duration_ms` does server_vad's."""
 
-    def __init__(self, cfg: VadConfig, quiet_db: float | None = QUIET_DB):
+    def __init__(self, cfg: TurnDetection, quiet_db: float | None = QUIET_DB):
         self.cfg = cfg
         self._quiet = 0.0 if quiet_db is None else 10 ** (-quiet_db / 20)
         self.stream = VadStream()
         self._pending = np.zeros(0, dtype=np.float32)
         self.position = 0  # absolute index of the first pending sample
         self._silence_start: int | None = None
+        self._is_candidate = False  # this pause was offered to the end-of-turn model
         self._peak = 0.0  # the loudest window's RMS level since the speech started
         self.is_speaking = False
 
@@ -201,16 +214,30 @@ class TurnDetector:
         end = start + WINDOW
         if not self.is_speaking:
             if prob >= self.cfg.threshold:
-                self.is_speaking, self._silence_start, self._peak = True, None, level
+                self.is_speaking, self._silence_start, self._peak, self._is_candidate = True, None, level, False
                 return SpeechStarted(max(0, start - self.cfg.prefix_padding_samples), start)
             return None
         self._peak = max(self._peak, level)
         if prob >= self.cfg.threshold - HYSTERESIS and level >= self._peak * self._quiet:
-            self._silence_start = None
+            self._silence_start, self._is_candidate = None, False
             return None
         if self._silence_start is None:
             self._silence_start = start
-        if (end - self._silence_start) * 1000 >= self.cfg.silence_duration_ms * VAD_RATE:
+        silence_ms = (end - self._silence_start) * 1000 / VAD_RATE  # exact: 16 samples a millisecond
+        if silence_ms >= self.cfg.silence_duration_ms:
             self.is_speaking = False
             return SpeechStopped(self._silence_start, end)
+        candidate_ms = self.cfg.candidate_pause_ms
+        if candidate_ms is not None and not self._is_candidate and silence_ms >= candidate_ms:
+            self._is_candidate = True
+            return PauseCandidate(self._silence_start, end)
         return None
+
+    def resolve(self, candidate: PauseCandidate, complete_probability: float) -> SpeechStopped | None:
+        """The end-of-turn model's answer on `candidate`: the turn ends here (at the position decided so far) if
+        it is sure enough and the pause is still going on; otherwise the detector keeps listening."""
+        if not (self.is_speaking and self._silence_start == candidate.end_sample
+                and complete_probability >= self.cfg.level.threshold):
+            return None
+        self.is_speaking = False
+        return SpeechStopped(candidate.end_sample, self.position)

@@ -252,3 +252,9 @@ class VadCollector:
                                   "all sessions", value=self.vad.num_windows)
         yield CounterMetricFamily("omnirt_vad_model_calls", "Batched VAD model calls (windows / calls: the mean "
                                   "number of sessions per call)", value=self.vad.num_calls)
+        yield CounterMetricFamily("omnirt_turn_end_pauses", "Pauses semantic_vad asked its end-of-turn model "
+                                  "about, all sessions", value=self.vad.turn_end.num_turns)
+        yield CounterMetricFamily("omnirt_turn_end_model_calls", "Batched end-of-turn model calls (pauses / calls: "
+                                  "the mean number of sessions per call)", value=self.vad.turn_end.num_calls)
+        yield CounterMetricFamily("omnirt_denoise_chunks", "Input audio chunks noise reduction denoised, all "
+                                  "sessions", value=self.vad.denoise.num_chunks)

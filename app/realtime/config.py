@@ -2,8 +2,8 @@
 generation (GA nested `audio.input/output`, beta flat fields) -> one frozen config, and back to the
 `session` object each dialect expects.
 
-Fields follow the one rule of `app/fields.py` (docs/api-fields.md): what omnirt cannot do (noise reduction,
-semantic VAD, out-of-band `input`, another speed) is accepted only at a value that asks for nothing (so a
+Fields follow the one rule of `app/fields.py` (docs/api-fields.md): what omnirt cannot do (out-of-band
+`input`, another speed) is accepted only at a value that asks for nothing (so a
 client may send back the `session` object it got) and refused with an `error` otherwise, as is any unknown
 field. Input transcription has its own module (`app/realtime/transcription.py`), tools theirs
 (`app/realtime/tool_config.py`).
@@ -15,7 +15,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from app.audio.vad import VadConfig
+from app.audio.denoise import NOISE_REDUCTIONS
+from app.audio.turn_end import SemanticVadConfig
+from app.audio.vad import TurnDetection, VadConfig
 from app.audio.wire import FORMATS, FORMATS_BY_MIME, PCM16, AudioFormat
 from app.fields import FieldRule, rule
 from app.model_names import is_alias
@@ -30,18 +32,20 @@ _UNSERVED = {"prompt": (None,), "include": (None, []), "speed": (None, 1.0)}
 SESSION_FIELDS = rule(
     ("audio", "instructions", "output_modalities", "modalities", "voice", "input_audio_format", "output_audio_format",
      "turn_detection", "temperature", "max_output_tokens", "max_response_output_tokens", "model", "truncation",
-     "input_audio_transcription", "tools", "tool_choice", "talker_sampling"),
-    ignored=(*_ECHOED, "tracing", "client_secret"), inert={**_UNSERVED, "input_audio_noise_reduction": (None,)})
+     "input_audio_transcription", "input_audio_noise_reduction", "tools", "tool_choice", "talker_sampling"),
+    ignored=(*_ECHOED, "tracing", "client_secret"), inert=_UNSERVED)
 RESPONSE_FIELDS = rule(
     ("audio", "instructions", "output_modalities", "modalities", "voice", "output_audio_format", "temperature",
      "max_output_tokens", "max_response_output_tokens", "conversation", "metadata", "talker_sampling", "tools",
      "tool_choice"),
     ignored=_ECHOED, inert={**_UNSERVED, "input": (None, [])})
 SESSION_AUDIO_FIELDS, RESPONSE_AUDIO_FIELDS = rule(("input", "output")), rule(("output",))
-AUDIO_INPUT_FIELDS = rule(("format", "turn_detection", "transcription"), inert={"noise_reduction": (None,)})
+AUDIO_INPUT_FIELDS = rule(("format", "turn_detection", "transcription", "noise_reduction"))
 AUDIO_OUTPUT_FIELDS = rule(("format", "voice"), inert={"speed": (None, 1.0)})
 VAD_FIELDS = rule(("type", "threshold", "prefix_padding_ms", "silence_duration_ms", "create_response",
                    "interrupt_response", "idle_timeout_ms"))
+SEMANTIC_VAD_FIELDS = rule(("type", "eagerness", "create_response", "interrupt_response"))
+NOISE_REDUCTION_FIELDS = rule(("type",))
 
 
 @dataclass(slots=True, frozen=True)
@@ -52,7 +56,8 @@ class SessionConfig:
     wants_audio: bool = True
     input_format: AudioFormat = PCM16
     output_format: AudioFormat = PCM16
-    turn_detection: VadConfig | None = VadConfig()
+    turn_detection: TurnDetection | None = VadConfig()
+    noise_reduction: str | None = None  # "near_field" or "far_field" (app/audio/denoise.py); None: off
     temperature: float | None = None  # None: the deploy profile's default
     max_output_tokens: int | None = None  # None: "inf" (the profile's limit)
     truncation: Any = "auto"  # as the client set it: "auto", "disabled" or {"type": "retention_ratio", ...}
@@ -120,6 +125,9 @@ def apply_session_update(cfg: SessionConfig, update: dict[str, Any], voices: tup
     for src, where in ((update, "session"), (a_in, "session.audio.input")):
         if "turn_detection" in src:
             changes["turn_detection"] = parse_turn_detection(src["turn_detection"], f"{where}.turn_detection")
+    for src, key in ((update, "session.input_audio_noise_reduction"), (a_in, "session.audio.input.noise_reduction")):
+        if (name := key.rpartition(".")[2]) in src:
+            changes["noise_reduction"] = parse_noise_reduction(src[name], key)
     for src, key in ((update, "session.input_audio_transcription"), (a_in, "session.audio.input.transcription")):
         if (name := key.rpartition(".")[2]) in src:
             changes["transcription"] = parse_transcription(src[name], key, cfg.model)
@@ -169,14 +177,16 @@ def response_options(cfg: SessionConfig, body: dict[str, Any] | None, voices: tu
         tools=tools, tool_choice=tool_choice)
 
 
-def parse_turn_detection(value: Any, where: str) -> VadConfig | None:
+def parse_turn_detection(value: Any, where: str) -> TurnDetection | None:
     if value is None:
         return None
     if not isinstance(value, dict):
         raise ProtocolError(f"`{where}` must be an object or null", "invalid_type", where)
     kind = value.get("type", "server_vad")
+    if kind == "semantic_vad":
+        return _semantic_vad(value, where)
     if kind != "server_vad":
-        raise ProtocolError(f"turn detection {kind!r} is not supported; use 'server_vad' or null",
+        raise ProtocolError(f"turn detection {kind!r} is not supported; use 'server_vad', 'semantic_vad' or null",
                             "unsupported_parameter", f"{where}.type")
     check_fields(VAD_FIELDS, value, where)
     kw = {k: require(value, k, t, where) for k, t in (("threshold", (float, int)), ("prefix_padding_ms", (int,)),
@@ -188,6 +198,37 @@ def parse_turn_detection(value: Any, where: str) -> VadConfig | None:
         raise ProtocolError(f"{where}: {exc}", "invalid_value", where) from exc
 
 
+def _semantic_vad(value: dict, where: str) -> SemanticVadConfig:
+    check_fields(SEMANTIC_VAD_FIELDS, value, where)
+    kw = {k: require(value, k, t, where) for k, t in (("eagerness", (str,)), ("create_response", (bool,)),
+                                                      ("interrupt_response", (bool,)))}
+    try:
+        return SemanticVadConfig(**{k: v for k, v in kw.items() if v is not None})
+    except ValueError as exc:
+        raise ProtocolError(f"{where}.eagerness: {exc}", "invalid_value", f"{where}.eagerness") from exc
+
+
+def turn_detection_object(td: TurnDetection | None) -> dict[str, Any] | None:
+    """The session's `turn_detection` as OpenAI shows it."""
+    if isinstance(td, SemanticVadConfig):
+        return {"type": "semantic_vad", "eagerness": td.eagerness, "create_response": td.create_response,
+                "interrupt_response": td.interrupt_response}
+    return None if td is None else {"type": "server_vad", **dataclasses.asdict(td)}
+
+
+def parse_noise_reduction(value: Any, where: str) -> str | None:
+    """null (off) or {"type": "near_field" | "far_field"}."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ProtocolError(f"`{where}` must be an object or null", "invalid_type", where)
+    check_fields(NOISE_REDUCTION_FIELDS, value, where)
+    if value.get("type") not in NOISE_REDUCTIONS:
+        raise ProtocolError(f"`{where}.type` must be one of {', '.join(NOISE_REDUCTIONS)}", "invalid_value",
+                            f"{where}.type")
+    return value["type"]
+
+
 def session_object(cfg: SessionConfig, session_id: str, beta: bool) -> dict[str, Any]:
     """The session as the client's protocol shows it, with omnirt's `talker_sampling` where one is set."""
     obj = _protocol_session(cfg, session_id, beta)
@@ -197,8 +238,8 @@ def session_object(cfg: SessionConfig, session_id: str, beta: bool) -> dict[str,
 
 
 def _protocol_session(cfg: SessionConfig, session_id: str, beta: bool) -> dict[str, Any]:
-    td = None if cfg.turn_detection is None else {"type": "server_vad",
-                                                  **dataclasses.asdict(cfg.turn_detection)}
+    td = turn_detection_object(cfg.turn_detection)
+    noise = None if cfg.noise_reduction is None else {"type": cfg.noise_reduction}
     max_tokens = cfg.max_output_tokens or "inf"
     if beta:
         return {"id": session_id, "object": "realtime.session", "model": cfg.model,
@@ -206,14 +247,15 @@ def _protocol_session(cfg: SessionConfig, session_id: str, beta: bool) -> dict[s
                 "voice": cfg.voice, "input_audio_format": cfg.input_format.name,
                 "output_audio_format": cfg.output_format.name,
                 "input_audio_transcription": transcription_object(cfg.transcription),
-                "turn_detection": td, "tools": list(cfg.tools), "tool_choice": cfg.tool_choice,
+                "input_audio_noise_reduction": noise, "turn_detection": td, "tools": list(cfg.tools),
+                "tool_choice": cfg.tool_choice,
                 "temperature": cfg.temperature,
                 "max_response_output_tokens": max_tokens}
     return {"type": "realtime", "object": "realtime.session", "id": session_id, "model": cfg.model,
             "output_modalities": ["audio"] if cfg.wants_audio else ["text"], "instructions": cfg.instructions,
             "audio": {"input": {"format": format_object(cfg.input_format),
                                 "transcription": transcription_object(cfg.transcription),
-                                "noise_reduction": None, "turn_detection": td},
+                                "noise_reduction": noise, "turn_detection": td},
                       "output": {"format": format_object(cfg.output_format), "voice": cfg.voice, "speed": 1.0}},
             "tools": list(cfg.tools), "tool_choice": cfg.tool_choice, "max_output_tokens": max_tokens, "tracing": None,
             "truncation": cfg.truncation, "prompt": None, "include": None}

@@ -1,5 +1,5 @@
-"""A session's input audio buffer: audio at any rate -> one stream at the VAD's rate -> a bounded buffer,
-with server VAD turning it into user turns (or the client committing it by hand).
+"""A session's input audio buffer: audio at any rate -> (noise reduction) -> one stream at the VAD's rate -> a
+bounded buffer, with server or semantic VAD turning it into user turns (or the client committing it by hand).
 
 The audio is resampled twice: the turns' audio (what the model hears) through libsoxr's high quality,
 which holds back ~21 ms of 24 kHz input (~66 ms of 8 kHz G.711), and the VAD's view through its quick
@@ -17,8 +17,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from app.audio import denoise
 from app.audio.resample import StreamResampler
-from app.audio.vad import VAD_RATE, SpeechStarted, TurnDetector, VadBatcher, VadConfig
+from app.audio.vad import (
+    VAD_RATE,
+    PauseCandidate,
+    SpeechStarted,
+    SpeechStopped,
+    TurnDetection,
+    TurnDetector,
+    VadBatcher,
+)
 
 
 class BufferFull(Exception):
@@ -46,7 +55,7 @@ def _ms(sample: int) -> int:
 class InputBuffer:
     """`vad` is the process's `VadBatcher` (shared by every session); `vad_config` the session's settings."""
 
-    def __init__(self, max_buffer_s: float, vad_config: VadConfig | None, vad: VadBatcher):
+    def __init__(self, max_buffer_s: float, vad_config: TurnDetection | None, vad: VadBatcher):
         self.vad = vad
         self.max_samples = int(max_buffer_s * VAD_RATE)
         self._resamplers: dict[tuple[int, str], StreamResampler] = {}  # by (input rate, quality)
@@ -55,9 +64,10 @@ class InputBuffer:
         self._vad_end = 0  # the VAD view's end: ahead of `_end` by what the high quality holds back
         self._turn_start: int | None = None
         self.detector: TurnDetector | None = None
+        self.denoiser: denoise.Denoiser | None = None
         self.set_vad(vad_config)
 
-    def set_vad(self, cfg: VadConfig | None) -> None:
+    def set_vad(self, cfg: TurnDetection | None) -> None:
         """Turn detection on (fresh state), off (manual commit), or new settings (state kept)."""
         if cfg is not None and self.detector is not None:
             self.detector.cfg = cfg
@@ -66,6 +76,10 @@ class InputBuffer:
         if self.detector is not None:
             self.detector.position = self._vad_end
         self._turn_start = None
+
+    def set_noise_reduction(self, kind: str | None) -> None:
+        """Noise reduction on ("near_field", "far_field": a fresh RNNoise stream) or off (None)."""
+        self.denoiser = None if kind is None else denoise.Denoiser(kind)
 
     @property
     def num_samples(self) -> int:
@@ -81,7 +95,10 @@ class InputBuffer:
 
     async def append(self, samples: np.ndarray, sample_rate: int) -> list[TurnEvent]:
         """Add audio; past the limit a turn in progress is ended there, otherwise BufferFull is raised
-        (and none of the audio kept). One append at a time per session (the session's lock)."""
+        (and none of the audio kept). One append at a time per session (the session's lock). With noise reduction
+        on, the audio is denoised (at 48 kHz, batched with every session's, off the event loop) first."""
+        if self.denoiser is not None:
+            samples, sample_rate = await self.vad.denoise.denoise(self.denoiser, samples, sample_rate), denoise.RATE
         x, view = self._resample(samples, sample_rate, "HQ"), self._resample(samples, sample_rate, "QQ")
         events: list[TurnEvent] = []
         if self.num_samples + len(x) > self.max_samples:
@@ -98,10 +115,13 @@ class InputBuffer:
         detector = self.detector
         windows = detector.windows(view)
         for ev in detector.decide(windows, await self.vad.probabilities(detector.stream, windows)):
+            if isinstance(ev, PauseCandidate) and self._turn_start is not None:
+                probability = await self.vad.turn_end.complete_probability(self._peek(self._turn_start, ev.at_sample))
+                ev = detector.resolve(ev, probability)
             if isinstance(ev, SpeechStarted):
                 self._turn_start = max(ev.start_sample, self._start)
                 events.append(TurnStarted(_ms(self._turn_start)))
-            elif self._turn_start is not None:
+            elif isinstance(ev, SpeechStopped) and self._turn_start is not None:
                 events.append(TurnEnded(_ms(ev.end_sample), self._take(self._turn_start, ev.commit_sample)))
                 self._turn_start = None
         if not self.is_speaking:  # keep only what a next turn's prefix padding may need
@@ -126,12 +146,17 @@ class InputBuffer:
         return self._resamplers[key](samples)
 
     def _take(self, start: int, end: int) -> np.ndarray:
-        end = min(end, self._end)  # a VAD position past what the high quality has delivered yet
-        whole = np.concatenate(self._chunks) if self._chunks else np.zeros(0, np.float32)
-        audio = whole[start - self._start:end - self._start]
-        self._chunks = [whole[end - self._start:]]
+        end = min(end, self._end)
+        audio = self._peek(start, end)
+        self._chunks = [self._chunks[0][end - self._start:]]
         self._start = end
         return audio
+
+    def _peek(self, start: int, end: int) -> np.ndarray:
+        """The buffered audio from `start` to `end`, left in the buffer (as one chunk from now on)."""
+        end = min(end, self._end)  # a VAD position past what the high quality has delivered yet
+        self._chunks = [np.concatenate(self._chunks) if self._chunks else np.zeros(0, np.float32)]
+        return self._chunks[0][start - self._start:end - self._start]
 
     def _drop_before(self, position: int) -> None:
         if position > self._start:

@@ -113,6 +113,7 @@ class RealtimeSession:
 
     async def start(self) -> None:
         self.input = InputBuffer(self.limits.max_input_buffer_s, self.config.turn_detection, self.vad)
+        self.input.set_noise_reduction(self.config.noise_reduction)
         await self._emit("session.created", session=session_object(self.config, self.id, self.beta))
 
     async def handle_text(self, raw: str | bytes) -> None:
@@ -162,6 +163,8 @@ class RealtimeSession:
         if new.turn_detection != self.config.turn_detection:
             self.input.set_vad(new.turn_detection)
             self._turn_item_id = self._turn_item_id if self.input.is_speaking else None
+        if new.noise_reduction != self.config.noise_reduction:
+            self.input.set_noise_reduction(new.noise_reduction)
         self.config = new
         await self._emit("session.updated", session=session_object(new, self.id, self.beta))
 

@@ -1,0 +1,54 @@
+"""Batched rounds on a thread of their own: what every session of the process asks of one model (Silero's
+windows, Smart Turn's pauses, RNNoise's frames) is gathered while the previous round runs and done together in
+the next, so the cost per item falls with the number of sessions and no model call runs on the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol
+
+
+class Job(Protocol):
+    def is_pending(self) -> bool:
+        """More to do in a later round (a job larger than one round's share)."""
+
+    def result(self) -> Any:
+        """What the waiting session gets once the job is no longer pending."""
+
+
+class Rounds:
+    """`await submit(job)` from any session; `run_round(jobs)` runs on the thread for all jobs pending."""
+
+    def __init__(self, run_round: Callable[[list[Job]], None], thread_name: str):
+        self._run_round = run_round
+        self._jobs: list[tuple[Job, asyncio.Future]] = []
+        self._task: asyncio.Task | None = None
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix=thread_name)
+        self.num_rounds = 0
+
+    async def submit(self, job: Job) -> Any:
+        done = asyncio.get_running_loop().create_future()
+        self._jobs.append((job, done))
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._run())
+        return await done
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self._jobs:
+            pending, self._jobs = self._jobs, []
+            self.num_rounds += 1
+            try:
+                await loop.run_in_executor(self._executor, self._run_round, [job for job, _ in pending])
+            except Exception as exc:  # a broken model fails the waiting sessions' audio, not the loop
+                for _, done in pending:
+                    if not done.done():
+                        done.set_exception(exc)
+                continue
+            for job, done in pending:
+                if job.is_pending():
+                    self._jobs.append((job, done))  # more than one round's worth: it goes on in the next round
+                elif not done.done():
+                    done.set_result(job.result())
