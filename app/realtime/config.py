@@ -47,6 +47,7 @@ VAD_FIELDS = rule(("type", "threshold", "prefix_padding_ms", "silence_duration_m
 class SessionConfig:
     model: str
     voice: str
+    type: str = "realtime"  # or "transcription" (`app.realtime.transcription_session`): transcribed, never answered
     instructions: str = ""
     wants_audio: bool = True
     input_format: AudioFormat = PCM16
@@ -93,9 +94,9 @@ def initial_config(info: EngineInfo, model: str, instructions: str) -> SessionCo
 def apply_session_update(cfg: SessionConfig, update: dict[str, Any], voices: tuple[str, ...]) -> SessionConfig:
     """`session.update`'s `session` over the current config; only the fields present change."""
     a_in, a_out = _fields(update, SESSION_FIELDS, SESSION_AUDIO_FIELDS, "session")
-    if update.get("type") not in (None, "realtime"):
-        raise ProtocolError("only `realtime` sessions are served (no transcription sessions)", "invalid_value",
-                            "session.type")
+    if update.get("type") not in (None, "realtime"):  # a session.update's: app.realtime.transcription_session's first
+        raise ProtocolError('`session.type` must be "realtime" here (a transcription session starts at connect with '
+                            '`?intent=transcription`, or with a session.update)', "invalid_value", "session.type")
     if update.get("model") not in (None, cfg.model):
         raise ProtocolError("the model of a session cannot change", "invalid_value", "session.model")
     changes: dict[str, Any] = {}
