@@ -93,8 +93,8 @@ def _starting_config(st: AppState, secret: ClientSecret | None, model: str | Non
     if intent is None:
         return starting_config(st, secret, model)
     if intent != TRANSCRIPTION:
-        raise ProtocolError(f"unknown intent {intent!r}; the one served is {TRANSCRIPTION!r}", "invalid_value",
-                            "intent")
+        raise ProtocolError(f"the intent {intent!r} is not served; the one served is {TRANSCRIPTION!r}",
+                            "invalid_value", "intent")
     transcriber = model if model in TRANSCRIPTION_MODELS else None
     return as_transcription(starting_config(st, secret, None if transcriber else model), transcriber)
 
