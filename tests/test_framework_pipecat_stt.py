@@ -1,20 +1,21 @@
 """pipecat's own OpenAI Realtime STT service (`OpenAIRealtimeSTTService`, pipecat-ai 1.14) at its defaults against
 a real omnirt server on the tiny model, with only the URL changed.
 
-The pipeline is pipecat's usual one for this service: its Silero VAD processor, the STT service, and a sink, fed
-espeak-ng speech as `InputAudioRawFrame`s at 16 kHz. The service opens a transcription session
-(`/v1/realtime?intent=transcription`, then `session.update` with `type: "transcription"`, model
-`gpt-realtime-whisper`, language `en` and turn detection off), streams the audio resampled to 24 kHz, commits
-the buffer when pipecat's VAD says the user stopped, and turns each `.completed` into a `TranscriptionFrame`
-(each `.delta` into an `InterimTranscriptionFrame`). It takes any `error` event as fatal (and reconnects), so
-the test also asserts that none came. The tiny model's text is random tokens: a transcript must arrive, not any
-given words.
+The pipeline is pipecat's usual one for this service: its Silero VAD processor, the STT service, and a sink
+(with server VAD on, no VAD processor), fed espeak-ng speech as `InputAudioRawFrame`s at 16 kHz. The service
+opens a transcription session (`/v1/realtime?intent=transcription`, then `session.update` with
+`type: "transcription"`, model `gpt-realtime-whisper`, language `en` and turn detection off), streams the
+audio resampled to 24 kHz, commits the buffer when pipecat's VAD says the user stopped, and turns each
+`.completed` into a `TranscriptionFrame` (each `.delta` into an `InterimTranscriptionFrame`). It takes any
+`error` event as fatal (and reconnects), so the test also asserts that none came. The tiny model's text is
+random tokens: a transcript must arrive, not any given words.
 """
 
 from __future__ import annotations
 
 import asyncio
 
+import pytest
 from pipecat.audio.vad.silero import SileroVADAnalyzer
 from pipecat.frames.frames import (
     EndFrame,
@@ -56,12 +57,17 @@ class Recorder(FrameProcessor):
         return [f for f in self.frames if type(f) is kind]
 
 
-async def test_pipecat_realtime_stt_gets_transcripts_from_omnirt(server, tmp_path):
+@pytest.mark.parametrize("server_vad", [False, True], ids=["pipecat-vad", "server-vad"])
+async def test_pipecat_realtime_stt_gets_transcripts_from_omnirt(server, tmp_path, server_vad):
+    """At its defaults (pipecat's VAD commits each turn), and with `turn_detection={"type": "server_vad"}`
+    (omnirt's VAD finds the turns; no VAD in the pipeline)."""
     pcm = float_to_pcm16(resample(espeak_utterance(tmp_path)[0], 24000, RATE))
-    stt = OpenAIRealtimeSTTService(api_key="unused", base_url=f"ws://127.0.0.1:{server.port}/v1/realtime")
+    url = f"ws://127.0.0.1:{server.port}/v1/realtime"
+    stt = OpenAIRealtimeSTTService(api_key="unused", base_url=url, turn_detection={"type": "server_vad"}) \
+        if server_vad else OpenAIRealtimeSTTService(api_key="unused", base_url=url)
     head, tail = Recorder(), Recorder()  # head: the errors pushed upstream; tail: the transcripts
-    worker = PipelineWorker(Pipeline([head, VADProcessor(vad_analyzer=SileroVADAnalyzer()), stt, tail]),
-                            cancel_on_idle_timeout=False)
+    vad = [] if server_vad else [VADProcessor(vad_analyzer=SileroVADAnalyzer())]
+    worker = PipelineWorker(Pipeline([head, *vad, stt, tail]), cancel_on_idle_timeout=False)
     runner = WorkerRunner(handle_sigint=False)
     await runner.add_workers(worker)
     running = asyncio.create_task(runner.run())
