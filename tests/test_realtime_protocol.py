@@ -82,6 +82,43 @@ async def test_beta_input_audio_transcription_over_a_raw_websocket(server):
     assert set(events[-1]) == {"type", "event_id", "item_id", "content_index", "transcript", "usage"}
 
 
+async def test_transcription_sessions_at_connect_over_a_raw_websocket(server):
+    """`?intent=transcription` opens a transcription session (GA: `session.created` of type transcription);
+    with `&model=gpt-4o-transcribe` the served model runs under that transcriber's name, and a beta client gets
+    `transcription_session.created`. A commit is transcribed, `response.create` is refused, and no response
+    event ever comes. Another intent is refused at connect (1008)."""
+    base = f"ws://127.0.0.1:{server.port}/v1/realtime"
+    async with websockets.connect(f"{base}?intent=transcription") as ws:
+        created = await recv(ws)
+    assert created["type"] == "session.created" and created["session"]["type"] == "transcription"
+    assert created["session"]["audio"]["input"]["transcription"]["model"] == "tiny"
+    speech = base64.b64encode((8000 * np.sin(np.arange(24000) / 7)).astype("<i2").tobytes()).decode()  # 1 s
+    async with websockets.connect(f"{base}?intent=transcription&model=gpt-4o-transcribe",
+                                  additional_headers={"OpenAI-Beta": "realtime=v1"}) as ws:
+        created = await recv(ws)
+        assert created["type"] == "transcription_session.created"
+        assert created["session"]["input_audio_transcription"]["model"] == "gpt-4o-transcribe"
+        await ws.send(json.dumps({"type": "transcription_session.update", "session": {"turn_detection": None}}))
+        assert (await recv(ws))["type"] == "transcription_session.updated"
+        for event in ({"type": "input_audio_buffer.append", "audio": speech}, {"type": "input_audio_buffer.commit"},
+                      {"type": "response.create", "event_id": "evt_r"}):
+            await ws.send(json.dumps(event))
+        events = [await recv(ws)]
+        while {"error", "conversation.item.input_audio_transcription.completed"} - {e["type"] for e in events}:
+            events.append(await recv(ws))
+    kinds = [e["type"] for e in events]
+    assert kinds[:2] == ["input_audio_buffer.committed", "conversation.item.created"]
+    assert not [k for k in kinds if k.startswith("response.")]
+    error = events[kinds.index("error")]["error"]
+    assert (error["code"], error["event_id"]) == ("unsupported_event", "evt_r")
+    async with websockets.connect(f"{base}?intent=translation") as ws:
+        err = await recv(ws)
+        assert err["type"] == "error" and err["error"]["param"] == "intent"
+        with pytest.raises(websockets.ConnectionClosed) as closed:
+            await recv(ws)
+        assert closed.value.rcvd.code == 1008
+
+
 MALFORMED = [
     ("bad json", '{"type": "session.update", ', "invalid_json", None),
     ("not an object", "[1, 2]", "invalid_event", None),

@@ -1,7 +1,10 @@
 """Transcripts of the user (`audio.input.transcription` / `input_audio_transcription`): the settings of both
 generations, and the session layer driven in-process over the tiny engine: the events and their order,
 the transcript in the item, the start after the reply's first audio, barge-in, deleting the item, a
-failure mid-way (`.failed`), and closing the session mid-transcription (nothing leaks, nothing after)."""
+failure mid-way (`.failed`), and closing the session mid-transcription (nothing leaks, nothing after).
+Transcription sessions (`type: "transcription"`, beta `transcription_session.update`): their settings, their
+events, and no response ever (over a WebSocket: tests/test_realtime_protocol.py; pipecat's client:
+tests/test_framework_pipecat_stt.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from app.realtime.config import SessionConfig, apply_session_update, initial_con
 from app.realtime.events import ProtocolError
 from app.realtime.session import RealtimeLimits, RealtimeSession
 from app.realtime.transcription import INSTRUCTION, MAX_PENDING, TranscriptionConfig, transcription_messages
+from app.realtime.transcription_session import apply_update, as_transcription, session_event
 from tests.conftest import until
 from tests.realtime_helpers import espeak_utterance
 
@@ -71,9 +75,10 @@ class Recorder:
     """A session over the in-process engine whose events are all kept; `submits` notes, for each engine
     request, whether the session's response had sent its first audio when it was submitted."""
 
-    def __init__(self, engine, session_update: dict):
+    def __init__(self, engine, session_update: dict | None, beta: bool = False, config: SessionConfig | None = None):
         self.engine, self.events, self.submits, self.aborted, self.update = engine, [], [], [], session_update
-        self.session = RealtimeSession(self, initial_config(engine.info(), "tiny", ""), RealtimeLimits(), VadBatcher())
+        self.session = RealtimeSession(self, config or initial_config(engine.info(), "tiny", ""), RealtimeLimits(),
+                                       VadBatcher(), beta=beta)
 
     def info(self):
         return self.engine.info()
@@ -90,7 +95,8 @@ class Recorder:
     async def __aenter__(self):
         await self.session.start()
         self.reader = asyncio.create_task(self._drain())
-        await self.send({"type": "session.update", "session": self.update})
+        if self.update is not None:
+            await self.send({"type": "session.update", "session": self.update})
         return self
 
     async def __aexit__(self, *exc):
@@ -260,3 +266,114 @@ async def test_a_burst_of_commits_beyond_the_queue_fails_at_once(engine):
     assert full and all(e["error"]["code"] == "transcription_queue_full" for e in rec.of(f"{EVENT}.failed"))
     done = [e["item_id"] for e in ends if e["type"].endswith("completed")]
     assert len(done) >= MAX_PENDING and done == [i for i in items if i not in full]  # in commit order
+
+
+# ---- transcription sessions -----------------------------------------------------------------------------
+
+PIPECAT_UPDATE = {"type": "transcription", "audio": {"input": {  # what pipecat's OpenAIRealtimeSTTService sends
+    "format": {"type": "audio/pcm", "rate": 24000},
+    "transcription": {"model": "gpt-realtime-whisper", "language": "en"}, "turn_detection": None}}}
+
+
+def test_transcription_session_settings():
+    """A realtime session becomes a transcription session (transcription on, VAD that never responds) and stays
+    one; it takes only the transcription fields; its session object is of both generations, and sent back as is."""
+    cfg = SessionConfig(model="tiny", voice="ethan")
+    became = apply_update(cfg, {"type": "transcription"}, VOICES)
+    assert became.type == "transcription" and became.transcription == TranscriptionConfig("tiny")
+    assert not became.turn_detection.create_response and not became.turn_detection.interrupt_response
+    pipecat = apply_update(cfg, PIPECAT_UPDATE, VOICES)
+    assert pipecat.transcription == TranscriptionConfig("gpt-realtime-whisper", "en") and pipecat.turn_detection is None
+    vad = apply_update(pipecat, {"audio": {"input": {"turn_detection": {"type": "server_vad", "threshold": 0.6}}}},
+                       VOICES)  # no type: the session's
+    assert vad.type == "transcription" and vad.turn_detection.threshold == 0.6
+    assert not vad.turn_detection.create_response and not vad.turn_detection.interrupt_response
+    beta = apply_update(cfg, {"type": "transcription", "input_audio_format": "g711_ulaw", "turn_detection": None,
+                              "input_audio_transcription": {"model": "gpt-4o-transcribe", "prompt": "cooking"},
+                              "include": [], "modalities": ["text"]}, VOICES)
+    assert beta.transcription == TranscriptionConfig("gpt-4o-transcribe", None, "cooking")
+    assert beta.input_format.name == "g711_ulaw" and beta.turn_detection is None
+    kind, ga_obj = session_event(vad, "s", False, "updated")
+    assert kind == "session.updated" and ga_obj["type"] == "transcription"
+    assert ga_obj["object"] == "realtime.transcription_session" and set(ga_obj["audio"]) == {"input"}
+    assert ga_obj["audio"]["input"]["turn_detection"] == {"type": "server_vad", "threshold": 0.6,
+                                                          "prefix_padding_ms": 300, "silence_duration_ms": 500,
+                                                          "idle_timeout_ms": None}
+    kind, beta_obj = session_event(beta, "s", True, "created")
+    assert kind == "transcription_session.created" and beta_obj["input_audio_format"] == "g711_ulaw"
+    assert beta_obj["input_audio_transcription"] == {"model": "gpt-4o-transcribe", "language": None,
+                                                     "prompt": "cooking"}
+    assert session_event(cfg, "s", True, "created")[0] == "session.created"  # a realtime session's, unchanged
+    assert apply_update(vad, ga_obj, VOICES) == vad and apply_update(beta, beta_obj, VOICES) == beta  # sent back
+    for bad, param, code in [
+            ({"type": "realtime"}, "session.type", "invalid_value"),  # it stays a transcription session
+            ({"type": "translation"}, "session.type", "invalid_value"),
+            ({"instructions": "x"}, "session.instructions", "unknown_parameter"),
+            ({"voice": "ethan"}, "session.voice", "unknown_parameter"),
+            ({"audio": {"output": {"voice": "ethan"}}}, "session.audio.output", "unknown_parameter"),
+            ({"include": ["item.input_audio_transcription.logprobs"]}, "session.include", "unsupported_parameter"),
+            ({"turn_detection": {"type": "server_vad", "create_response": True}},
+             "session.turn_detection.create_response", "unsupported_parameter"),
+            ({"audio": {"input": {"turn_detection": {"interrupt_response": True}}}},
+             "session.audio.input.turn_detection.interrupt_response", "unsupported_parameter"),
+            ({"audio": {"input": {"transcription": {"model": "whisper-2"}}}},
+             "session.audio.input.transcription.model", "invalid_value")]:
+        with pytest.raises(ProtocolError) as err:
+            apply_update(pipecat, bad, VOICES)
+        assert (err.value.param, err.value.code) == (param, code), bad
+    assert apply_update(cfg, {"type": "realtime", "instructions": "x"}, VOICES).type == "realtime"
+
+
+async def test_a_transcription_session_transcribes_each_turn_and_never_responds(engine, utterance):
+    """GA: a server-VAD turn gives speech_started, speech_stopped, committed, the user item, then the
+    transcription's deltas and `.completed` with usage; no response starts, and `response.create` is refused
+    in OpenAI's error shape. The only engine request is the transcription."""
+    update = {**PIPECAT_UPDATE, "audio": {"input": {**PIPECAT_UPDATE["audio"]["input"],
+                                                    "turn_detection": {"type": "server_vad"}}}}
+    async with Recorder(engine, update) as rec:
+        await rec.speak(utterance)
+        item = (await _wait(rec, "input_audio_buffer.committed"))["item_id"]
+        await rec.until(_ended(item))
+        await rec.send({"type": "response.create", "event_id": "evt_1"})
+        await rec.until(lambda ev: "error" in _types(ev))
+    kinds = [k for k in _types(rec.events) if not k.endswith(".delta")]
+    assert kinds == ["session.created", "session.updated", "input_audio_buffer.speech_started",
+                     "input_audio_buffer.speech_stopped", "input_audio_buffer.committed", "conversation.item.added",
+                     "conversation.item.done", f"{EVENT}.completed", "error"]
+    assert rec.of("session.updated")[0]["session"]["type"] == "transcription"
+    assert rec.of("input_audio_buffer.speech_started")[0]["item_id"] == item
+    assert rec.of("conversation.item.added")[0]["item"]["content"] == [{"type": "input_audio", "transcript": None}]
+    deltas, (done,) = rec.of(f"{EVENT}.delta", item), rec.of(f"{EVENT}.completed", item)
+    assert deltas and "".join(d["delta"] for d in deltas) == done["transcript"]
+    assert done["usage"]["type"] == "tokens" and done["usage"]["output_tokens"] >= len(deltas)
+    assert rec.of("error")[0]["error"] == {
+        "type": "invalid_request_error", "code": "unsupported_event", "param": "type", "event_id": "evt_1",
+        "message": "a transcription session generates no responses: it transcribes the input audio"}
+    assert [s[0].split("_")[0] for s in rec.submits] == ["transcription"] and engine.num_active_requests == 0
+
+
+async def test_beta_transcription_session_update(engine, utterance):
+    """Beta: a session opened for transcription (`?intent=transcription`) says `transcription_session.created`;
+    `transcription_session.update` is answered by `transcription_session.updated`; a manual commit gives the
+    beta item event and the transcription's."""
+    start = as_transcription(initial_config(engine.info(), "tiny", ""), "gpt-4o-transcribe")
+    async with Recorder(engine, None, beta=True, config=start) as rec:
+        await rec.send({"type": "transcription_session.update", "session": {
+            "input_audio_transcription": {"model": "gpt-4o-mini-transcribe", "language": "en"},
+            "turn_detection": None, "input_audio_noise_reduction": None}})
+        await rec.until(lambda ev: "transcription_session.updated" in _types(ev))
+        item = await _commit(rec, utterance)
+        await rec.until(_ended(item))
+        await rec.send({"type": "transcription_session.update", "session": {"instructions": "x"}})
+        await rec.until(lambda ev: "error" in _types(ev))
+    kinds = [k for k in _types(rec.events) if not k.endswith(".delta")]
+    assert kinds == ["transcription_session.created", "transcription_session.updated", "input_audio_buffer.committed",
+                     "conversation.item.created", f"{EVENT}.completed", "error"]
+    created, updated = rec.of("transcription_session.created")[0], rec.of("transcription_session.updated")[0]
+    assert created["session"]["input_audio_transcription"]["model"] == "gpt-4o-transcribe"
+    assert created["session"]["turn_detection"] == {"type": "server_vad", "threshold": 0.5, "prefix_padding_ms": 300,
+                                                    "silence_duration_ms": 500, "idle_timeout_ms": None}
+    assert updated["session"]["input_audio_transcription"] == {"model": "gpt-4o-mini-transcribe", "language": "en",
+                                                              "prompt": None}
+    assert updated["session"]["turn_detection"] is None and rec.of(f"{EVENT}.completed", item)[0]["transcript"]
+    assert rec.of("error")[0]["error"]["param"] == "session.instructions"

@@ -52,6 +52,7 @@ NOISE_REDUCTION_FIELDS = rule(("type",))
 class SessionConfig:
     model: str
     voice: str
+    type: str = "realtime"  # or "transcription" (`app.realtime.transcription_session`): transcribed, never answered
     instructions: str = ""
     wants_audio: bool = True
     input_format: AudioFormat = PCM16
@@ -101,9 +102,9 @@ def apply_session_update(cfg: SessionConfig, update: dict[str, Any], voices: tup
     """`session.update`'s `session` over the current config; only the fields present change. Its `model` may
     name the session's model or one of `model_aliases` (`app.model_names`): only another model is refused."""
     a_in, a_out = _fields(update, SESSION_FIELDS, SESSION_AUDIO_FIELDS, "session")
-    if update.get("type") not in (None, "realtime"):
-        raise ProtocolError("only `realtime` sessions are served (no transcription sessions)", "invalid_value",
-                            "session.type")
+    if update.get("type") not in (None, "realtime"):  # a session.update's: app.realtime.transcription_session's first
+        raise ProtocolError('`session.type` must be "realtime" here (a transcription session starts at connect with '
+                            '`?intent=transcription`, or with a session.update)', "invalid_value", "session.type")
     model = require(update, "model", (str,), "session")
     if model not in (None, cfg.model) and not is_alias(model, model_aliases):
         raise ProtocolError(f"the model of a session cannot change ({cfg.model!r}, not {model!r})", "invalid_value",

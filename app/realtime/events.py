@@ -16,6 +16,7 @@ from app.fields import FieldError, FieldRule, rule
 # field -> (accepted types, required)
 _FIELDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     "session.update": {"session": ((dict,), True)},
+    "transcription_session.update": {"session": ((dict,), True)},  # beta (app/realtime/transcription_session.py)
     "input_audio_buffer.append": {"audio": ((str,), True)},
     "input_audio_buffer.commit": {},
     "input_audio_buffer.clear": {},

@@ -21,7 +21,9 @@ the played position itself (and emits `output_audio_buffer.cleared`), as OpenAI 
 the outbox (producers wait), the input buffer (`input_audio_buffer_full` error), the sink (its own).
 With `metrics`, each response is counted like a chat request (endpoint "realtime") and logs a
 "request finished" line with its response id, the session id and the API key's id. With transcription
-set, committed user audio is transcribed beside the responses (`app.realtime.transcription`).
+set, committed user audio is transcribed beside the responses (`app.realtime.transcription`). A
+transcription session (`type: "transcription"`, `app.realtime.transcription_session`) only transcribes:
+`response.create` is refused and its turn detection creates no response.
 """
 
 from __future__ import annotations
@@ -38,19 +40,14 @@ from app.audio.vad import VAD_RATE, VadBatcher
 from app.images import ImageLimits
 from app.ops.limits import TokenBucket
 from app.ops.metrics import Metrics
-from app.realtime.config import (
-    ResponseOptions,
-    SessionConfig,
-    apply_session_update,
-    response_options,
-    session_object,
-)
+from app.realtime.config import ResponseOptions, SessionConfig, response_options
 from app.realtime.conversation import Content, Conversation, Item, decode_audio_b64, item_object, parse_item
 from app.realtime.events import ProtocolError, error_event, new_id, parse_client_event, validate_client_event
 from app.realtime.input_buffer import BufferFull, InputBuffer, TurnEnded, TurnStarted
 from app.realtime.outbox import Outbox
 from app.realtime.response import AudioSink, Response
 from app.realtime.transcription import Transcriber
+from app.realtime.transcription_session import TRANSCRIPTION, apply_update, session_event
 from pipeline.api import EngineClient
 
 log = logging.getLogger(__name__)
@@ -97,7 +94,8 @@ class RealtimeSession:
         self._turn_item_id: str | None = None
         self._lock = asyncio.Lock()  # client events and input audio apply one at a time, in arrival order
         self._handlers = {
-            "session.update": self._session_update, "input_audio_buffer.append": self._append,
+            "session.update": self._session_update, "transcription_session.update": self._transcription_update,
+            "input_audio_buffer.append": self._append,
             "input_audio_buffer.commit": self._commit, "input_audio_buffer.clear": self._clear,
             "conversation.item.create": self._item_create, "conversation.item.truncate": self._item_truncate,
             "conversation.item.delete": self._item_delete, "conversation.item.retrieve": self._item_retrieve,
@@ -114,7 +112,7 @@ class RealtimeSession:
     async def start(self) -> None:
         self.input = InputBuffer(self.limits.max_input_buffer_s, self.config.turn_detection, self.vad)
         self.input.set_noise_reduction(self.config.noise_reduction)
-        await self._emit("session.created", session=session_object(self.config, self.id, self.beta))
+        await self._emit_session("created")
 
     async def handle_text(self, raw: str | bytes) -> None:
         try:
@@ -156,7 +154,11 @@ class RealtimeSession:
 
     async def _session_update(self, ev: dict) -> None:
         info = self.engine.info()
-        new = apply_session_update(self.config, ev["session"], info.voice_names, info.model_aliases)
+        new = apply_update(self.config, ev["session"], info.voice_names, info.model_aliases)
+        if new.type != self.config.type and self.is_busy:
+            raise ProtocolError(f"a response is in progress ({self.response.id}); cancel it or wait for response.done "
+                                "before the session becomes a transcription session",
+                                "conversation_already_has_active_response", "session.type")
         if new.voice != self.config.voice and self._has_spoken:
             raise ProtocolError("the voice cannot change once the model has produced audio", "invalid_value",
                                 "session.voice")
@@ -166,7 +168,11 @@ class RealtimeSession:
         if new.noise_reduction != self.config.noise_reduction:
             self.input.set_noise_reduction(new.noise_reduction)
         self.config = new
-        await self._emit("session.updated", session=session_object(new, self.id, self.beta))
+        await self._emit_session("updated")
+
+    async def _transcription_update(self, ev: dict) -> None:
+        """The beta `transcription_session.update`: a session.update that makes (or keeps) it a transcription one."""
+        await self._session_update({"session": {**ev["session"], "type": TRANSCRIPTION}})
 
     async def _append(self, ev: dict) -> None:
         fmt = self.config.input_format
@@ -260,6 +266,9 @@ class RealtimeSession:
     # ---- responses ------------------------------------------------------------------------------------
 
     async def _response_create(self, ev: dict) -> None:
+        if self.config.type == TRANSCRIPTION:
+            raise ProtocolError("a transcription session generates no responses: it transcribes the input audio",
+                                "unsupported_event", "type")
         if self.is_busy:
             raise ProtocolError(f"a response is in progress ({self.response.id}); cancel it or wait for "
                                 "response.done", "conversation_already_has_active_response")
@@ -308,6 +317,11 @@ class RealtimeSession:
             await self._emit("conversation.item.truncated", item_id=response.item.id, content_index=0,
                              audio_end_ms=played)
         await self._emit("output_audio_buffer.cleared", response_id=response.id)
+
+    async def _emit_session(self, kind: str) -> None:
+        """`session.created` / `.updated` (`transcription_session.*` for a beta transcription session)."""
+        event_type, session = session_event(self.config, self.id, self.beta, kind)
+        await self._emit(event_type, session=session)
 
     async def _emit(self, kind: str, **fields: Any) -> None:
         await self.outbox.put({"type": kind, "event_id": new_id("event"), **fields})

@@ -28,10 +28,14 @@ from starlette.websockets import WebSocketDisconnect, WebSocketState
 from app.client_secrets import starting_config
 from app.ops.admission import WS_GOING_AWAY, WS_TRY_AGAIN_LATER, session_refusal
 from app.ops.quotas import LimitExceeded
+from app.ops.secret_store import ClientSecret
+from app.realtime.config import SessionConfig
 from app.realtime.events import ProtocolError, error_event
 from app.realtime.registry import SessionRegistry, limit_error
 from app.realtime.session import RealtimeLimits, RealtimeSession
-from app.state import app_state
+from app.realtime.transcription import OPENAI_MODELS as TRANSCRIPTION_MODELS
+from app.realtime.transcription_session import TRANSCRIPTION, as_transcription
+from app.state import AppState, app_state
 
 log = logging.getLogger(__name__)
 router = APIRouter()
@@ -55,7 +59,7 @@ async def realtime(ws: WebSocket) -> None:
     offered = [p.strip() for p in ws.headers.get("sec-websocket-protocol", "").split(",") if p.strip()]
     await ws.accept(subprotocol="realtime" if "realtime" in offered else None)
     try:  # a client secret's settings, else the server's for ?model=
-        config = starting_config(st, principal.secret, ws.query_params.get("model"))
+        config = _starting_config(st, principal.secret, ws.query_params.get("model"), ws.query_params.get("intent"))
         if principal.key is not None:
             st.quotas.take_request(principal.key)  # a session start is a request per minute
     except ProtocolError as exc:
@@ -80,6 +84,19 @@ async def realtime(ws: WebSocket) -> None:
     finally:
         registry.remove(session, conn.state)
         conn.log.info("realtime session closed (%s)", conn.state)
+
+
+def _starting_config(st: AppState, secret: ClientSecret | None, model: str | None, intent: str | None
+                     ) -> SessionConfig:
+    """`starting_config` for the connect URL; `?intent=transcription` opens a transcription session, whose
+    `?model=` may also name one of OpenAI's transcription models (its transcriber; the served model runs it)."""
+    if intent is None:
+        return starting_config(st, secret, model)
+    if intent != TRANSCRIPTION:
+        raise ProtocolError(f"the intent {intent!r} is not served; the one served is {TRANSCRIPTION!r}",
+                            "invalid_value", "intent")
+    transcriber = model if model in TRANSCRIPTION_MODELS else None
+    return as_transcription(starting_config(st, secret, None if transcriber else model), transcriber)
 
 
 class _Connection:
