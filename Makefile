@@ -6,7 +6,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.0
 EXTRAS_serve    ?= webrtc
-EXTRAS_test     ?= dev,webrtc,loadtest,ray
+EXTRAS_test     ?= dev,webrtc,loadtest,ray,frameworks
 EXTRAS_loadtest ?= webrtc,loadtest
 HOST   ?= 127.0.0.1
 PORT   ?= 8091
