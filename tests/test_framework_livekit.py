@@ -81,6 +81,11 @@ async def test_defaults_connect_and_a_text_turn_is_answered(server, caplog):
         generation = await session.generate_reply()  # waits for response.created echoing its metadata
         frames, _ = await collect(generation)
         done = await tap.until_done(1, "the answer")
+        (user_item,) = tap.of("conversation.item.added")[:1]
+        chat_ctx = session.chat_ctx.copy()
+        chat_ctx.items = [item for item in chat_ctx.items if item.id != user_item["item"]["id"]]
+        await session.update_chat_ctx(chat_ctx)  # a delete, which waits for the server's ack
+    assert [e["item_id"] for e in tap.of("conversation.item.deleted")] == [user_item["item"]["id"]]
     first = tap.sent_of("session.update")[0]["session"]
     assert first["model"] == "gpt-realtime"  # the plugin names OpenAI's model
     assert first["audio"]["input"]["turn_detection"]["type"] == "semantic_vad"  # and its turn detection
