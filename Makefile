@@ -39,9 +39,10 @@ serve: $(VENV)/.installed-serve
 test: $(VENV)/.installed-test sysdeps
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
 
-# The edit loop's tier (under 3 minutes): unit, engine and parity tests; no server, browser or soak.
+# The edit loop's tier (under 3 minutes): unit, engine and parity tests; no server, browser or soak. The
+# framework tests are not even collected: importing pipecat, LiveKit and the Agents SDK alone adds ~4 s.
 test-fast: $(VENV)/.installed-test
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m fast tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m fast --ignore-glob='tests/test_framework_*' tests
 
 # Locust, headless, against a server it starts on 127.0.0.1; CSV + HTML + raw samples in a run folder
 # (bench-results/loadtest-<date>-<time>/, untracked). LOADTEST_OUT=docs/loadtest refreshes the committed report.
