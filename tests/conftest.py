@@ -146,3 +146,17 @@ def server():
     srv = ServerProcess([])
     yield srv
     srv.stop()
+
+
+@pytest.fixture(scope="session")
+def utterance(tmp_path_factory):
+    """An espeak-ng sentence (samples at 22.05 kHz, seconds of speech), made once for every test that speaks."""
+    from tests.realtime_helpers import espeak_utterance
+
+    return espeak_utterance(tmp_path_factory.mktemp("speech"))
+
+
+@pytest.fixture(scope="session")
+def speech(utterance):
+    """The utterance's samples alone."""
+    return utterance[0]

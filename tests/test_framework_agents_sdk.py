@@ -15,7 +15,6 @@ from agents import function_tool, set_tracing_disabled
 from agents.realtime import RealtimeAgent, RealtimeRunner, openai_realtime
 
 from tests.framework_helpers import API_KEY, WireTap, speak
-from tests.realtime_helpers import espeak_utterance
 
 set_tracing_disabled(True)  # no network: the SDK would export its traces to api.openai.com
 INSTRUCTIONS = "You are a weather assistant. Be brief."
@@ -30,11 +29,6 @@ def get_weather(unit: Literal["celsius", "fahrenheit"]) -> str:
 AGENT = RealtimeAgent(name="assistant", instructions=INSTRUCTIONS)
 WEATHER_AGENT = RealtimeAgent(name="assistant", instructions=INSTRUCTIONS, tools=[get_weather])
 SHORT = {"max_output_tokens": 16}  # short answers; every other setting the SDK's default
-
-
-@pytest.fixture(scope="module")
-def utterance(tmp_path_factory):
-    return espeak_utterance(tmp_path_factory.mktemp("speech"))[0]
 
 
 @pytest.fixture
@@ -85,9 +79,9 @@ async def test_defaults_configure_the_session_and_a_text_message_is_answered(ser
     assert any(e.type == "audio" for e in events) and any(e.type == "audio_end" for e in events)
 
 
-async def test_a_spoken_turn_is_ended_by_the_default_turn_detection(server, tap, utterance):
+async def test_a_spoken_turn_is_ended_by_the_default_turn_detection(server, tap, speech):
     async with agent_session(server, tap, **SHORT) as (session, events):
-        await speak(session.send_audio, utterance, lambda: bool(tap.of("input_audio_buffer.speech_stopped")))
+        await speak(session.send_audio, speech, lambda: bool(tap.of("input_audio_buffer.speech_stopped")))
         done = await tap.until_done(1, "the answer to the spoken turn")
         await tap.until(lambda: tap.of("conversation.item.input_audio_transcription.completed"),
                     "the user's speech transcribed")

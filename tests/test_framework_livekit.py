@@ -11,13 +11,11 @@ import logging
 from contextlib import asynccontextmanager
 from typing import Literal
 
-import pytest
 from livekit import rtc
 from livekit.agents import llm
 from livekit.plugins.openai.realtime import RealtimeModel
 
 from tests.framework_helpers import API_KEY, WireTap, speak
-from tests.realtime_helpers import espeak_utterance
 
 INSTRUCTIONS = "You are a weather assistant. Be brief."
 
@@ -26,11 +24,6 @@ INSTRUCTIONS = "You are a weather assistant. Be brief."
 async def get_weather(unit: Literal["celsius", "fahrenheit"]) -> str:
     """The weather where the user is."""
     return f"21 degrees {unit}, sunny"
-
-
-@pytest.fixture(scope="module")
-def utterance(tmp_path_factory):
-    return espeak_utterance(tmp_path_factory.mktemp("speech"))[0]
 
 
 @asynccontextmanager
@@ -97,7 +90,7 @@ async def test_defaults_connect_and_a_text_turn_is_answered(server, caplog):
     assert done["status"] in ("completed", "incomplete") and sum(f.samples_per_channel for f in frames) > 0
 
 
-async def test_a_spoken_turn_is_ended_by_the_default_turn_detection(server, caplog, utterance):
+async def test_a_spoken_turn_is_ended_by_the_default_turn_detection(server, caplog, speech):
     async with livekit_session(server, caplog) as (session, tap, events):
         session.update_options(max_response_output_tokens=16)
 
@@ -105,7 +98,7 @@ async def test_a_spoken_turn_is_ended_by_the_default_turn_detection(server, capl
             session.push_audio(rtc.AudioFrame(data=chunk, sample_rate=24000, num_channels=1,
                                               samples_per_channel=len(chunk) // 2))
 
-        await speak(push, utterance, lambda: any(kind == "input_speech_stopped" for kind, _ in events))
+        await speak(push, speech, lambda: any(kind == "input_speech_stopped" for kind, _ in events))
         await tap.until(lambda: any(kind == "generation_created" for kind, _ in events), "the server's answer")
         generation = next(ev for kind, ev in events if kind == "generation_created")
         frames, _ = await collect(generation)

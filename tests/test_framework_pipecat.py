@@ -24,7 +24,7 @@ from pipecat.services.openai.realtime import events, llm
 from pipecat.workers.runner import WorkerRunner
 
 from tests.framework_helpers import API_KEY, WireTap, speak
-from tests.realtime_helpers import LEAD_S, espeak_utterance
+from tests.realtime_helpers import LEAD_S
 
 # What pipecat's own example (examples/realtime/realtime-openai.py) sets: transcription, semantic VAD, noise reduction
 EXAMPLE = {"audio": events.AudioConfiguration(input=events.AudioInput(
@@ -50,11 +50,6 @@ class FrameRecorder(FrameProcessor):
 
     def audio_bytes(self) -> int:
         return sum(len(f.audio) for f in self.frames if isinstance(f, TTSAudioRawFrame))
-
-
-@pytest.fixture(scope="module")
-def utterance(tmp_path_factory):
-    return espeak_utterance(tmp_path_factory.mktemp("speech"))[0]
 
 
 @pytest.fixture
@@ -112,9 +107,9 @@ def microphone(worker: PipelineWorker):
     return push
 
 
-async def test_a_spoken_turn_is_ended_by_the_server_vad(server, tap, utterance):
+async def test_a_spoken_turn_is_ended_by_the_server_vad(server, tap, speech):
     async with pipecat_pipeline(server, tap, LLMContext(), max_output_tokens=16) as (_, worker, recorder):
-        await speak(microphone(worker), utterance, lambda: bool(tap.of("input_audio_buffer.speech_stopped")))
+        await speak(microphone(worker), speech, lambda: bool(tap.of("input_audio_buffer.speech_stopped")))
         done = await tap.until_done(1, "the answer to the spoken turn")
         await tap.until(lambda: recorder.audio_bytes() > 0, "the answer's audio out of the service")
     assert not tap.sent_of("response.create") and not tap.sent_of("input_audio_buffer.commit")
@@ -122,9 +117,9 @@ async def test_a_spoken_turn_is_ended_by_the_server_vad(server, tap, utterance):
     assert done["status"] in ("completed", "incomplete")
 
 
-async def test_the_examples_semantic_vad_noise_reduction_and_transcription_are_served(server, tap, utterance):
+async def test_the_examples_semantic_vad_noise_reduction_and_transcription_are_served(server, tap, speech):
     async with pipecat_pipeline(server, tap, LLMContext(), max_output_tokens=16, **EXAMPLE) as (_, worker, _):
-        await speak(microphone(worker), utterance, lambda: bool(tap.of("input_audio_buffer.speech_stopped")))
+        await speak(microphone(worker), speech, lambda: bool(tap.of("input_audio_buffer.speech_stopped")))
         await tap.until_done(1, "the answer to the spoken turn")
         await tap.until(lambda: tap.of("conversation.item.input_audio_transcription.completed"),
                         "the user's speech transcribed")
@@ -155,8 +150,8 @@ async def test_a_function_is_called_and_run_by_pipecat(server, tap):
     assert outputs[0]["call_id"] == call["call_id"] and '"temperature_c": 21' in outputs[0]["output"]
 
 
-async def test_barge_in_cuts_the_answer_and_the_spoken_turn_is_answered(server, tap, utterance):
-    speech = utterance[int(LEAD_S * 24000):]  # straight into speech: the answer is still playing
+async def test_barge_in_cuts_the_answer_and_the_spoken_turn_is_answered(server, tap, speech):
+    speech = speech[int(LEAD_S * 24000):]  # straight into speech: the answer is still playing
     context = LLMContext([{"role": "user", "content": "Tell me a long story."}])
     async with pipecat_pipeline(server, tap, context) as (_, worker, recorder):
         await worker.queue_frame(LLMRunFrame())

@@ -13,7 +13,7 @@ import pytest
 from app.audio.pcm import float_to_pcm16
 from app.audio.resample import resample
 from app.audio.wire import G711_ALAW, G711_ULAW, decode, encode
-from tests.realtime_helpers import LEAD_S, b64_chunks, collect_until, espeak_utterance, response_done
+from tests.realtime_helpers import LEAD_S, b64_chunks, collect_until, response_done
 
 MANUAL_TEXT = {"type": "realtime", "output_modalities": ["text"], "audio": {"input": {"turn_detection": None}}}
 LONG_AUDIO = {"max_output_tokens": 40, "talker_sampling": {"min_tokens": 2000, "max_tokens": 2000}}
@@ -23,11 +23,6 @@ LONG_AUDIO = {"max_output_tokens": 40, "talker_sampling": {"min_tokens": 2000, "
 def client(server):
     return openai.AsyncOpenAI(base_url=f"{server.url}/v1", websocket_base_url=server.url.replace("http", "ws") + "/v1",
                               api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def utterance(tmp_path_factory):
-    return espeak_utterance(tmp_path_factory.mktemp("speech"))
 
 
 def is_done(ev) -> bool:

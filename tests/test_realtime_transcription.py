@@ -21,7 +21,6 @@ from app.realtime.session import RealtimeLimits, RealtimeSession
 from app.realtime.transcription import INSTRUCTION, MAX_PENDING, TranscriptionConfig, transcription_messages
 from app.realtime.transcription_session import apply_update, as_transcription, session_event
 from tests.conftest import until
-from tests.realtime_helpers import espeak_utterance
 
 VOICES = ("chelsie", "ethan")
 EVENT = "conversation.item.input_audio_transcription"
@@ -133,16 +132,11 @@ def _ended(item_id: str):
                               for e in events)
 
 
-@pytest.fixture(scope="module")
-def utterance(tmp_path_factory):
-    return espeak_utterance(tmp_path_factory.mktemp("speech"))[0]
-
-
-async def test_a_vad_turn_is_transcribed_after_the_replys_first_audio(engine, utterance):
+async def test_a_vad_turn_is_transcribed_after_the_replys_first_audio(engine, speech):
     """Server VAD: the user item, then the reply; the transcription is submitted only once the reply sent
     its first audio; its deltas add up to `.completed`'s transcript, which the item then holds."""
     async with Recorder(engine, GA_ON) as rec:
-        await rec.speak(utterance)
+        await rec.speak(speech)
         committed = (await _wait(rec, "input_audio_buffer.committed"))["item_id"]
         await rec.until(lambda ev: _ended(committed)(ev) and "response.done" in _types(ev))
         await rec.send({"type": "conversation.item.retrieve", "item_id": committed})
@@ -163,17 +157,17 @@ async def test_a_vad_turn_is_transcribed_after_the_replys_first_audio(engine, ut
     assert not rec.of("error") and engine.num_active_requests == 0
 
 
-async def test_transcription_survives_barge_in_and_keeps_turn_order(engine, utterance):
+async def test_transcription_survives_barge_in_and_keeps_turn_order(engine, speech):
     """The user talks over a long reply: the reply is cancelled, and both turns' transcripts complete, in
     the order of the turns."""
     update = {"audio": {"input": {"transcription": {"model": "tiny"},
                                   "turn_detection": {"type": "server_vad", "create_response": False}}}}
     async with Recorder(engine, update) as rec:
-        await rec.speak(utterance)
+        await rec.speak(speech)
         first = (await _wait(rec, "input_audio_buffer.committed"))["item_id"]
         await rec.send({"type": "response.create", "response": LONG_AUDIO})
         await rec.until(lambda ev: "response.output_audio.delta" in _types(ev))
-        await rec.speak(utterance)  # barge-in
+        await rec.speak(speech)  # barge-in
         await rec.until(lambda ev: len([e for e in ev if e["type"] == "input_audio_buffer.committed"]) == 2)
         second = rec.of("input_audio_buffer.committed")[1]["item_id"]
         await rec.until(lambda ev: _ended(first)(ev) and _ended(second)(ev) and "response.done" in _types(ev))
@@ -200,15 +194,15 @@ async def _commit(rec: Recorder, samples: np.ndarray) -> str:
     return rec.of("input_audio_buffer.committed")[-1]["item_id"]
 
 
-async def test_a_failure_mid_way_is_a_failed_event_and_the_session_goes_on(engine, utterance):
+async def test_a_failure_mid_way_is_a_failed_event_and_the_session_goes_on(engine, speech):
     """The engine ends the transcription with an error after its first delta: `.failed` in OpenAI's shape,
     the item keeps no transcript, and the next turn is transcribed."""
     async with Recorder(engine, MANUAL) as rec:
-        item = await _commit(rec, utterance)
+        item = await _commit(rec, speech)
         await rec.until(lambda ev: rec.of(f"{EVENT}.delta", item))
         engine.abort(rec.submits[-1][0], "the server is shutting down")
         await rec.until(_ended(item))
-        again = await _commit(rec, utterance)
+        again = await _commit(rec, speech)
         await rec.until(_ended(again))
     (failed,) = rec.of(f"{EVENT}.failed", item)
     assert failed["content_index"] == 0 and failed["error"] == {
@@ -218,9 +212,9 @@ async def test_a_failure_mid_way_is_a_failed_event_and_the_session_goes_on(engin
     assert engine.num_active_requests == 0
 
 
-async def test_deleting_the_item_stops_its_transcription(engine, utterance):
+async def test_deleting_the_item_stops_its_transcription(engine, speech):
     async with Recorder(engine, MANUAL) as rec:
-        item = await _commit(rec, np.tile(utterance, 4))
+        item = await _commit(rec, np.tile(speech, 4))
         await rec.until(lambda ev: rec.of(f"{EVENT}.delta", item))
         await rec.send({"type": "conversation.item.delete", "item_id": item})
         await _settle(engine)
@@ -230,11 +224,11 @@ async def test_deleting_the_item_stops_its_transcription(engine, utterance):
     assert not rec.of(f"{EVENT}.completed") and not rec.of(f"{EVENT}.failed")
 
 
-async def test_closing_mid_transcription_leaks_nothing_and_sends_nothing_after(engine, utterance):
+async def test_closing_mid_transcription_leaks_nothing_and_sends_nothing_after(engine, speech):
     """A long turn's transcription is running when the session closes: the engine frees its slot, and no
     transcription event follows the close."""
     async with Recorder(engine, MANUAL) as rec:
-        item = await _commit(rec, np.tile(utterance, 4))
+        item = await _commit(rec, np.tile(speech, 4))
         await rec.until(lambda ev: rec.of(f"{EVENT}.delta", item))
         assert engine.num_active_requests == 1
     num_events = len(rec.events)
@@ -324,14 +318,14 @@ def test_transcription_session_settings():
     assert apply_update(cfg, {"type": "realtime", "instructions": "x"}, VOICES).type == "realtime"
 
 
-async def test_a_transcription_session_transcribes_each_turn_and_never_responds(engine, utterance):
+async def test_a_transcription_session_transcribes_each_turn_and_never_responds(engine, speech):
     """GA: a server-VAD turn gives speech_started, speech_stopped, committed, the user item, then the
     transcription's deltas and `.completed` with usage; no response starts, and `response.create` is refused
     in OpenAI's error shape. The only engine request is the transcription."""
     update = {**PIPECAT_UPDATE, "audio": {"input": {**PIPECAT_UPDATE["audio"]["input"],
                                                     "turn_detection": {"type": "server_vad"}}}}
     async with Recorder(engine, update) as rec:
-        await rec.speak(utterance)
+        await rec.speak(speech)
         item = (await _wait(rec, "input_audio_buffer.committed"))["item_id"]
         await rec.until(_ended(item))
         await rec.send({"type": "response.create", "event_id": "evt_1"})
@@ -352,7 +346,7 @@ async def test_a_transcription_session_transcribes_each_turn_and_never_responds(
     assert [s[0].split("_")[0] for s in rec.submits] == ["transcription"] and engine.num_active_requests == 0
 
 
-async def test_beta_transcription_session_update(engine, utterance):
+async def test_beta_transcription_session_update(engine, speech):
     """Beta: a session opened for transcription (`?intent=transcription`) says `transcription_session.created`;
     `transcription_session.update` is answered by `transcription_session.updated`; a manual commit gives the
     beta item event and the transcription's."""
@@ -362,7 +356,7 @@ async def test_beta_transcription_session_update(engine, utterance):
             "input_audio_transcription": {"model": "gpt-4o-mini-transcribe", "language": "en"},
             "turn_detection": None, "input_audio_noise_reduction": None}})
         await rec.until(lambda ev: "transcription_session.updated" in _types(ev))
-        item = await _commit(rec, utterance)
+        item = await _commit(rec, speech)
         await rec.until(_ended(item))
         await rec.send({"type": "transcription_session.update", "session": {"instructions": "x"}})
         await rec.until(lambda ev: "error" in _types(ev))

@@ -234,11 +234,9 @@ class PlaybackSink:
         return self._played_ms
 
 
-async def test_barge_in_through_an_audio_sink(engine, tmp_path):
-    """Raw 22.05 kHz float input (no wire format), audio to a sink, barge-in: the response stops in
-    every stage within a step, the sink is cleared, the item is truncated at the played position."""
-    samples, _ = espeak_utterance(tmp_path)
-    sink = PlaybackSink(played_ms=240)
+async def _talking_session(engine, turn_detection: dict | None, sink: PlaybackSink | None = None
+                           ) -> tuple[RealtimeSession, list[dict], asyncio.Task]:
+    """A session (its events collected by a reader task) answering at length: 2000 frames of speech."""
     session = RealtimeSession(engine, initial_config(engine.info(), "tiny", ""), RealtimeLimits(), VadBatcher(),
                               audio_sink=sink)
     await session.start()
@@ -249,12 +247,21 @@ async def test_barge_in_through_an_audio_sink(engine, tmp_path):
             events.append(ev)
 
     reader = asyncio.create_task(drain())
-    await session.handle_event({"type": "session.update", "session": {"audio": {"input": {"turn_detection": {
-        "type": "server_vad", "create_response": False}}}}})
+    await session.handle_event({"type": "session.update", "session": {"audio": {"input": {
+        "turn_detection": turn_detection}}}})
     await session.handle_event({"type": "conversation.item.create", "item": {
         "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Talk for a long time."}]}})
     await session.handle_event({"type": "response.create", "response": {
         "max_output_tokens": 30, "talker_sampling": {"min_tokens": 2000, "max_tokens": 2000}}})
+    return session, events, reader
+
+
+async def test_barge_in_through_an_audio_sink(engine, tmp_path):
+    """Raw 22.05 kHz float input (no wire format), audio to a sink, barge-in: the response stops in
+    every stage within a step, the sink is cleared, the item is truncated at the played position."""
+    samples, _ = espeak_utterance(tmp_path)
+    sink = PlaybackSink(played_ms=240)
+    session, events, reader = await _talking_session(engine, {"type": "server_vad", "create_response": False}, sink)
     await until(lambda: len(sink.pcm) > 24000, "a second of the answer")
     await session.append_audio(samples[::2].copy(), 12000)  # any rate: 12 kHz here
     await session.response.wait()
@@ -279,20 +286,7 @@ async def test_barge_in_through_an_audio_sink(engine, tmp_path):
 
 async def test_a_truncated_item_stays_cut_while_its_response_runs_on(engine):
     """The cut holds: the audio and text the response sends after a truncate are not added to the item."""
-    session = RealtimeSession(engine, initial_config(engine.info(), "tiny", ""), RealtimeLimits(), VadBatcher())
-    await session.start()
-    events: list[dict] = []
-
-    async def drain():
-        while (ev := await session.outbox.get()) is not None:
-            events.append(ev)
-
-    reader = asyncio.create_task(drain())
-    await session.handle_event({"type": "session.update", "session": {"audio": {"input": {"turn_detection": None}}}})
-    await session.handle_event({"type": "conversation.item.create", "item": {
-        "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Talk for a long time."}]}})
-    await session.handle_event({"type": "response.create", "response": {
-        "max_output_tokens": 30, "talker_sampling": {"min_tokens": 2000, "max_tokens": 2000}}})
+    session, events, reader = await _talking_session(engine, None)
     part = session.response.item.content[0]
     await until(lambda: part.audio_ms >= 500, "half a second of the answer")
     await session.handle_event({"type": "conversation.item.truncate", "item_id": session.response.item.id,

@@ -21,15 +21,10 @@ from app.transports.ice import IceSettings
 from app.transports.webrtc import CLOSE_STEP_TIMEOUT_S, Call, call_registry
 from loadtest.webrtc_client import RealtimeCall, connect
 from tests.conftest import ROOT, ServerProcess, until
-from tests.realtime_helpers import LEAD_S, espeak_utterance
+from tests.realtime_helpers import LEAD_S
 
 LONG_ANSWER = {"max_output_tokens": 16, "talker_sampling": {"min_tokens": 300, "max_tokens": 300}}  # 24 s of audio
 SILENT_PEAK = 64  # Opus-decoded digital silence stays ~0; speech-codec output peaks in the thousands
-
-
-@pytest.fixture(scope="module")
-def utterance(tmp_path_factory):
-    return espeak_utterance(tmp_path_factory.mktemp("speech"))
 
 
 def of_type(kind: str, **fields):
