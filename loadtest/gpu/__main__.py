@@ -52,7 +52,7 @@ def install_wheels() -> list[str]:
 
 def environment(site: list[str]) -> dict[str, str]:
     env = {**os.environ, **ENV, **{k: v for k, v in CACHES.items() if k not in os.environ}}
-    env["PYTHONPATH"] = ":".join([*site, str(ROOT)])
+    env["PYTHONPATH"] = ":".join([*site, str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])  # a given one last
     return env
 
 

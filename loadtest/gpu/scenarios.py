@@ -22,6 +22,10 @@ VOICE_FULL = ("voice-full", "voice --sessions {full_sessions} --turns 1 --mode f
 VOICE_PARAMS = {"sessions": "1 32 64", "full_sessions": "32", "reply_frames": "50", "voice_limit": "200"}
 SWEEP_PARAMS = {"prompts": "10 160 320 640", "concurrency": "1 16 32 64", "sweep_limit": "330"}
 
+# semantic_vad and noise reduction at the front end's points (`front-end`): name, bench flags
+FRONT_END_MODELS = (("semantic", "--turn-detection semantic_vad"), ("near-field", "--noise-reduction near_field"),
+                    ("both", "--turn-detection semantic_vad --noise-reduction near_field"))
+
 ABLATION = ForEach("variants", (Serve(
     "{each}", (("ablation-{each}", f"chat --prompt-lens {{prompt}} --concurrency {{concurrency}} {WAVE}",
                 "{point_limit}"),), log_level="{log_level}", log_grep="{log_grep}"),))
@@ -170,6 +174,19 @@ SCENARIOS: dict[str, Scenario] = {
                                                               "--transport webrtc", 300)),
                                 "--realtime-max-sessions 200 --api-workers {each}", name="workers-{each}"),)),),
                             {"workers": "1 4"}),
+    "front-end": Scenario("the audio front end alone (no replies) on the full-size server, per count of API processes: "
+                          "VAD-only sessions up to 512, then `models` sessions with semantic_vad, noise reduction "
+                          "and both on (server_vad alone is the first point of that count)",
+                          (ForEach("workers", (Serve("profile", (
+                              ("front-end-{each}", "voice --sessions {sessions} --turns 3 --mode no-responses",
+                               "{point_limit}"),
+                              *((f"front-end-{{each}}-{name}", f"?models voice --sessions {{models}} --turns 3 "
+                                f"--mode no-responses {flags}", "{point_limit}") for name, flags in FRONT_END_MODELS),
+                              ("front-end-{each}-metrics", "metrics omnirt_front_end omnirt_realtime_sessions "
+                                                           "process_cpu_seconds_total", 30)),
+                              "--realtime-max-sessions 1000 --api-workers {each}", name="workers-{each}",
+                              log_level="info", log_grep="API workers|refus"),)),),
+                          {"workers": "auto", "sessions": "1 64 256 512", "models": "64", "point_limit": "400"}),
     "talker-process": Scenario("the transport's CUDA IPC test, then a stage in a worker process against all in the "
                                "core, /dev/shm listed before and after",
                                (check("transport-test", "-m pytest -q --noconftest -p no:cacheprovider "
