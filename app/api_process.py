@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import errno
 import faulthandler
+import re
 import signal
 import socket
 import sys
@@ -80,10 +81,15 @@ def server_settings(args: argparse.Namespace, system_prompt: str | None) -> Serv
         max_body_bytes=args.max_body_bytes, max_audio_s=args.max_audio_seconds, api_keys=tuple(args.api_key),
         images=ImageLimits(args.max_image_bytes, args.max_image_pixels, args.max_images),
         api_keys_file=args.api_keys_file, demo_key_id=args.demo_key_id,
-        cors_origins=tuple(o.strip() for o in args.cors_origins.split(",") if o.strip()),
+        cors_origins=_listed(args.cors_origins), allowed_hosts=(*_listed(args.allowed_hosts), args.host),
         slow_client_timeout_s=args.slow_client_timeout, shutdown_timeout_s=args.shutdown_timeout,
         realtime=limits, ice=ice, webrtc_connect_timeout_s=args.webrtc_connect_timeout_s,
         webrtc_max_input_lag_s=args.webrtc_max_input_lag_s)
+
+
+def _listed(text: str) -> tuple[str, ...]:
+    """A flag's comma- or space-separated list."""
+    return tuple(re.split(r"[,\s]+", text.strip())) if text.strip() else ()
 
 
 def _uvicorn_config(app: FastAPI, args: argparse.Namespace, port: int) -> uvicorn.Config:

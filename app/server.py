@@ -58,7 +58,7 @@ def create_app(engine: EngineClient, settings: ServerSettings, worker: WorkerCon
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(SlowClientGuard, timeout_s=settings.slow_client_timeout_s)
-    security.install(app, st.keys, st.client_secrets, st.quotas, settings.cors_origins)
+    security.install(app, st.keys, st.client_secrets, st.quotas, settings.cors_origins, settings.allowed_hosts)
     app.add_middleware(StatusCounter, metrics=st.metrics)
     st.lifecycle.on_deadline(st.sessions.end_all)  # after running responses finished, or at the deadline
     app.router.on_shutdown.append(functools.partial(st.sessions.end_all, SHUTDOWN_REASON))  # whatever is left
