@@ -41,11 +41,18 @@ def listen(host: str, port: int, reuse_port: bool = False, backlog: int | None =
         sock.bind(address)
     except OSError as exc:
         sock.close()
-        why = "is in use (another server?)" if exc.errno == errno.EADDRINUSE else f"cannot be bound ({exc.strerror})"
-        sys.exit(f"omnirt: port {port} on {host} {why}; pick another with --port (make serve: PORT=)")
+        sys.exit(_bind_error(host, port, exc))
     if backlog is not None:
         sock.listen(backlog)
     return sock
+
+
+def _bind_error(host: str, port: int, exc: OSError) -> str:
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return (f"omnirt: --host {host} is not an address of this machine ({exc.strerror}); give one of its "
+                "addresses, or 0.0.0.0 for every interface")
+    why = "is in use (another server?)" if exc.errno == errno.EADDRINUSE else f"cannot be bound ({exc.strerror})"
+    return f"omnirt: port {port} on {host} {why}; pick another with --port (make serve: PORT=)"
 
 
 def build_app(args: argparse.Namespace, engine: EngineClient, system_prompt: str | None,

@@ -117,6 +117,13 @@ def test_a_port_in_use_stops_the_server_before_the_model_loads(no_torch, workers
         f"omnirt: port {port} on 127.0.0.1 is in use (another server?); pick another with --port (make serve: PORT=)")
 
 
+def test_a_host_address_the_machine_lacks_is_named_as_such(no_torch):
+    done = omnirt("serve", "--host", "192.0.2.1", "--port", "0", env=no_torch)  # TEST-NET-1: no machine's
+    assert done.returncode == 1 and done.stderr.strip().startswith(
+        "omnirt: --host 192.0.2.1 is not an address of this machine ("), done.stderr
+    assert "--port" not in done.stderr
+
+
 def test_api_workers_need_the_engine_core_process(no_torch):
     done = omnirt("serve", "--api-workers", "2", "--engine-process", "inproc", env=no_torch)
     assert done.returncode == 1 and done.stderr.strip() == (
