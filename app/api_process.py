@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import errno
 import faulthandler
+import re
 import signal
 import socket
 import sys
@@ -40,11 +41,18 @@ def listen(host: str, port: int, reuse_port: bool = False, backlog: int | None =
         sock.bind(address)
     except OSError as exc:
         sock.close()
-        why = "is in use (another server?)" if exc.errno == errno.EADDRINUSE else f"cannot be bound ({exc.strerror})"
-        sys.exit(f"omnirt: port {port} on {host} {why}; pick another with --port (make serve: PORT=)")
+        sys.exit(_bind_error(host, port, exc))
     if backlog is not None:
         sock.listen(backlog)
     return sock
+
+
+def _bind_error(host: str, port: int, exc: OSError) -> str:
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return (f"omnirt: --host {host} is not an address of this machine ({exc.strerror}); give one of its "
+                "addresses, or 0.0.0.0 for every interface")
+    why = "is in use (another server?)" if exc.errno == errno.EADDRINUSE else f"cannot be bound ({exc.strerror})"
+    return f"omnirt: port {port} on {host} {why}; pick another with --port (make serve: PORT=)"
 
 
 def build_app(args: argparse.Namespace, engine: EngineClient, system_prompt: str | None,
@@ -80,10 +88,15 @@ def server_settings(args: argparse.Namespace, system_prompt: str | None) -> Serv
         max_body_bytes=args.max_body_bytes, max_audio_s=args.max_audio_seconds, api_keys=tuple(args.api_key),
         images=ImageLimits(args.max_image_bytes, args.max_image_pixels, args.max_images),
         api_keys_file=args.api_keys_file, demo_key_id=args.demo_key_id,
-        cors_origins=tuple(o.strip() for o in args.cors_origins.split(",") if o.strip()),
+        cors_origins=_listed(args.cors_origins), allowed_hosts=(*_listed(args.allowed_hosts), args.host),
         slow_client_timeout_s=args.slow_client_timeout, shutdown_timeout_s=args.shutdown_timeout,
         realtime=limits, ice=ice, webrtc_connect_timeout_s=args.webrtc_connect_timeout_s,
         webrtc_max_input_lag_s=args.webrtc_max_input_lag_s)
+
+
+def _listed(text: str) -> tuple[str, ...]:
+    """A flag's comma- or space-separated list."""
+    return tuple(re.split(r"[,\s]+", text.strip())) if text.strip() else ()
 
 
 def _uvicorn_config(app: FastAPI, args: argparse.Namespace, port: int) -> uvicorn.Config:

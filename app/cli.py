@@ -9,6 +9,7 @@ what is accepted; then the engine loads.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 
@@ -16,6 +17,9 @@ from app.flags import build_parser
 from app.ops.keys import KeyRing, KeysFileError
 from app.ops.logs import setup as setup_logs
 from pipeline.api import EngineOptions, EngineStartError, check_options, start_engine
+
+# what the `loadtest` extra (pyproject.toml) installs, by import name: `omnirt bench` needs them
+LOADTEST_MODULES = ("aiohttp", "httpx", "locust", "matplotlib", "soundfile", "websocket")
 
 
 def engine_options(args: argparse.Namespace) -> EngineOptions:
@@ -79,9 +83,18 @@ def _check_keys(args: argparse.Namespace) -> None:
                  "cli-2, ...; the keys file's have their own)")
 
 
+def _check_loadtest_extra() -> None:
+    """`omnirt bench` without the `loadtest` extra stops with what to install, not an import traceback."""
+    missing = [m for m in LOADTEST_MODULES if importlib.util.find_spec(m) is None]
+    if missing:
+        sys.exit(f"omnirt bench needs the loadtest extra ({', '.join(missing)} not installed): "
+                 "pip install 'omnirt[loadtest]'")
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:  # the benchmark clients are programs of their own; app/ never imports them
+        _check_loadtest_extra()
         realtime = argv[1:2] == ["realtime"]
         module = "loadtest.realtime_bench" if realtime else "loadtest.bench"
         os.execv(sys.executable, [sys.executable, "-m", module, *argv[1 + realtime:]])

@@ -44,8 +44,13 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(exc)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError):
+    async def _validation(request: Request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
+        content_type = request.headers.get("content-type")
+        if tuple(first.get("loc", ()))[:1] == ("body",) and not _is_json(content_type):
+            return error_response(APIError(415, f"the request body must be JSON, sent with Content-Type: "
+                                           f"application/json (not {content_type[:100]!r})", None,
+                                           "unsupported_media_type"))
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         if first.get("type") == "json_invalid":
             return error_response(APIError(400, "the request body is not valid JSON", None, "invalid_json"))
@@ -57,9 +62,16 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException):
-        return error_response(APIError(exc.status_code, str(exc.detail), code=getattr(exc, "code", None)))
+        return error_response(APIError(exc.status_code, str(exc.detail), code=getattr(exc, "code", None),
+                                       headers=exc.headers))  # 405's Allow
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception):
         log.exception("unhandled error")
         return error_response(APIError(500, "internal server error", code="internal_error"))
+
+
+def _is_json(content_type: str | None) -> bool:
+    """Whether FastAPI reads a body of this type as JSON (it does when none is given)."""
+    media = (content_type or "application/json").split(";")[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))

@@ -228,6 +228,10 @@ def add_reliability_args(s: argparse.ArgumentParser) -> None:
     g.add_argument("--cors-origins", default="",
                    help="comma-separated origins allowed by CORS and for WebSocket/WebRTC pages of other origins "
                         "(default: none: only the server's own origin)")
+    g.add_argument("--allowed-hosts", default="",
+                   help="comma-separated names the server answers to in the Host header, besides localhost, IP "
+                        "addresses and --host (.example.com: with its subdomains; *: any name). Others get 403, a "
+                        "guard against DNS rebinding (docs/security.md)")
     g = s.add_argument_group("limits and shutdown")
     g.add_argument("--max-body-bytes", type=number(int, 1024), default=32 * 2**20, help="largest HTTP request body")
     g.add_argument("--max-audio-seconds", type=number(float, 0, above=True), default=300.0,

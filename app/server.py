@@ -15,6 +15,7 @@ from pathlib import Path
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
+from starlette.routing import Match, Mount
 
 from app import __version__, client_secrets, demo
 from app.chat import routes as chat
@@ -58,7 +59,7 @@ def create_app(engine: EngineClient, settings: ServerSettings, worker: WorkerCon
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(SlowClientGuard, timeout_s=settings.slow_client_timeout_s)
-    security.install(app, st.keys, st.client_secrets, st.quotas, settings.cors_origins)
+    security.install(app, st.keys, st.client_secrets, st.quotas, settings.cors_origins, settings.allowed_hosts)
     app.add_middleware(StatusCounter, metrics=st.metrics)
     st.lifecycle.on_deadline(st.sessions.end_all)  # after running responses finished, or at the deadline
     app.router.on_shutdown.append(functools.partial(st.sessions.end_all, SHUTDOWN_REASON))  # whatever is left
@@ -103,8 +104,16 @@ def create_app(engine: EngineClient, settings: ServerSettings, worker: WorkerCon
 
         st.webrtc = webrtc.install(app, st)
     if WEB_DIR.is_dir():
-        app.mount("/", StaticFiles(directory=WEB_DIR, html=True), name="web")
+        app.router.routes.append(WebPages("/", StaticFiles(directory=WEB_DIR, html=True), name="web"))
     return app
+
+
+class WebPages(Mount):
+    """The demo page's files at /, except under /v1/: there a wrong method gets the router's 405 (with
+    `Allow`) and an unknown path its 404, in OpenAI's error shape, not the file server's 404."""
+
+    def matches(self, scope) -> tuple[Match, dict]:
+        return (Match.NONE, {}) if scope["path"].startswith("/v1/") else super().matches(scope)
 
 
 def _build_state(engine: EngineClient, settings: ServerSettings, worker: WorkerContext | None) -> AppState:

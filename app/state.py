@@ -41,6 +41,8 @@ class ServerSettings:
     api_keys_file: Path | None = None  # keys with ids and limits, reloaded when it changes (app.ops.keys)
     demo_key_id: str | None = None  # the demo page's client secrets are minted under this key (app.demo)
     cors_origins: tuple[str, ...] = ()  # none: CORS closed, and only same-origin pages may connect
+    # names the server answers to besides localhost and IP addresses (app.ops.hosts): --allowed-hosts and --host
+    allowed_hosts: tuple[str, ...] = ()
     slow_client_timeout_s: float = 30.0  # a write the client does not take within this disconnects it
     shutdown_timeout_s: float = 30.0  # running responses may finish within this after SIGTERM
 

@@ -10,6 +10,7 @@ import os
 import pytest
 
 from app.errors import APIError
+from app.ops.hosts import HostRule
 from app.ops.keys import ApiKey, KeyLimits, KeyRing, KeysFileError, read_keys_file
 from app.ops.limits import TokenBucket
 from app.ops.metrics import Metrics
@@ -137,9 +138,11 @@ def test_each_key_holds_a_bounded_number_of_live_secrets(config):
     ("http://app.example", "127.0.0.1:8091", ("http://app.example",), True),
     ("http://other.example", "127.0.0.1:8091", ("http://app.example",), False),
     ("http://other.example", "127.0.0.1:8091", ("*",), True),
+    ("http://attacker.example:8091", "attacker.example:8091", (), False),  # a re-pointed name is no own origin
 ])
 def test_origin_rule(origin, host, allowed, ok):
-    assert is_allowed(origin, host, frozenset(normalize(o) for o in allowed)) is ok
+    hosts = HostRule.of(("voice.example",))  # names the server answers to, besides localhost and IP addresses
+    assert is_allowed(origin, host, frozenset(normalize(o) for o in allowed), hosts) is ok
 
 
 def test_key_quotas_per_minute_and_in_flight(engine):

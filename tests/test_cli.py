@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -116,6 +117,13 @@ def test_a_port_in_use_stops_the_server_before_the_model_loads(no_torch, workers
         f"omnirt: port {port} on 127.0.0.1 is in use (another server?); pick another with --port (make serve: PORT=)")
 
 
+def test_a_host_address_the_machine_lacks_is_named_as_such(no_torch):
+    done = omnirt("serve", "--host", "192.0.2.1", "--port", "0", env=no_torch)  # TEST-NET-1: no machine's
+    assert done.returncode == 1 and done.stderr.strip().startswith(
+        "omnirt: --host 192.0.2.1 is not an address of this machine ("), done.stderr
+    assert "--port" not in done.stderr
+
+
 def test_api_workers_need_the_engine_core_process(no_torch):
     done = omnirt("serve", "--api-workers", "2", "--engine-process", "inproc", env=no_torch)
     assert done.returncode == 1 and done.stderr.strip() == (
@@ -177,3 +185,23 @@ def test_a_quiet_start_on_any_free_port(tmp_path):
     text = log.read_text()
     assert proc.returncode in (0, -signal.SIGTERM), text[-3000:]  # uvicorn re-raises the SIGTERM it drained on
     assert "rope_parameters" not in text and "Loading weights" not in text and "Traceback" not in text, text[-3000:]
+
+
+@pytest.mark.parametrize("command", [["bench"], ["bench", "realtime", "--help"]])
+def test_bench_without_the_loadtest_extra_says_what_to_install(command):
+    """As after the quick start, which installs no `loadtest` extra: aiohttp cannot be imported."""
+    script = f"import sys; sys.modules['aiohttp'] = None; from app.cli import main; main({command!r})"
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and done.stdout == "", done
+    assert done.stderr.splitlines() == ["omnirt bench needs the loadtest extra (aiohttp not installed): "
+                                        "pip install 'omnirt[loadtest]'"]
+
+
+def test_the_bench_check_knows_every_package_of_the_loadtest_extra():
+    import tomllib
+
+    from app.cli import LOADTEST_MODULES
+
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["loadtest"]
+    names = {re.split(r"[<>=\[ ;]", req)[0].lower() for req in extra}
+    assert {"websocket" if n == "websocket-client" else n for n in names} == set(LOADTEST_MODULES)

@@ -200,3 +200,15 @@ def test_reference_engine_serves_the_same_api():
                                            response_format={"type": "json_object"})
     finally:
         srv.stop()
+
+
+def test_a_wrong_method_a_wrong_path_and_a_form_body_say_so(server):
+    r = httpx.get(f"{server.url}/v1/chat/completions", timeout=30)
+    assert r.status_code == 405 and r.headers["allow"] == "POST", r.text
+    assert r.json()["error"]["message"] == "Method Not Allowed"
+    assert httpx.get(f"{server.url}/v1/no-such-route", timeout=30).json()["error"]["message"] == "Not Found"
+    r = httpx.post(f"{server.url}/v1/chat/completions", data={"model": "tiny", "messages": "hi"}, timeout=30)
+    err = r.json()["error"]
+    assert r.status_code == 415 and err["code"] == "unsupported_media_type", r.text
+    assert "Content-Type: application/json" in err["message"] and "application/x-www-form-urlencoded" in err["message"]
+    assert httpx.get(f"{server.url}/app.js", timeout=30).status_code == 200  # the demo's files are still served

@@ -261,7 +261,7 @@ async def test_a_realtime_conversation_and_the_same_chat_request_make_the_same_p
     said = "".join(c.get("text", "") for item in first["output"] for c in item["content"])
     chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": turn_text(0)},
             *([{"role": "assistant", "content": said}] if said else []), {"role": "user", "content": turn_text(1)}]
-    with TestClient(create_app(recorder, ServerSettings())) as client:
+    with TestClient(create_app(recorder, ServerSettings()), base_url="http://localhost") as client:
         r = await asyncio.to_thread(client.post, "/v1/chat/completions",
                                     json={"model": "tiny", "messages": chat, "max_tokens": 2})
     assert r.status_code == 200, r.text

@@ -154,7 +154,7 @@ def test_no_session_outlives_its_connection(engine, speech):
     app = create_app(engine, ServerSettings())
     with TestClient(app) as client:
         for _ in range(12):
-            with client.websocket_connect("/v1/realtime") as ws:
+            with client.websocket_connect("ws://localhost/v1/realtime") as ws:
                 ws.receive_json()
                 ws.send_json({"type": "session.update", "session": {"audio": {"input": {"turn_detection": None}}}})
                 for chunk in speech:

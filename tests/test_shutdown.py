@@ -99,7 +99,7 @@ def test_realtime_connect_while_draining_is_refused_with_1001(engine):
     """In process: a session that connects while the server drains gets an `error` event and 1001, counted."""
     app = create_app(engine, ServerSettings())
     app_state(app).lifecycle.is_draining = True
-    with TestClient(app) as client, client.websocket_connect("/v1/realtime") as ws:
+    with TestClient(app) as client, client.websocket_connect("ws://localhost/v1/realtime") as ws:
         err = ws.receive_json()
         assert err["type"] == "error" and err["error"]["code"] == "server_shutting_down"
         with pytest.raises(WebSocketDisconnect) as closed:

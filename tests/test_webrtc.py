@@ -267,7 +267,7 @@ async def test_no_task_or_track_outlives_a_call(engine):
     transport = httpx.ASGITransport(app=app)
     ended = []
     for how in ("page closed", "server shutdown"):
-        call = await connect("http://omnirt", transport=transport)
+        call = await connect("http://localhost", transport=transport)
         await call.wait_for(of_type("session.created"), 30)
         server_call = next(iter(call_registry(app).calls.values()))
         await long_answer(call)
@@ -305,7 +305,7 @@ async def test_a_stalled_session_drops_old_microphone_audio_and_still_takes_turn
     samples, _ = utterance
     app = create_app(engine, ServerSettings(ice=IceSettings(("127.0.0.1",)), webrtc_max_input_lag_s=0.5))
     played = asyncio.Event()
-    call = await connect("http://omnirt", transport=httpx.ASGITransport(app=app),
+    call = await connect("http://localhost", transport=httpx.ASGITransport(app=app),
                          on_mic_event=lambda ev: ev["type"] == "output_audio_buffer.stopped" and played.set())
     try:
         await call.wait_for(of_type("session.created"), 30)
@@ -333,7 +333,7 @@ async def test_a_stalled_session_drops_old_microphone_audio_and_still_takes_turn
         gate.set()
         await until(lambda: len(taken) > num_stalled + 5, "the backlog taken, and live audio flowing again")
         assert max(taken[num_stalled:]) <= mic.max_samples  # never more than the bound at once
-        metrics = (await httpx.AsyncClient(transport=httpx.ASGITransport(app=app)).get("http://omnirt/metrics")).text
+        metrics = (await httpx.AsyncClient(transport=httpx.ASGITransport(app=app)).get("http://localhost/metrics")).text
         dropped_s = float(re.search(r"^omnirt_webrtc_input_dropped_seconds_total (\S+)$", metrics, re.M).group(1))
         assert dropped_s == pytest.approx(mic.num_dropped_samples / VAD_RATE)
         assert "fell more than 500 ms behind the microphone" in caplog.text

@@ -2,9 +2,10 @@
 form or a `text/plain` body anywhere, so without this any site a user visits could open a Realtime
 session on a server on their machine or LAN. Every WebSocket handshake and every HTTP request that is
 not a read (methods other than GET, HEAD, OPTIONS) that carries an `Origin` header must come from the
-server's own origin (the `Origin`'s host and port are the `Host` header's) or one listed in
-`--cors-origins` (`*`: any); anything else gets 403 (`origin_not_allowed`; a handshake is refused before
-accept) and a warning in the log. Clients that send no `Origin` (SDKs, curl, servers) are not affected.
+server's own origin (the `Origin`'s host and port are the `Host` header's, and its name is one the
+server answers to, `app.ops.hosts`: a re-pointed name is no own origin) or one listed in `--cors-origins`
+(`*`: any); anything else gets 403 (`origin_not_allowed`; a handshake is refused before accept) and a
+warning in the log. Clients that send no `Origin` (SDKs, curl, servers) are not affected.
 Behind a proxy that rewrites `Host`, list the public origin in `--cors-origins`.
 """
 
@@ -14,6 +15,7 @@ import logging
 from urllib.parse import urlsplit
 
 from app.errors import APIError, error_response
+from app.ops.hosts import HostRule, hostname
 
 log = logging.getLogger(__name__)
 READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
@@ -24,8 +26,9 @@ def normalize(origin: str) -> str:
     return origin.strip().lower().rstrip("/")
 
 
-def is_allowed(origin: str, host: str | None, allowed: frozenset[str]) -> bool:
-    """Whether a page of `origin` may use a server reached as `host`; "null" (sandboxed, file://) may not."""
+def is_allowed(origin: str, host: str | None, allowed: frozenset[str], hosts: HostRule) -> bool:
+    """Whether a page of `origin` may use a server reached as `host` that answers to `hosts`; "null"
+    (sandboxed, file://) may not."""
     origin = normalize(origin)
     if "*" in allowed or origin in allowed:
         return True
@@ -33,12 +36,13 @@ def is_allowed(origin: str, host: str | None, allowed: frozenset[str]) -> bool:
     if parts.scheme not in DEFAULT_PORTS or not parts.netloc or host is None:
         return False
     default = DEFAULT_PORTS[parts.scheme]
-    return parts.netloc.removesuffix(default) == host.strip().lower().removesuffix(default)
+    same = parts.netloc.removesuffix(default) == host.strip().lower().removesuffix(default)
+    return same and hosts.allows(hostname(parts.netloc))
 
 
 class OriginCheck:
-    def __init__(self, app, allowed: tuple[str, ...]):
-        self.app, self.allowed = app, frozenset(normalize(o) for o in allowed)
+    def __init__(self, app, allowed: tuple[str, ...], hosts: HostRule):
+        self.app, self.allowed, self.hosts = app, frozenset(normalize(o) for o in allowed), hosts
 
     async def __call__(self, scope, receive, send):
         is_ws = scope["type"] == "websocket"
@@ -46,7 +50,8 @@ class OriginCheck:
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
         origin, host = headers.get(b"origin"), headers.get(b"host")
-        if origin is None or is_allowed(origin.decode("latin-1"), host and host.decode("latin-1"), self.allowed):
+        if origin is None or is_allowed(origin.decode("latin-1"), host and host.decode("latin-1"), self.allowed,
+                                          self.hosts):
             return await self.app(scope, receive, send)
         what = "WebSocket" if is_ws else scope["method"]
         log.warning("refused %s %s from origin %r: neither this server's own origin nor in --cors-origins", what,

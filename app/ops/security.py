@@ -17,6 +17,7 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from app.errors import APIError, error_response
+from app.ops.hosts import HostCheck, HostRule
 from app.ops.keys import SECRET_PREFIX, ApiKey, KeyRing
 from app.ops.origins import OriginCheck
 from app.ops.quotas import KeyQuotas, QuotaGuard
@@ -103,13 +104,16 @@ class AccessCheck:
         return await self.app(scope, receive, send)
 
 
-def install(app: FastAPI, keys: KeyRing, store: SecretStore, quotas: KeyQuotas, cors_origins: tuple[str, ...]) -> None:
-    """Outermost first: CORS (answers preflights), the origin check, the caller, the key's request limits.
-    CORS is closed unless origins are listed."""
+def install(app: FastAPI, keys: KeyRing, store: SecretStore, quotas: KeyQuotas, cors_origins: tuple[str, ...],
+            allowed_hosts: tuple[str, ...]) -> None:
+    """Outermost first: the Host check, CORS (answers preflights), the origin check, the caller, the key's
+    request limits. CORS is closed unless origins are listed."""
+    hosts = HostRule.of(allowed_hosts)
     app.add_middleware(QuotaGuard, quotas=quotas)
     app.add_middleware(AccessCheck, keys=keys, store=store)
-    app.add_middleware(OriginCheck, allowed=cors_origins)
-    if cors_origins:  # added last, so it runs first and answers preflights before the key check
+    app.add_middleware(OriginCheck, allowed=cors_origins, hosts=hosts)
+    if cors_origins:  # added after those, so it runs before them and answers preflights before the key check
         app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"], expose_headers=["Location", "Retry-After"],
                            max_age=600)
+    app.add_middleware(HostCheck, rule=hosts)  # added last: runs first
