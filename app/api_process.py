@@ -22,7 +22,7 @@ from app.realtime.session import RealtimeLimits
 from app.server import create_app
 from app.state import ServerSettings, app_state
 from app.transports.ice import IceSettings
-from pipeline.api import EngineClient
+from pipeline.api import EngineClient, EngineInfo
 
 
 def listen(host: str, port: int, reuse_port: bool = False, backlog: int | None = 2048) -> socket.socket:
@@ -55,10 +55,11 @@ def _bind_error(host: str, port: int, exc: OSError) -> str:
     return f"omnirt: port {port} on {host} {why}; pick another with --port (make serve: PORT=)"
 
 
-def build_app(args: argparse.Namespace, engine: EngineClient, system_prompt: str | None,
+def build_app(args: argparse.Namespace, engine: EngineClient, info: EngineInfo,
               worker: WorkerContext | None = None) -> FastAPI:
-    """The FastAPI app over `engine`, with the settings the flags give (`worker`: one of `--api-workers`)."""
-    return create_app(engine, server_settings(args, system_prompt), worker)
+    """The FastAPI app over `engine`, with the settings the flags and the engine's profile (`info`) give
+    (`worker`: one of `--api-workers`)."""
+    return create_app(engine, server_settings(args, info), worker)
 
 
 def serve(app: FastAPI, args: argparse.Namespace, sock: socket.socket, engine: EngineClient,
@@ -77,21 +78,22 @@ def serve(app: FastAPI, args: argparse.Namespace, sock: socket.socket, engine: E
         engine.stop()
 
 
-def server_settings(args: argparse.Namespace, system_prompt: str | None) -> ServerSettings:
+def server_settings(args: argparse.Namespace, info: EngineInfo) -> ServerSettings:
+    """The flags' settings, with the profile's system prompt and front-end load limits."""
     limits = RealtimeLimits(args.realtime_max_sessions, args.realtime_max_event_bytes,
                             args.realtime_max_input_buffer_s, args.realtime_idle_timeout_s,
                             max_audio_rate=args.realtime_max_audio_rate, audio_burst_s=args.realtime_audio_burst_s,
                             send_timeout_s=args.slow_client_timeout)
     ice = IceSettings(_ice_addresses(args), args.webrtc_advertise_address, args.webrtc_ice_servers or ())
     return ServerSettings(
-        model_names=(args.served_model_name or args.model,), system_prompt=system_prompt,
+        model_names=(args.served_model_name or args.model,), system_prompt=info.system_prompt,
         max_body_bytes=args.max_body_bytes, max_audio_s=args.max_audio_seconds, api_keys=tuple(args.api_key),
         images=ImageLimits(args.max_image_bytes, args.max_image_pixels, args.max_images),
         api_keys_file=args.api_keys_file, demo_key_id=args.demo_key_id,
         cors_origins=_listed(args.cors_origins), allowed_hosts=(*_listed(args.allowed_hosts), args.host),
         slow_client_timeout_s=args.slow_client_timeout, shutdown_timeout_s=args.shutdown_timeout,
         realtime=limits, ice=ice, webrtc_connect_timeout_s=args.webrtc_connect_timeout_s,
-        webrtc_max_input_lag_s=args.webrtc_max_input_lag_s)
+        webrtc_max_input_lag_s=args.webrtc_max_input_lag_s, front_end=info.front_end)
 
 
 def _listed(text: str) -> tuple[str, ...]:

@@ -10,14 +10,21 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import logging
 import os
 import sys
+from pathlib import Path
 
 from app.flags import build_parser
 from app.ops.keys import KeyRing, KeysFileError
 from app.ops.logs import setup as setup_logs
 from pipeline.api import EngineOptions, EngineStartError, check_options, start_engine
 
+log = logging.getLogger(__name__)
+# --api-workers auto: each worker's event loop and VAD thread take one to two cores under load, and the engine
+# core's stage threads (and their host-side work) need several more: a quarter of the cores goes to workers
+CORES_PER_API_WORKER = 4
+MAX_AUTO_API_WORKERS = 8  # past this, one engine core and the shared limits' round trips bound what more add
 # what the `loadtest` extra (pyproject.toml) installs, by import name: `omnirt bench` needs them
 LOADTEST_MODULES = ("aiohttp", "httpx", "locust", "matplotlib", "soundfile", "websocket")
 
@@ -41,6 +48,8 @@ def serve(args: argparse.Namespace) -> None:
     except EngineStartError as exc:
         sys.exit(f"omnirt: {exc}")
     _check_keys(args)
+    if args.api_workers == "auto":
+        args.api_workers = auto_api_workers(args.engine_process)
     if args.api_workers > 1 and args.engine_process == "inproc":
         sys.exit("omnirt: --api-workers needs the engine core in a process of its own (--engine-process auto or "
                  "core), not inproc")
@@ -57,11 +66,34 @@ def serve(args: argparse.Namespace) -> None:
     except EngineStartError as exc:
         sys.exit(f"omnirt: {exc}")
     info = engine.info()
-    app = api_process.build_app(args, engine, info.system_prompt)
+    app = api_process.build_app(args, engine, info)
     api_process.serve(app, args, sock, engine, ready_line(args, sock.getsockname()[1], info))
     health = engine.health()
     if not health.is_alive:
         sys.exit(f"omnirt: {health.reason}")
+
+
+def auto_api_workers(engine_process: str) -> int:
+    """`--api-workers auto`: a worker per CORES_PER_API_WORKER cores, at most MAX_AUTO_API_WORKERS; one where
+    workers cannot help (the engine in the API process, no SO_REUSEPORT spreading). Logged."""
+    cores = host_cores()
+    if engine_process == "inproc" or not sys.platform.startswith("linux"):
+        count, why = 1, "the engine runs in the API process" if engine_process == "inproc" else "not Linux"
+    else:
+        count = max(1, min(MAX_AUTO_API_WORKERS, cores // CORES_PER_API_WORKER))
+        why = f"{cores} cores / {CORES_PER_API_WORKER}, at least 1, at most {MAX_AUTO_API_WORKERS}"
+    log.info("--api-workers auto: %d API worker%s (%s)", count, "s" if count > 1 else "", why)
+    return count
+
+
+def host_cores() -> int:
+    """The cores this process may use: its CPU affinity, within a cgroup v2 CPU quota (a container's --cpus)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
+        return cores if quota == "max" else max(1, min(cores, int(quota) // int(period)))
+    except (OSError, ValueError):
+        return cores
 
 
 def ready_line(args: argparse.Namespace, port: int, info) -> str:

@@ -64,6 +64,11 @@ def number(kind: type, low: float, high: float | None = None, *, above: bool = F
     return parse
 
 
+def _api_workers(text: str) -> int | str:
+    """`auto` (resolved at start by `app.cli`) or a count."""
+    return text if text == "auto" else number(int, 1, 64)(text)
+
+
 def _stage_overrides(text: str) -> dict[str, dict]:
     """`--stage-overrides`: JSON, stage id (or name) -> profile keys for that stage (the model's stages are
     checked with the profile)."""
@@ -172,17 +177,24 @@ def add_server_args(s: argparse.ArgumentParser) -> None:
     g = s.add_argument_group("HTTP and logs")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     g.add_argument("--port", type=number(int, 0, 65535), default=8091, help="port to listen on (0: any free one)")
-    g.add_argument("--api-workers", type=number(int, 1, 64), default=1,
+    g.add_argument("--api-workers", type=_api_workers, default="auto",
                    help="API processes sharing the port and the one engine core (SO_REUSEPORT: Linux); each has its "
-                        "own event loop, sessions and VAD; limits, client secrets and /metrics span them all")
+                        "own event loop, sessions and VAD; limits, client secrets and /metrics span them all. auto: "
+                        "a quarter of the host's cores (the ones this process may use, within a container's CPU "
+                        "quota), at most 8: each worker's loop and VAD take one to two cores and the engine core's "
+                        "stage threads need the rest; 1 below 8 cores, with --engine-process inproc or off Linux. "
+                        "The choice is logged and shown on the ready line (default: auto)")
     g.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="the server's and uvicorn's")
     g.add_argument("--log-format", choices=["text", "json"], default="text", help="json: one object per line")
 
 
 def add_realtime_args(s: argparse.ArgumentParser) -> None:
     r = s.add_argument_group("realtime (/v1/realtime) limits")
-    r.add_argument("--realtime-max-sessions", type=number(int, 1), default=32,
-                   help="open Realtime sessions, WebSocket and WebRTC together; more are refused (429)")
+    r.add_argument("--realtime-max-sessions", type=number(int, 1), default=1000,
+                   help="open Realtime sessions, WebSocket and WebRTC together, a backstop: more are refused "
+                        "(WebSocket 1013, WebRTC 429). What a host admits is set by its load: past the deploy "
+                        "profile's front_end limits (event-loop lag, VAD backlog) new sessions are refused "
+                        "(docs/operator-guide.md)")
     r.add_argument("--realtime-max-event-bytes", type=number(int, 1024), default=20 * 2**20,
                    help="largest client event (an audio append carries base64)")
     r.add_argument("--realtime-max-input-buffer-s", type=number(float, 0, above=True), default=120.0,

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import functools
 import importlib.util
+import json
 import logging
 import os
 from dataclasses import replace
@@ -22,6 +23,7 @@ from app.chat import routes as chat
 from app.errors import install_error_handlers
 from app.model_names import listed_models
 from app.ops import security, shared
+from app.ops.front_end_load import FrontEndLoad
 from app.ops.keys import KeyRing
 from app.ops.lifecycle import SHUTDOWN_REASON, Lifecycle
 from app.ops.limits import BodySizeLimit, SlowClientGuard
@@ -46,11 +48,13 @@ def create_app(engine: EngineClient, settings: ServerSettings, worker: WorkerCon
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         watch = asyncio.create_task(st.lifecycle.exit_when_engine_dies())
+        st.load.start()
         if st.worker_link is not None:
             await st.worker_link.start()
             st.shared.worker_ready(worker.index, os.getpid())
         yield
         watch.cancel()
+        st.load.stop()
         if st.worker_link is not None:
             await st.worker_link.stop()
 
@@ -70,13 +74,14 @@ def create_app(engine: EngineClient, settings: ServerSettings, worker: WorkerCon
         body = {"status": "ok" if alive.is_alive else "engine_dead", "model": settings.model_names[0],
                 "platform": engine.info().platform, "active_requests": engine.num_active_requests,
                 "free_slots": {s.name: s.free_slots for s in stats.stages if s.slots},
-                "slots": {s.name: s.slots for s in stats.stages if s.slots}, "replicas": stats.replicas}
+                "slots": {s.name: s.slots for s in stats.stages if s.slots}, "replicas": stats.replicas,
+                "front_end": st.load.figures().as_json()}  # this API process's load, and whether it admits
         if not alive.is_alive:
             body["error"] = alive.reason
         if worker is not None:  # the engine's requests (from every worker), which worker answered, and every
-            # worker's pid (None: starting) and open sessions
+            # worker's pid (None: starting), open sessions and front-end load (None: did not answer)
             body.update(active_requests=stats.active_requests, api_worker=worker.index,
-                        api_workers=st.shared.worker_table(worker.count))
+                        api_workers=await _worker_table(st, worker))
         return JSONResponse(body, status_code=200 if alive.is_alive else 503)
 
     @app.get("/v1/models")
@@ -116,6 +121,13 @@ class WebPages(Mount):
         return (Match.NONE, {}) if scope["path"].startswith("/v1/") else super().matches(scope)
 
 
+async def _worker_table(st: AppState, worker: WorkerContext) -> list[dict]:
+    """Every worker's row of /health, with its front-end figures (asked over the worker link)."""
+    loads = {worker.index: st.load.figures().as_json(),
+             **{k: json.loads(answer) for k, answer in await st.worker_link.ask_others("load")}}
+    return [{**row, "front_end": loads.get(k)} for k, row in enumerate(st.shared.worker_table(worker.count))]
+
+
 def _build_state(engine: EngineClient, settings: ServerSettings, worker: WorkerContext | None) -> AppState:
     """The limits' counts and the client secrets: this process's own, or with `--api-workers` the
     supervisor's (app.ops.shared), with a link to the sibling workers (app.ops.worker_link)."""
@@ -127,6 +139,15 @@ def _build_state(engine: EngineClient, settings: ServerSettings, worker: WorkerC
         link = WorkerLink(worker, metrics)
     index = 0 if worker is None else worker.index
     sessions = SessionRegistry(replace(settings.realtime, images=settings.images), metrics, limits, index)
+    load = FrontEndLoad(settings.front_end, sessions.vad.backlog)
+    metrics.watch_load(load, index)
+    if link is not None:
+        link.handlers["load"] = lambda _: _load_answer(load)
     return AppState(engine, settings, metrics, Lifecycle(engine, settings.shutdown_timeout_s),
                     KeyRing(settings.api_keys, settings.api_keys_file), limits, secrets,
-                    KeyQuotas(metrics, limits, index), sessions, worker, link)
+                    KeyQuotas(metrics, limits, index), sessions, load, worker, link)
+
+
+async def _load_answer(load: FrontEndLoad) -> bytes:
+    """A sibling worker's /health asks for this worker's front-end figures."""
+    return json.dumps(load.figures().as_json()).encode()

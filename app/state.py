@@ -12,6 +12,7 @@ from starlette.applications import Starlette
 from starlette.requests import HTTPConnection
 
 from app.images import ImageLimits
+from app.ops.front_end_load import FrontEndLoad
 from app.ops.keys import KeyRing
 from app.ops.lifecycle import Lifecycle
 from app.ops.metrics import Metrics
@@ -23,7 +24,7 @@ from app.realtime.config import SessionConfig
 from app.realtime.registry import SessionRegistry
 from app.realtime.session import RealtimeLimits
 from app.transports.ice import IceSettings
-from pipeline.api import EngineClient
+from pipeline.api import EngineClient, FrontEndLimits
 
 
 @dataclass(slots=True)
@@ -45,6 +46,7 @@ class ServerSettings:
     allowed_hosts: tuple[str, ...] = ()
     slow_client_timeout_s: float = 30.0  # a write the client does not take within this disconnects it
     shutdown_timeout_s: float = 30.0  # running responses may finish within this after SIGTERM
+    front_end: FrontEndLimits | None = None  # refuse new Realtime sessions past these loads (None: never)
 
 
 @dataclass(slots=True)
@@ -61,6 +63,7 @@ class AppState:
     client_secrets: SecretStore[SessionConfig]
     quotas: KeyQuotas
     sessions: SessionRegistry  # the open Realtime sessions of every transport
+    load: FrontEndLoad  # this process's front-end load: event-loop lag, the VAD's backlog
     worker: WorkerContext | None = None  # this app is one of `--api-workers` processes
     worker_link: WorkerLink | None = None  # to the sibling workers (with `worker`)
     # the WebRTC calls, with the `webrtc` extra: an `app.transports.webrtc.CallRegistry`, typed by its `calls()`

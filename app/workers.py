@@ -150,7 +150,7 @@ def worker_main(args: argparse.Namespace, handle, ctx: WorkerContext, port: int,
     """Entry point of a spawned API worker: one API process on the shared port, serving until told to stop."""
     setup_logs(args.log_level, args.log_format)
     engine = connect_engine(handle)
-    app = api_process.build_app(args, engine, handle.info.system_prompt, ctx)
+    app = api_process.build_app(args, engine, handle.info, ctx)
     sock = api_process.listen(args.host, port, reuse_port=True)
     threading.Thread(target=_watch_supervisor, args=(supervisor_pid,), name="omnirt-supervisor-watch",
                      daemon=True).start()

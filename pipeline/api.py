@@ -35,6 +35,7 @@ from pipeline.types import (
     EngineStats,
     Event,
     Finished,
+    FrontEndLimits,
     Message,
     OmniRequest,
     Part,
@@ -50,8 +51,8 @@ from pipeline.types import (
 __all__ = [  # what app/ may use: the client protocol, its factories, and the types it speaks
     "ATTENTION", "COMPILE", "CONV_BACKENDS", "DISTRIBUTED", "DTYPES", "FIRST_OUTPUT_BUCKETS_S", "MOE_BACKENDS",
     "PLATFORMS", "AudioChunk", "CoreHandle", "EngineClient", "EngineDeadError", "EngineHealth", "EngineInfo",
-    "EngineOptions", "EngineOverloaded", "EngineStartError", "EngineStats", "Event", "Finished", "Message",
-    "OmniRequest", "Part", "Reply", "RequestError", "StageLimit", "StageStats", "TextDelta", "ToolCall",
+    "EngineOptions", "EngineOverloaded", "EngineStartError", "EngineStats", "Event", "Finished", "FrontEndLimits",
+    "Message", "OmniRequest", "Part", "Reply", "RequestError", "StageLimit", "StageStats", "TextDelta", "ToolCall",
     "ToolCallDelta", "Usage", "check_options", "collect_reply", "connect_engine", "start_core", "start_engine",
 ]
 

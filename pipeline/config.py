@@ -146,6 +146,20 @@ class ConnectorConfig:
 
 
 @dataclass(slots=True, frozen=True)
+class FrontEndConfig:
+    """When an API process refuses new Realtime sessions for its own load (`app/ops/front_end_load.py`): past
+    either limit; None turns that check off. Read by the API processes, not the engine."""
+
+    max_loop_lag_ms: float | None = 100.0  # how late the event loop runs its callbacks, smoothed
+    max_vad_backlog_ms: float | None = 200.0  # how long the oldest audio waiting for the VAD has waited
+
+    def __post_init__(self):
+        for key in ("max_loop_lag_ms", "max_vad_backlog_ms"):
+            value = getattr(self, key)
+            check_key(value is None or value > 0, f"front_end.{key}", f"must be > 0 or null (off), got {value}")
+
+
+@dataclass(slots=True, frozen=True)
 class EngineConfig:
     model: str = "tiny"
     load_format: str = "auto"  # "auto" (weights from the checkpoint) | "dummy" (random, real architecture)
@@ -165,6 +179,7 @@ class EngineConfig:
     model_aliases: list[str] = field(default_factory=lambda: list(OPENAI_MODEL_ALIASES))
     system_prompt: str = "You are a helpful voice assistant."
     connector: ConnectorConfig = field(default_factory=ConnectorConfig)
+    front_end: FrontEndConfig = field(default_factory=FrontEndConfig)  # the API processes' load limits
     stages: tuple[StageConfig, ...] = ()
     max_output_buffer_bytes: int = 8 * 2**20  # events a request may hold unread before it is aborted
     retry_after_s: float = 1.0  # what a refused request is told when the engine is full

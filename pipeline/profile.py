@@ -23,6 +23,7 @@ from pipeline.config import (
     AR_ONLY_KEYS,
     ConnectorConfig,
     EngineConfig,
+    FrontEndConfig,
     ModelSpec,
     ProfileError,
     StageConfig,
@@ -240,6 +241,8 @@ def _set_path(node: dict[str, Any], parts: list[str], value: Any, key: str) -> N
 def _build(raw: dict[str, Any], stages: dict[int, dict[str, Any]], specs: tuple[StageSpec, ...]) -> EngineConfig:
     connector = raw.pop("connector", {}) or {}
     check_key(isinstance(connector, dict), "connector", "must be a mapping of keys")
+    front_end = raw.pop("front_end", {}) or {}
+    check_key(isinstance(front_end, dict), "front_end", "must be a mapping of keys")
     if "async_chunk" in raw:
         connector["async_chunk"] = raw.pop("async_chunk")
     for entry in (raw, *stages.values()):
@@ -254,7 +257,8 @@ def _build(raw: dict[str, Any], stages: dict[int, dict[str, Any]], specs: tuple[
     stage_objs = tuple(_make(StageConfig, stages.get(i, {"stage_id": i}), f"stages[{i}].", spec=spec)
                        for i, spec in enumerate(specs))
     return _make(EngineConfig, {**raw, "stages": stage_objs,
-                                "connector": _make(ConnectorConfig, connector, "connector.")}, "")
+                                "connector": _make(ConnectorConfig, connector, "connector."),
+                                "front_end": _make(FrontEndConfig, front_end, "front_end.")}, "")
 
 
 def _make(cls, values: dict[str, Any], prefix: str, **fixed: Any):

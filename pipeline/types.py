@@ -170,6 +170,14 @@ class StageLimit(msgspec.Struct, frozen=True):
         return self.max_num_seqs + self.max_waiting
 
 
+class FrontEndLimits(msgspec.Struct, frozen=True):
+    """The deploy profile's `front_end` section: when an API process refuses new Realtime sessions for its own
+    load (None: that check is off)."""
+
+    max_loop_lag_ms: float | None = None
+    max_vad_backlog_ms: float | None = None
+
+
 class EngineInfo(msgspec.Struct, frozen=True, tag=True):
     """Static facts, fixed at start-up."""
 
@@ -187,6 +195,7 @@ class EngineInfo(msgspec.Struct, frozen=True, tag=True):
     platform: str = "cpu"  # where the engine runs (cuda, rocm, npu, xpu, cpu)
     voice_aliases: dict[str, str] = msgspec.field(default_factory=dict)  # other names -> voices (the profile's)
     model_aliases: tuple[str, ...] = ()  # other names of the model: names or fnmatch patterns (the profile's)
+    front_end: FrontEndLimits = msgspec.field(default_factory=FrontEndLimits)  # the API processes' load limits
 
     @property
     def voice_names(self) -> tuple[str, ...]:

@@ -88,14 +88,25 @@ def engine(tiny_config):
     eng.stop()
 
 
+def pinned(args: list[str]) -> list[str]:
+    """What a test server runs with unless its test says otherwise: one API process, whatever the machine's cores
+    (`--api-workers auto` would vary with the CI host), and no refusals for the front end's load (a busy CI
+    machine would refuse sessions at random; tests/test_front_end_load.py sets the limits it tests)."""
+    pins = [] if "--api-workers" in args else ["--api-workers", "1"]
+    if not any(a.startswith("front_end.") for a in args):
+        pins += ["--set", "front_end.max_loop_lag_ms=null", "--set", "front_end.max_vad_backlog_ms=null"]
+    return pins
+
+
 class ServerProcess:
-    def __init__(self, args: list[str], env: dict[str, str] | None = None):
+    def __init__(self, args: list[str], env: dict[str, str] | None = None, module: str = "app.cli"):
+        """`module`: the program serving (`python -m module serve ...`), `app.cli` or a test's wrapper of it."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = ARTIFACTS / f"server-{self.port}.log"
         ARTIFACTS.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "app.cli", "serve", "--port", str(self.port), "--threads", "1",
-               "--log-level", "warning", *args]
+        cmd = [sys.executable, "-m", module, "serve", "--port", str(self.port), "--threads", "1",
+               "--log-level", "warning", *pinned(args), *args]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log.open("w"), stderr=subprocess.STDOUT,
                                      env={**os.environ, **(env or {})})
         deadline = time.time() + 120

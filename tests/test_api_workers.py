@@ -1,7 +1,7 @@
 """`--api-workers 2` against real servers: connections spread over both workers and all complete; the session,
 per-key and per-minute limits hold over both; a client secret minted on one worker starts sessions on the
-other; a WebRTC call is hung up through either; /metrics sums both; a killed worker gives back what it held
-and is replaced; a killed core ends every worker and the server."""
+other; a WebRTC call is hung up through either; /metrics sums both (each worker's front-end load apart); a
+killed worker gives back what it held and is replaced; a killed core ends every worker and the server."""
 
 from __future__ import annotations
 
@@ -103,6 +103,11 @@ async def test_connections_spread_over_both_workers_and_every_request_and_sessio
         metrics = httpx.get(f"{srv.url}/metrics", timeout=10).text  # summed over both workers
         assert f'omnirt_sessions_active{{transport="websocket"}} {MAX_SESSIONS}.0' in metrics
         assert 'process_cpu_seconds_total{worker="0"}' in metrics and 'worker="1"' in metrics
+        for k in (0, 1):  # each worker's own front-end load, never a sum; on /health too, whichever worker answers
+            assert f'omnirt_front_end_admitting{{worker="{k}"}} 1.0' in metrics
+        rows = srv.health()["api_workers"]
+        figures = {"loop_lag_ms", "vad_backlog_ms", "vad_waiting", "admitting"}
+        assert [set(w["front_end"]) for w in rows] == [figures] * 2
     finally:
         await asyncio.gather(*(ws.close() for ws in sessions))
     wait_for(lambda: srv.health()["active_requests"] == 0 and sum(sessions_per_worker(srv)) == 0, "all ended")

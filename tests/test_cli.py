@@ -161,7 +161,7 @@ def test_every_flag_has_help_that_shows_its_default(name):
 
 def test_serve_help_runs_without_torch(no_torch):
     done = omnirt("serve", "--help", env=no_torch)
-    assert done.returncode == 0 and "--realtime-max-sessions" in done.stdout and "(default: 32)" in done.stdout
+    assert done.returncode == 0 and "--realtime-max-sessions" in done.stdout and "(default: 1000)" in done.stdout
 
 
 def test_a_quiet_start_on_any_free_port(tmp_path):

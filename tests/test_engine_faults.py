@@ -14,7 +14,9 @@ import time
 import pytest
 from faults import MARK, inject
 
+from app.audio.rounds import Rounds
 from app.ops.admission import session_refusal
+from app.ops.front_end_load import FrontEndLoad
 from app.ops.lifecycle import Lifecycle
 from pipeline.api import AudioChunk, EngineOverloaded, Finished, OmniRequest, TextDelta
 from tests.conftest import HANG_GUARD_S, until
@@ -99,8 +101,8 @@ async def test_admission_refuses_beyond_max_waiting(tiny_config):
         assert exc.value.retry_after_s == 2.0 and exc.value.capacity == 3
         with pytest.raises(EngineOverloaded):
             eng.check_admission(wants_audio=True)
-        lifecycle = Lifecycle(eng, deadline_s=1.0)
-        code, reason = session_refusal(eng, lifecycle)  # what a realtime endpoint answers at connect now
+        lifecycle, load = Lifecycle(eng, deadline_s=1.0), FrontEndLoad(None, Rounds(lambda jobs: None, "idle"))
+        code, reason = session_refusal(eng, lifecycle, load)  # what a realtime endpoint answers at connect now
         assert code == 1013 and "capacity" in reason and len(reason.encode()) <= 123
         assert eng.admission.num_waiting("thinker") == 1
         fins = []
@@ -108,9 +110,9 @@ async def test_admission_refuses_beyond_max_waiting(tiny_config):
             fins += [ev async for ev in events if isinstance(ev, Finished)]
         assert [f.finish_reason for f in fins] == ["length"] * 3
         eng.check_admission(wants_audio=True)  # room again
-        assert session_refusal(eng, lifecycle) is None
+        assert session_refusal(eng, lifecycle, load) is None
         lifecycle.is_draining = True
-        assert session_refusal(eng, lifecycle) == (1001, "server shutting down")
+        assert session_refusal(eng, lifecycle, load) == (1001, "server shutting down")
         assert eng.admission.num_admitted == dict.fromkeys(eng.admission.limits, 0)
     finally:
         eng.stop()

@@ -158,6 +158,11 @@ class VadBatcher:
     def num_rounds(self) -> int:
         return self._rounds.num_rounds
 
+    @property
+    def backlog(self) -> Rounds:
+        """What waits for the VAD (`num_waiting`, `oldest_wait_s`): the server's load signal reads it."""
+        return self._rounds
+
     async def probabilities(self, stream: VadStream, windows: np.ndarray) -> np.ndarray:
         if not len(windows):
             return np.zeros(0, np.float32)

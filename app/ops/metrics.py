@@ -2,7 +2,8 @@
 per-stage queue depths and batch sizes (read from the engine at scrape time), when each stage first served
 a request, audio TTFP and RTF histograms, underruns, errors by type, and one structured log line per
 finished request. One registry per app: no global state. With `--api-workers` every worker's figures are
-summed (`app.ops.worker_link`), the process_* ones labelled by `worker` instead; the engine's come once."""
+summed (`app.ops.worker_link`), the process_* ones labelled by `worker` instead, as the front end's load is
+(`omnirt_front_end_*{worker}`: each process's own); the engine's come once."""
 
 from __future__ import annotations
 
@@ -58,6 +59,11 @@ class Metrics:
     def watch_vad(self, vad) -> None:
         """Export the process's `VadBatcher` counts: windows evaluated and the model calls they took."""
         self.registry.register(VadCollector(vad))
+
+    def watch_load(self, load, worker: int) -> None:
+        """Export the process's front-end load (`app.ops.front_end_load.FrontEndLoad`), labelled by API worker:
+        a load balancer reads each worker's, never a sum."""
+        self.registry.register(FrontEndCollector(load, str(worker)))
 
     def render(self) -> bytes:
         return self.render_local() + generate_latest(self.engine_registry)
@@ -258,3 +264,22 @@ class VadCollector:
                                   "the mean number of sessions per call)", value=self.vad.turn_end.num_calls)
         yield CounterMetricFamily("omnirt_denoise_chunks", "Input audio chunks noise reduction denoised, all "
                                   "sessions", value=self.vad.denoise.num_chunks)
+
+
+class FrontEndCollector:
+    def __init__(self, load, worker: str):
+        self.load, self.worker = load, worker
+
+    def collect(self):
+        figures = self.load.figures()
+        for name, text, value in (
+                ("loop_lag_seconds", "How late the API process's event loop runs its callbacks (smoothed)",
+                 figures.loop_lag_ms / 1000),
+                ("vad_backlog_seconds", "How long the oldest audio waiting for the batched VAD has waited (smoothed)",
+                 figures.vad_backlog_ms / 1000),
+                ("vad_waiting", "Sessions whose audio waits for the batched VAD now", figures.vad_waiting),
+                ("admitting", "1 while new Realtime sessions are let in, 0 while the front end's load refuses them "
+                 "(the deploy profile's front_end limits)", float(figures.is_admitting))):
+            gauge = GaugeMetricFamily(f"omnirt_front_end_{name}", text, labels=["worker"])
+            gauge.add_metric([self.worker], value)
+            yield gauge

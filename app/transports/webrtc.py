@@ -2,7 +2,8 @@
 `POST /v1/realtime/calls` (GA) or `POST /v1/realtime?model=…` (beta) takes an SDP offer and answers it,
 `POST /v1/realtime/calls/{id}/hangup` ends a call (with the API key that started it, or minted the client
 secret that did; other keys get 404). A call is refused with OpenAI's error shape when the
-Realtime session limit, the API key's own `max_sessions` or the engine's wait queues are full. A client
+Realtime session limit, the API key's own `max_sessions` or the engine's wait queues are full (429), and
+when the server drains or its front end is past its load limits (503, `app.ops.front_end_load`). A client
 secret on the offer (`Authorization: Bearer ek_…`) gives the call's session its settings.
 
 The client posts an SDP offer (`Content-Type: application/sdp`) and gets the SDP answer back, as
@@ -323,7 +324,7 @@ async def _call(request: Request, beta: bool, status: int) -> Response:
     except ProtocolError as exc:
         raise http_error(exc) from exc
     try:
-        check_admission(st.engine, st.lifecycle)  # 429 when the engine's wait queues are full, 503 while draining
+        check_admission(st.engine, st.lifecycle, st.load)  # 429 engine full; 503 draining or front end at capacity
     except APIError:
         sessions.refused(TRANSPORT)
         raise

@@ -6,8 +6,9 @@ outbox -> text frames) per connection. A client that sends `OpenAI-Beta: realtim
 The caller's client secret (`Authorization: Bearer ek_…` or the `openai-insecure-api-key.ek_…`
 subprotocol) gives the session its settings. Refusals at connect are an `error` event followed by a close
 code whose reason says why: 1008 for an unknown model (or not the client secret's), 1013 when
-`max_sessions` are open, the API key's own limit (`max_sessions`, `requests_per_minute`) is reached or the
-engine's wait queues are full, 1001 while the server drains. The idle timeout sends an `error` event,
+`max_sessions` are open, the API key's own limit (`max_sessions`, `requests_per_minute`) is reached, the
+engine's wait queues are full or the front end is past its load limits (`app.ops.front_end_load`), 1001 while
+the server drains. The idle timeout sends an `error` event,
 then closes with 1000. A client that sends input audio faster than the session's audio rate limit gets
 an `error` event (`input_audio_rate_exceeded`) and a close 1008 saying why; one that takes no event for
 `send_timeout_s` is closed with 1008 "client not reading". On shutdown, once the running responses have
@@ -66,7 +67,7 @@ async def realtime(ws: WebSocket) -> None:
         return await _refuse(ws, registry, exc, CLOSE_POLICY)
     except LimitExceeded as exc:
         return await _refuse(ws, registry, limit_error(exc), CLOSE_TRY_AGAIN)
-    refusal = session_refusal(st.engine, st.lifecycle)  # engine at capacity, or the server is draining
+    refusal = session_refusal(st.engine, st.lifecycle, st.load)  # draining, engine or front end at capacity
     if refusal is not None:
         code, reason = refusal
         return await _refuse(ws, registry, ProtocolError(reason, "server_busy" if code == CLOSE_TRY_AGAIN else

@@ -8,7 +8,7 @@ from pipeline.config import EngineConfig
 from pipeline.stage.grammar import response_format_spec
 from pipeline.stage.graph import LoadedModels
 from pipeline.stage.sampling import SamplingError, SamplingParams, numerically_safe
-from pipeline.types import EngineInfo, OmniRequest, RequestError, StageLimit
+from pipeline.types import EngineInfo, FrontEndLimits, OmniRequest, RequestError, StageLimit
 
 
 class RequestRules:
@@ -29,7 +29,8 @@ class RequestRules:
                           graph.has_audio_output, self.models.input_sample_rate,
                           self.models.output_sample_rate, limits, self.cfg.retry_after_s,
                           self.cfg.max_output_buffer_bytes, kind, self.cfg.platform, self.cfg.voice_aliases,
-                          tuple(self.cfg.model_aliases))
+                          tuple(self.cfg.model_aliases),
+                          FrontEndLimits(self.cfg.front_end.max_loop_lag_ms, self.cfg.front_end.max_vad_backlog_ms))
 
     def check_voice(self, req: OmniRequest) -> str | None:
         if not req.wants_audio:
