@@ -5,6 +5,8 @@ the guard off. The origin check then takes a page as same-origin only under a na
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import httpx
 import pytest
 from fastapi import FastAPI, WebSocket
@@ -94,7 +96,7 @@ def test_host_values_are_parsed_into_a_name(value, name):
 
 def test_the_rule_of_the_flags():
     args = build_parser().parse_args(["serve", "--host", "0.0.0.0", "--allowed-hosts", "a.example, b.example:8091"])
-    settings = server_settings(args, None)
+    settings = server_settings(args, SimpleNamespace(system_prompt=None, front_end=None))  # the profile's part
     assert settings.allowed_hosts == ("a.example", "b.example:8091", "0.0.0.0")
     rule = HostRule.of(settings.allowed_hosts)
     assert rule.allows("b.example") and rule.allows("10.0.0.7") and not rule.allows("c.example")

@@ -72,7 +72,7 @@ def _slow_reader(url: str, body: dict) -> tuple[socket.socket, int]:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8192)
     sock.connect((host, int(port)))
     data = json.dumps(body).encode()
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  b"Content-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data)
     return sock, len(data)
 
