@@ -1,6 +1,8 @@
 """Batched rounds on a thread of their own: what every session of the process asks of one model (Silero's
 windows, Smart Turn's pauses, RNNoise's frames) is gathered while the previous round runs and done together in
-the next, so the cost per item falls with the number of sessions and no model call runs on the event loop."""
+the next, so the cost per item falls with the number of sessions and no model call runs on the event loop. With a
+tick, a round starts at most once a tick: many sessions' 20 ms chunks arrive spread over the tick, and a round
+for each as it came would cost a model call (and a thread hop) per session instead of one per tick."""
 
 from __future__ import annotations
 
@@ -21,11 +23,13 @@ class Job(Protocol):
 class Rounds:
     """`await submit(job)` from any session; `run_round(jobs)` runs on the thread for all jobs pending."""
 
-    def __init__(self, run_round: Callable[[list[Job]], None], thread_name: str):
+    def __init__(self, run_round: Callable[[list[Job]], None], thread_name: str, tick_s: float = 0.0):
         self._run_round = run_round
+        self.tick_s = tick_s  # a round starts at least this long after the previous one began
         self._jobs: list[tuple[Job, asyncio.Future]] = []
         self._task: asyncio.Task | None = None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=thread_name)
+        self._last_start = float("-inf")
         self.num_rounds = 0
 
     async def submit(self, job: Job) -> Any:
@@ -38,6 +42,9 @@ class Rounds:
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while self._jobs:
+            if (wait := self._last_start + self.tick_s - loop.time()) > 0:
+                await asyncio.sleep(wait)  # what arrives meanwhile joins this round
+            self._last_start = loop.time()
             pending, self._jobs = self._jobs, []
             self.num_rounds += 1
             try:
