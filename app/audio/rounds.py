@@ -1,7 +1,9 @@
 """Batched rounds on a thread of their own: what every session of the process asks of one model (Silero's
 windows, Smart Turn's pauses, RNNoise's frames) is gathered while the previous round runs and done together in
-the next, so the cost per item falls with the number of sessions and no model call runs on the event loop. What
-waits for a round (`num_waiting`, `oldest_wait_s`) is the model's backlog: the server's load signal reads it
+the next, so the cost per item falls with the number of sessions and no model call runs on the event loop. With a
+tick, a round starts at most once a tick: many sessions' 20 ms chunks arrive spread over the tick, and a round
+for each as it came would cost a model call (and a thread hop) per session instead of one per tick. What waits for
+a round (`num_waiting`, `oldest_wait_s`) is the model's backlog: the server's load signal reads it
 (`app/ops/front_end_load.py`)."""
 
 from __future__ import annotations
@@ -24,12 +26,14 @@ class Job(Protocol):
 class Rounds:
     """`await submit(job)` from any session; `run_round(jobs)` runs on the thread for all jobs pending."""
 
-    def __init__(self, run_round: Callable[[list[Job]], None], thread_name: str,
+    def __init__(self, run_round: Callable[[list[Job]], None], thread_name: str, tick_s: float = 0.0,
                  clock: Callable[[], float] = time.monotonic):
         self._run_round, self._clock = run_round, clock
+        self.tick_s = tick_s  # a round starts at least this long after the previous one began
         self._jobs: list[tuple[Job, asyncio.Future]] = []
         self._task: asyncio.Task | None = None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=thread_name)
+        self._last_start = float("-inf")
         self.num_rounds = 0
         self._queued_at = 0.0  # when the oldest job of `_jobs` came (valid while there is one)
         self._running_since: float | None = None  # when the oldest job of the running round came
@@ -58,6 +62,9 @@ class Rounds:
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while self._jobs:
+            if (wait := self._last_start + self.tick_s - loop.time()) > 0:
+                await asyncio.sleep(wait)  # what arrives meanwhile joins this round
+            self._last_start = loop.time()
             pending, self._jobs = self._jobs, []
             self._running_since, self._num_running = self._queued_at, len(pending)
             self.num_rounds += 1

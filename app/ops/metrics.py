@@ -258,6 +258,8 @@ class VadCollector:
                                   "all sessions", value=self.vad.num_windows)
         yield CounterMetricFamily("omnirt_vad_model_calls", "Batched VAD model calls (windows / calls: the mean "
                                   "number of sessions per call)", value=self.vad.num_calls)
+        yield CounterMetricFamily("omnirt_vad_windows_silent", "32 ms windows 60 dB or more below full scale: "
+                                  "silence without a VAD model call, all sessions", value=self.vad.num_silent)
         yield CounterMetricFamily("omnirt_turn_end_pauses", "Pauses semantic_vad asked its end-of-turn model "
                                   "about, all sessions", value=self.vad.turn_end.num_turns)
         yield CounterMetricFamily("omnirt_turn_end_model_calls", "Batched end-of-turn model calls (pauses / calls: "

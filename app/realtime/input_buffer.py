@@ -27,6 +27,7 @@ from app.audio.vad import (
     TurnDetection,
     TurnDetector,
     VadBatcher,
+    window_levels,
 )
 
 
@@ -112,9 +113,17 @@ class InputBuffer:
         self._vad_end += len(view)
         if self.detector is None:
             return events
-        detector = self.detector
-        windows = detector.windows(view)
-        for ev in detector.decide(windows, await self.vad.probabilities(detector.stream, windows)):
+        windows = self.detector.windows(view)
+        if len(windows):  # a 20 ms chunk completes a 32 ms window, or none
+            events += await self._detect(windows)
+        if not self.is_speaking:  # keep only what a next turn's prefix padding may need
+            self._drop_before(self._end - self.detector.cfg.prefix_padding_samples)
+        return events
+
+    async def _detect(self, windows: np.ndarray) -> list[TurnEvent]:
+        """The turns that new VAD windows start or end (the model's calls batched with every session's)."""
+        detector, levels, events = self.detector, window_levels(windows), []
+        for ev in detector.decide(windows, await self.vad.probabilities(detector.stream, windows, levels), levels):
             if isinstance(ev, PauseCandidate) and self._turn_start is not None:
                 probability = await self.vad.turn_end.complete_probability(self._peek(self._turn_start, ev.at_sample))
                 ev = detector.resolve(ev, probability)
@@ -124,8 +133,6 @@ class InputBuffer:
             elif isinstance(ev, SpeechStopped) and self._turn_start is not None:
                 events.append(TurnEnded(_ms(ev.end_sample), self._take(self._turn_start, ev.commit_sample)))
                 self._turn_start = None
-        if not self.is_speaking:  # keep only what a next turn's prefix padding may need
-            self._drop_before(self._end - self.detector.cfg.prefix_padding_samples)
         return events
 
     def commit(self) -> np.ndarray:
@@ -159,5 +166,9 @@ class InputBuffer:
         return self._chunks[0][start - self._start:end - self._start]
 
     def _drop_before(self, position: int) -> None:
+        """Forget the audio before `position`: whole chunks, then the head of the first (no copy of the rest)."""
+        position = min(position, self._end)
+        while self._chunks and self._start + len(self._chunks[0]) <= position:
+            self._start += len(self._chunks.pop(0))
         if position > self._start:
-            self._take(self._start, min(position, self._end))
+            self._chunks[0], self._start = self._chunks[0][position - self._start:], position

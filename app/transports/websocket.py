@@ -149,7 +149,8 @@ class _Connection:
         ws, session = self.ws, self.session
         while True:
             try:
-                msg = await asyncio.wait_for(ws.receive(), timeout=limits.idle_timeout_s)
+                async with asyncio.timeout(limits.idle_timeout_s):  # no task per event, unlike wait_for
+                    msg = await ws.receive()
             except TimeoutError:
                 if session.is_busy:
                     continue
