@@ -85,7 +85,7 @@ async def test_vad_backlog_is_the_oldest_waiting_audio_and_refuses_past_its_limi
     """Rounds on a held thread: the jobs queued behind a running round wait; the load reads how long the oldest
     has waited and how many wait, and refuses once the smoothed wait passes the limit."""
     clock, release = FakeClock(), threading.Event()
-    rounds = Rounds(lambda jobs: release.wait(), "test-held", clock)
+    rounds = Rounds(lambda jobs: release.wait(), "test-held", clock=clock)
     load = FrontEndLoad(FrontEndLimits(max_vad_backlog_ms=50), rounds, clock)
 
     class Job:
