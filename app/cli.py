@@ -26,7 +26,9 @@ log = logging.getLogger(__name__)
 CORES_PER_API_WORKER = 4
 MAX_AUTO_API_WORKERS = 8  # past this, one engine core and the shared limits' round trips bound what more add
 # what the `loadtest` extra (pyproject.toml) installs, by import name: `omnirt bench` needs them
-LOADTEST_MODULES = ("aiohttp", "httpx", "locust", "matplotlib", "soundfile", "websocket")
+# what `omnirt bench` and `omnirt bench realtime` import from the loadtest extra (Locust and websocket-client
+# serve `make loadtest` only, so a GPU host without them still runs the benches)
+LOADTEST_MODULES = ("aiohttp", "httpx", "matplotlib", "soundfile")
 
 
 def engine_options(args: argparse.Namespace) -> EngineOptions:

@@ -197,11 +197,11 @@ def test_bench_without_the_loadtest_extra_says_what_to_install(command):
                                         "pip install 'omnirt[loadtest]'"]
 
 
-def test_the_bench_check_knows_every_package_of_the_loadtest_extra():
+def test_the_bench_check_asks_only_for_packages_of_the_loadtest_extra():
     import tomllib
 
     from app.cli import LOADTEST_MODULES
 
     extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["loadtest"]
     names = {re.split(r"[<>=\[ ;]", req)[0].lower() for req in extra}
-    assert {"websocket" if n == "websocket-client" else n for n in names} == set(LOADTEST_MODULES)
+    assert set(LOADTEST_MODULES) <= names
