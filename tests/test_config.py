@@ -12,6 +12,7 @@ import yaml
 
 from omnirt.pipeline.config import ProfileError
 from omnirt.pipeline.platform import PLATFORMS, detect_platform, get_platform
+from omnirt.pipeline.profile import shipped_or_file
 from tests.profiles import build_config, load_profile
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,6 +25,20 @@ def test_every_shipped_profile_loads_on_every_platform(profile, platform):
     cfg = load_profile(DEPLOY / profile, platform)
     assert cfg.platform == platform and [s.name for s in cfg.stages] == ["thinker", "talker", "code2wav"]
 
+
+
+@pytest.mark.parametrize("given", ["tiny", "tiny.yaml", "deploy/tiny.yaml"])
+def test_a_shipped_profile_is_found_by_name_from_anywhere(given, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no deploy/ folder here: the name alone finds the package's copy
+    assert shipped_or_file(given) == DEPLOY / "tiny.yaml"
+
+
+def test_a_file_of_that_name_wins_over_the_shipped_profile(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "deploy").mkdir()
+    (tmp_path / "deploy" / "tiny.yaml").write_text("model: tiny\n")
+    assert shipped_or_file("deploy/tiny.yaml") == Path("deploy/tiny.yaml")
+    assert shipped_or_file("elsewhere/tiny.yaml") == Path("elsewhere/tiny.yaml")  # a path is never rewritten
 
 def test_platform_entry_merges_over_base():
     raw = yaml.safe_load((DEPLOY / "qwen3_omni_moe.yaml").read_text())
