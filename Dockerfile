@@ -14,11 +14,9 @@ RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url "${TORCH_IN
 
 WORKDIR /opt/omnirt
 COPY pyproject.toml README.md ./
-COPY app ./app
-COPY pipeline ./pipeline
-COPY deploy ./deploy
-COPY web ./web
-# serving only: the server and WebRTC (the test and load-test tools stay out of the image)
+COPY omnirt ./omnirt
+# serving only: the server and WebRTC (the load-test tools' own packages stay out of the image). The
+# wheel holds the demo page and the deploy profiles: `--deploy-config NAME` finds a shipped profile.
 RUN pip install --no-cache-dir ".[webrtc]"
 
 RUN useradd --create-home --uid 1000 omnirt
@@ -26,11 +24,11 @@ USER omnirt
 ENV OMNIRT_HOST=0.0.0.0 \
     OMNIRT_PORT=8091 \
     OMNIRT_MODEL=/models/Qwen3-Omni-30B-A3B-Instruct \
-    OMNIRT_PROFILE=deploy/qwen3_omni_moe_1gpu.yaml \
+    OMNIRT_PROFILE=qwen3_omni_moe_1gpu \
     HF_HUB_OFFLINE=1
 VOLUME ["/models"]
 EXPOSE 8091
 # Loading the 30B checkpoint and capturing graphs takes minutes: /health is only asked after a start period.
 HEALTHCHECK --start-period=900s --interval=15s --timeout=5s --retries=3 \
-    CMD ["/opt/omnirt/deploy/docker/entrypoint.sh", "health"]
-ENTRYPOINT ["/opt/omnirt/deploy/docker/entrypoint.sh"]
+    CMD ["/opt/omnirt/omnirt/deploy/docker/entrypoint.sh", "health"]
+ENTRYPOINT ["/opt/omnirt/omnirt/deploy/docker/entrypoint.sh"]

@@ -50,7 +50,7 @@ LOADTEST_USERS ?= 8
 LOADTEST_TIME  ?= 60s
 LOADTEST_OUT   ?=
 loadtest: $(VENV)/.installed-loadtest
-	$(BIN)/python -m loadtest.run --users $(LOADTEST_USERS) --spawn-rate 4 --run-time $(LOADTEST_TIME) \
+	$(BIN)/python -m omnirt.loadtest.run --users $(LOADTEST_USERS) --spawn-rate 4 --run-time $(LOADTEST_TIME) \
 	  $(if $(LOADTEST_OUT),--out $(LOADTEST_OUT))
 
 # The full soaks, chat and Realtime (CI runs 8 chat clients / 6 Realtime clients for 30 s), and a longer
@@ -65,7 +65,7 @@ fuzz: $(VENV)/.installed-test
 	  -p no:cacheprovider -o timeout=3600 tests/test_fuzz.py tests/test_realtime_fuzz.py
 
 lint: $(VENV)/.installed-test
-	$(BIN)/ruff check app pipeline loadtest tests
+	$(BIN)/ruff check omnirt tests
 	$(BIN)/lint-imports
 
 clean:

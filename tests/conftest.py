@@ -18,6 +18,7 @@ torch.set_num_threads(1)
 if not torch.cuda.is_available():  # Triton kernels run on CPU tensors under its interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
 ROOT = Path(__file__).resolve().parents[1]
+OMNIRT = [sys.executable, "-m", "omnirt.app.cli"]  # `omnirt` as this checkout runs it
 ARTIFACTS = ROOT / "tests" / "artifacts"
 # `make test-fast` (under 3 minutes, for the edit loop): the modules that start no server, browser or soak.
 # `make test` (CI) runs everything.
@@ -63,7 +64,7 @@ def free_port() -> int:
 @pytest.fixture(scope="session")
 def reference_model():
     """The tiny checkpoint as plain transformers, for generate() parity (unchanged by any engine)."""
-    from pipeline.models.qwen3_omni.weights import load_hf_model
+    from omnirt.pipeline.models.qwen3_omni.weights import load_hf_model
 
     hf, _, _ = load_hf_model("tiny", "auto", torch.float32, torch.device("cpu"))
     return hf
@@ -73,14 +74,14 @@ def reference_model():
 def tiny_config():
     from tests.profiles import load_profile
 
-    return load_profile(ROOT / "deploy" / "tiny.yaml", "cpu")
+    return load_profile(ROOT / "omnirt" / "deploy" / "tiny.yaml", "cpu")
 
 
 @pytest.fixture(scope="session")
 def engine(tiny_config):
-    from pipeline.engine.omni import OmniEngine
-    from pipeline.models import load_models
-    from pipeline.platform import get_platform
+    from omnirt.pipeline.engine.omni import OmniEngine
+    from omnirt.pipeline.models import load_models
+    from omnirt.pipeline.platform import get_platform
 
     eng = OmniEngine(tiny_config, load_models(tiny_config, get_platform("cpu")))
     eng.start()
@@ -99,8 +100,8 @@ def pinned(args: list[str]) -> list[str]:
 
 
 class ServerProcess:
-    def __init__(self, args: list[str], env: dict[str, str] | None = None, module: str = "app.cli"):
-        """`module`: the program serving (`python -m module serve ...`), `app.cli` or a test's wrapper of it."""
+    def __init__(self, args: list[str], env: dict[str, str] | None = None, module: str = "omnirt.app.cli"):
+        """`module`: the program serving (`python -m module serve ...`), `omnirt.app.cli` or a test's wrapper of it."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = ARTIFACTS / f"server-{self.port}.log"

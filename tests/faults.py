@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 
-from pipeline.stage.step import Batch, RowOutput
+from omnirt.pipeline.stage.step import Batch, RowOutput
 
 MARK = "bad-"
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from app.audio.pcm import float_to_pcm16
+from omnirt.app.audio.pcm import float_to_pcm16
 from tests.conftest import until
 
 API_KEY = "sk-test"  # the frameworks insist on a key; the server (no --api-key) takes any

@@ -1,7 +1,7 @@
 """Test-only: `python -m tests.loaded_server serve ...` is `omnirt serve` (one API process) whose event loop a
 SIGUSR2 loads and the next SIGUSR2 frees: while loaded, a callback holds the loop `HOLD_S` at a time with
 `GAP_S` between, so the loop still serves every connection, only late, as a front end past its capacity does.
-The load is put on from outside, deterministically (no race against the machine's own speed); nothing in app/
+The load is put on from outside, deterministically (no race against the machine's own speed); nothing in omnirt/app/
 knows about it."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import signal
 import sys
 import time
 
-from app.cli import main
+from omnirt.app.cli import main
 
 HOLD_S, GAP_S = 0.6, 0.02
 _is_loaded = False

@@ -6,12 +6,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pipeline import profile
-from pipeline.config import EngineConfig
-from pipeline.models import model_spec
-from pipeline.models.qwen3_omni.stages import STAGES
-from pipeline.profile import Override
-from pipeline.types import EngineOptions
+from omnirt.pipeline import profile
+from omnirt.pipeline.config import EngineConfig
+from omnirt.pipeline.models import model_spec
+from omnirt.pipeline.models.qwen3_omni.stages import STAGES
+from omnirt.pipeline.profile import Override
+from omnirt.pipeline.types import EngineOptions
 
 
 def overrides(top: dict[str, Any] | None = None, stages: dict[str, dict] | None = None) -> list[Override]:

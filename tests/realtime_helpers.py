@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import soundfile
 
-from app.audio.pcm import float_to_pcm16
-from app.audio.resample import resample
+from omnirt.app.audio.pcm import float_to_pcm16
+from omnirt.app.audio.resample import resample
 from tests.sse_client import pcm_samples_for_frames
 
 UTTERANCE = "Hello there. Could you please tell me a short story about a friendly dragon?"

@@ -11,7 +11,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.api import AudioChunk, Finished, OmniRequest, TextDelta
+from omnirt.pipeline.api import AudioChunk, Finished, OmniRequest, TextDelta
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["Tell me a story about a dragon.", "Hello there, how are you?", "Numbers 1 2 3 4 5",
@@ -80,13 +80,13 @@ def pooled_config(extra: dict | None = None, **stage_extra):
     from tests.profiles import load_profile
 
     pool = {"num_replicas": 2, "devices": "0,1", **stage_extra}
-    return load_profile(ROOT / "deploy" / "tiny.yaml", "cpu", extra or {}, {"1": pool, "2": pool})
+    return load_profile(ROOT / "omnirt" / "deploy" / "tiny.yaml", "cpu", extra or {}, {"1": pool, "2": pool})
 
 
 def start_engine(cfg):
-    from pipeline.engine.omni import OmniEngine
-    from pipeline.models import load_models
-    from pipeline.platform import get_platform
+    from omnirt.pipeline.engine.omni import OmniEngine
+    from omnirt.pipeline.models import load_models
+    from omnirt.pipeline.platform import get_platform
 
     eng = OmniEngine(cfg, load_models(cfg, get_platform("cpu")))
     eng.start()

@@ -9,18 +9,18 @@ import os
 
 import pytest
 
-from app.errors import APIError
-from app.ops.hosts import HostRule
-from app.ops.keys import ApiKey, KeyLimits, KeyRing, KeysFileError, read_keys_file
-from app.ops.limits import TokenBucket
-from app.ops.metrics import Metrics
-from app.ops.origins import is_allowed, normalize
-from app.ops.quotas import KeyQuotas, LimitExceeded
-from app.ops.secret_store import SecretStore
-from app.ops.security import authenticate
-from app.ops.shared import SharedLimits
-from app.realtime.config import initial_config
-from app.realtime.registry import limit_error
+from omnirt.app.errors import APIError
+from omnirt.app.ops.hosts import HostRule
+from omnirt.app.ops.keys import ApiKey, KeyLimits, KeyRing, KeysFileError, read_keys_file
+from omnirt.app.ops.limits import TokenBucket
+from omnirt.app.ops.metrics import Metrics
+from omnirt.app.ops.origins import is_allowed, normalize
+from omnirt.app.ops.quotas import KeyQuotas, LimitExceeded
+from omnirt.app.ops.secret_store import SecretStore
+from omnirt.app.ops.security import authenticate
+from omnirt.app.ops.shared import SharedLimits
+from omnirt.app.realtime.config import initial_config
+from omnirt.app.realtime.registry import limit_error
 
 KEY_A, KEY_B = "sk-alpha-0001", "sk-bravo-0002"
 

@@ -10,9 +10,9 @@ import av
 import numpy as np
 import pytest
 
-from app.audio.files import CODECS, AudioTooLong, StreamEncoder, decode_file, encode_file
-from app.audio.pcm import AudioFormatError, encode_wav
-from app.fields import FieldError, rule
+from omnirt.app.audio.files import CODECS, AudioTooLong, StreamEncoder, decode_file, encode_file
+from omnirt.app.audio.pcm import AudioFormatError, encode_wav
+from omnirt.app.fields import FieldError, rule
 
 RULE = rule(("model",), ignored=("user",), inert={"logprobs": (None, False), "tools": (None, []),
                                                   "speed": (None, 1.0)})
@@ -76,8 +76,8 @@ def test_decoding_stops_at_the_length_limit_and_names_bad_files():
 
 def test_the_fields_page_lists_every_ignored_and_unserved_field():
     """docs/api-fields.md names each field the rules ignore or accept only at a value that asks nothing."""
-    from app.chat import protocol
-    from app.realtime import config, conversation, transcription
+    from omnirt.app.chat import protocol
+    from omnirt.app.realtime import config, conversation, transcription
 
     page = (Path(__file__).resolve().parents[1] / "docs" / "api-fields.md").read_text()
     rules = [m.fields for m in (protocol.ChatRequest, protocol.ChatMessage, protocol.StreamOptions)]

@@ -14,7 +14,7 @@ import httpx
 import pytest
 import websockets
 
-from loadtest.webrtc_client import connect
+from omnirt.loadtest.webrtc_client import connect
 from tests.conftest import ServerProcess, wait_for
 from tests.realtime_helpers import ask, key_subprotocols, recv, recv_type, until_done, ws_url
 

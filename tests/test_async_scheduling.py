@@ -1,5 +1,5 @@
-"""Async scheduling (`pipeline/stage/loop.py`): the Talker issues step n+1 before step n's codes reach the host. The
-replies must be the ones the synchronous loop gives, token for token, whatever ends them; counted in steps."""
+"""Async scheduling (`omnirt/pipeline/stage/loop.py`): the Talker issues step n+1 before step n's codes reach the host.
+The replies must be the ones the synchronous loop gives, token for token, whatever ends them; counted in steps."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ import asyncio
 
 import torch
 
-from pipeline.api import OmniRequest, collect_reply
-from pipeline.stage.kv_cache import SlotKVCache
-from pipeline.stage.request import RequestStatus, StageRequest
-from pipeline.stage.sampling import SamplingParams
-from pipeline.stage.scheduler import SlotScheduler
-from pipeline.stage.step import Finish, RowOutput
+from omnirt.pipeline.api import OmniRequest, collect_reply
+from omnirt.pipeline.stage.kv_cache import SlotKVCache
+from omnirt.pipeline.stage.request import RequestStatus, StageRequest
+from omnirt.pipeline.stage.sampling import SamplingParams
+from omnirt.pipeline.stage.scheduler import SlotScheduler
+from omnirt.pipeline.stage.step import Finish, RowOutput
 from tests.conftest import ROOT
 
 PROMPTS = ["Tell me a story about a dragon.", "Hello there, how are you?", "Numbers 1 2 3 4 5",
@@ -26,12 +26,12 @@ async def _reply(engine, req: OmniRequest):
 async def _replies(ahead: bool, talker_sampling: dict, max_frames: int = 40):
     """Six concurrent replies on the tiny engine; with what the Talker stage reported, in order (its outputs and
     its finishes, per request)."""
-    from pipeline.engine.omni import OmniEngine
-    from pipeline.models import load_models
-    from pipeline.platform import get_platform
+    from omnirt.pipeline.engine.omni import OmniEngine
+    from omnirt.pipeline.models import load_models
+    from omnirt.pipeline.platform import get_platform
     from tests.profiles import load_profile
 
-    cfg = load_profile(ROOT / "deploy" / "tiny.yaml", "cpu", {}, {"1": {"async_scheduling": ahead}})
+    cfg = load_profile(ROOT / "omnirt" / "deploy" / "tiny.yaml", "cpu", {}, {"1": {"async_scheduling": ahead}})
     models = load_models(cfg, get_platform("cpu"))
     with torch.inference_mode():  # as on CUDA, where the model's pinned buffers are made in inference mode:
         models.talker.last_codes = models.talker.last_codes.clone()  # the runner must write them in it too

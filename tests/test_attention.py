@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from pipeline.kernels.attention import SlotMask, slot_attention
+from omnirt.pipeline.kernels.attention import SlotMask, slot_attention
 from tests.test_parity import PROMPTS, assert_greedy_parity, engine_generate, reference_generate, started_engine
 
 CUDA = torch.cuda.is_available()
@@ -64,10 +64,10 @@ def test_kernel_matches_plain_attention(batch, heads, kv_heads, new, head_dim, d
 def test_decoder_stack_in_place_equals_the_dense_copy():
     """A prefill chunk then decode steps through the tiny Thinker's layers: the kernel reading the slots
     gives what transformers' SDPA over a dense copy gives."""
-    from pipeline.kernels.attention import attend_in_place
-    from pipeline.models.decoder import run_decoder
-    from pipeline.models.qwen3_omni.weights import load_hf_model
-    from pipeline.stage.kv_cache import SlotKVCache
+    from omnirt.pipeline.kernels.attention import attend_in_place
+    from omnirt.pipeline.models.decoder import run_decoder
+    from omnirt.pipeline.models.qwen3_omni.weights import load_hf_model
+    from omnirt.pipeline.stage.kv_cache import SlotKVCache
 
     hf, _, _ = load_hf_model("tiny", "auto", torch.float32, torch.device("cpu"))
     stack = hf.thinker.model.language_model
@@ -127,8 +127,8 @@ async def test_slot_attention_starts_a_turn_from_the_slot_the_last_one_left(slot
 
 
 def test_auto_attention_is_dense_without_graphs():
-    from pipeline.models.qwen3_omni.models import _in_place
-    from pipeline.platform import Platform
+    from omnirt.pipeline.models.qwen3_omni.models import _in_place
+    from omnirt.pipeline.platform import Platform
 
     assert not _in_place("auto", Platform("cpu", "cpu", "gloo", False))
     assert _in_place("auto", Platform("cuda", "cpu", "nccl", True))  # Triton is installed for the tests
@@ -136,7 +136,7 @@ def test_auto_attention_is_dense_without_graphs():
 
 
 def test_host_staging_splits_and_types():
-    from pipeline.stage.pinned import PinnedBuffers
+    from omnirt.pipeline.stage.pinned import PinnedBuffers
 
     a, b, c = PinnedBuffers(torch.device("cpu")).tensors([1, 2, 3], [], [7])
     assert a.tolist() == [1, 2, 3] and b.numel() == 0 and c.tolist() == [7] and a.dtype == torch.long
@@ -148,7 +148,7 @@ def test_host_staging_splits_and_types():
 def test_host_staging_aligns_every_tensor():
     """Each staged tensor starts on 16 bytes (2 int64 values, 16 bools): a Triton kernel taking slots or lengths
     is specialised on that alignment, and a step whose rows landed elsewhere compiled it again while serving."""
-    from pipeline.stage.pinned import aligned_starts
+    from omnirt.pipeline.stage.pinned import aligned_starts
 
     assert aligned_starts([3, 0, 2, 1], 2) == [0, 4, 4, 6, 8]
     assert aligned_starts([5, 16, 1], 16) == [0, 16, 32, 48]
@@ -158,7 +158,7 @@ def test_host_staging_aligns_every_tensor():
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="pinned memory needs a CUDA device")
 def test_host_staging_reuses_its_pinned_regions_round_robin():
-    from pipeline.stage.pinned import PinnedBuffers
+    from omnirt.pipeline.stage.pinned import PinnedBuffers
 
     pinned = PinnedBuffers(torch.device("cuda"), capacity=8)
     first = pinned.tensors([1, 2, 3], [4, 5])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from pipeline.api import AudioChunk, OmniRequest, collect_reply
+from omnirt.pipeline.api import AudioChunk, OmniRequest, collect_reply
 from tests.conftest import until
 
 
@@ -70,8 +70,8 @@ def test_audio_of_requests_that_prefill_together_is_encoded_in_one_batch(engine)
     import numpy as np
     import torch
 
-    from pipeline.models.qwen3_omni.thinker import ThinkerInput
-    from pipeline.stage.request import StageRequest
+    from omnirt.pipeline.models.qwen3_omni.thinker import ThinkerInput
+    from omnirt.pipeline.stage.request import StageRequest
 
     models, rng = engine.models, np.random.default_rng(1)
     msgs = [[{"role": "user", "content": [{"type": "audio", "audio": rng.standard_normal(n).astype(np.float32) * 0.1},
@@ -101,9 +101,9 @@ async def test_step_log_has_a_line_per_step_of_every_stage(tiny_config, tmp_path
     lines add up to the steps the stage counted, a decode step carries a token per request."""
     import dataclasses
 
-    from pipeline.engine.omni import OmniEngine
-    from pipeline.models import load_models
-    from pipeline.platform import get_platform
+    from omnirt.pipeline.engine.omni import OmniEngine
+    from omnirt.pipeline.models import load_models
+    from omnirt.pipeline.platform import get_platform
 
     path = tmp_path / "steps.log"
     cfg = dataclasses.replace(tiny_config, step_log=str(path))

@@ -14,8 +14,8 @@ import numpy as np
 import openai
 import pytest
 
-from app.audio.files import encode_file
-from app.audio.pcm import encode_wav
+from omnirt.app.audio.files import encode_file
+from omnirt.app.audio.pcm import encode_wav
 
 MSG = [{"role": "user", "content": "Hello! Tell me something nice."}]
 FRAMES = 40  # codec frames per reply (80 ms each), pinned: the streamed reply comes in several chunks

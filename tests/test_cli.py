@@ -16,7 +16,7 @@ import time
 import httpx
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import OMNIRT, ROOT
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +29,7 @@ def no_torch(tmp_path_factory):
 
 
 def omnirt(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "app.cli", *args], cwd=ROOT, capture_output=True, text=True,
+    return subprocess.run([*OMNIRT, *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=120, env=env)
 
 
@@ -132,15 +132,15 @@ def test_api_workers_need_the_engine_core_process(no_torch):
 
 
 def test_version(no_torch):
-    from app import __version__
+    from omnirt.app import __version__
 
     done = omnirt("--version", env=no_torch)
     assert done.returncode == 0 and done.stdout.strip() == f"omnirt {__version__}" and __version__[0].isdigit()
 
 
 def _parsers():
-    from app.flags import build_parser
-    from loadtest import bench, realtime_bench, run
+    from omnirt.app.flags import build_parser
+    from omnirt.loadtest import bench, realtime_bench, run
 
     serve = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices["serve"]
     return {"omnirt serve": serve, "omnirt bench": bench.build_parser(),
@@ -168,7 +168,7 @@ def test_a_quiet_start_on_any_free_port(tmp_path):
     """`--port 0`: the server says the port it got; the start-up log carries no third-party noise (transformers'
     rope warnings, its weight-loading progress bar)."""
     log = tmp_path / "serve.log"
-    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--port", "0", "--threads", "1"], cwd=ROOT,
+    proc = subprocess.Popen([*OMNIRT, "serve", "--port", "0", "--threads", "1"], cwd=ROOT,
                             stdout=log.open("w"), stderr=subprocess.STDOUT)
     try:
         deadline = time.time() + 120
@@ -190,7 +190,7 @@ def test_a_quiet_start_on_any_free_port(tmp_path):
 @pytest.mark.parametrize("command", [["bench"], ["bench", "realtime", "--help"]])
 def test_bench_without_the_loadtest_extra_says_what_to_install(command):
     """As after the quick start, which installs no `loadtest` extra: aiohttp cannot be imported."""
-    script = f"import sys; sys.modules['aiohttp'] = None; from app.cli import main; main({command!r})"
+    script = f"import sys; sys.modules['aiohttp'] = None; from omnirt.app.cli import main; main({command!r})"
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and done.stdout == "", done
     assert done.stderr.splitlines() == ["omnirt bench needs the loadtest extra (aiohttp not installed): "
@@ -200,7 +200,7 @@ def test_bench_without_the_loadtest_extra_says_what_to_install(command):
 def test_the_bench_check_asks_only_for_packages_of_the_loadtest_extra():
     import tomllib
 
-    from app.cli import LOADTEST_MODULES
+    from omnirt.app.cli import LOADTEST_MODULES
 
     extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["loadtest"]
     names = {re.split(r"[<>=\[ ;]", req)[0].lower() for req in extra}

@@ -14,7 +14,7 @@ import openai
 import pytest
 import websockets
 
-from loadtest.webrtc_client import connect
+from omnirt.loadtest.webrtc_client import connect
 from tests.conftest import ServerProcess
 from tests.realtime_helpers import ask, key_subprotocols, mint_secret, recv, recv_type, until_done, ws_url
 

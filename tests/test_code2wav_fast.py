@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.models.qwen3_omni.code2wav import Code2WavModel, CodecWindow
-from pipeline.models.qwen3_omni.codec_stream import CodecStream
+from omnirt.pipeline.models.qwen3_omni.code2wav import Code2WavModel, CodecWindow
+from omnirt.pipeline.models.qwen3_omni.codec_stream import CodecStream
 from tests.test_parity import PROMPTS, assert_same_reply, engine_generate, reference_generate, started_engine
 
 FAST = ["gemm", "channels_last"]  # the compiled decoder: the engine test below (compiling on the CPU takes minutes)

@@ -10,10 +10,10 @@ import dataclasses
 import pytest
 import torch
 
-from pipeline.api import OmniRequest, collect_reply
-from pipeline.models.decoder import prefill_buckets, run_decoder
-from pipeline.stage.compile import TimedStep
-from pipeline.stage.cudagraph import bucket_for
+from omnirt.pipeline.api import OmniRequest, collect_reply
+from omnirt.pipeline.models.decoder import prefill_buckets, run_decoder
+from omnirt.pipeline.stage.compile import TimedStep
+from omnirt.pipeline.stage.cudagraph import bucket_for
 from tests.test_attention import cpu_only
 from tests.test_parity import assert_greedy_parity, started_engine
 
@@ -73,7 +73,7 @@ def test_prefill_runs_the_compiled_layers_and_never_compiles(compiled_engine, st
     five ragged rows) run inductor's code for the layers, compile nothing, and give the eager layers' rows."""
     from torch.profiler import profile
 
-    from pipeline.stage.compile import graphs_compiled
+    from omnirt.pipeline.stage.compile import graphs_compiled
 
     model = getattr(compiled_engine.models, stage)
     prefill, kv = model.prefill, model.kv
@@ -98,7 +98,7 @@ def test_prefill_runs_the_compiled_layers_and_never_compiles(compiled_engine, st
 
 
 def test_compile_setting(tiny_config):
-    from pipeline.config import ProfileError
+    from omnirt.pipeline.config import ProfileError
     from tests.profiles import build_config
 
     raw = {"model": "tiny", "stages": [{"stage_id": 0, "enforce_eager": False}]}
@@ -115,8 +115,8 @@ def test_compile_setting(tiny_config):
 def test_a_stages_own_compile_setting_and_the_conv_backend(tiny_config):
     """A stage's `compile` is over the engine's (YAML's bare off included); `--enforce-eager` turns every
     stage's off whatever it says; `conv_backend` is checked against the formulations there are."""
-    from pipeline.api import EngineOptions
-    from pipeline.config import ProfileError
+    from omnirt.pipeline.api import EngineOptions
+    from omnirt.pipeline.config import ProfileError
     from tests.profiles import build_config, engine_config
 
     raw = {"model": "tiny", "stages": [{"stage_id": 0, "enforce_eager": False}, {"stage_id": 2, "enforce_eager": False,
@@ -127,7 +127,7 @@ def test_a_stages_own_compile_setting_and_the_conv_backend(tiny_config):
     assert on.compiles("code2wav", graphs=False)
     with pytest.raises(ProfileError, match=r"stages\[2\].compile must be one of auto, on, off"):
         build_config(raw, "cuda", {}, {"2": {"compile": "maybe"}})
-    profile = "deploy/qwen3_omni_moe_1gpu.yaml"
+    profile = "omnirt/deploy/qwen3_omni_moe_1gpu.yaml"
     served = engine_config(EngineOptions(model="qwen3-omni-30b-a3b", deploy_config=profile), "cuda")
     # the shipped profile: graphs of the uncompiled Code2Wav with its Triton convolutions
     # (docs/lab/2026-12-02-host-path-code2wav-async.md)
@@ -178,7 +178,7 @@ def test_prefill_graphs_replay_the_padded_step_as_the_ragged_batch(compiled_engi
     CUDA graph replays the kernels the step issued): a batch padded to its (rows, width) bucket gives each
     chunk's last row, the tapped rows and the slots' keys and values of the ragged batch, and its padding
     writes nothing but the scratch slot."""
-    from pipeline.models.decoder import PrefillPass
+    from omnirt.pipeline.models.decoder import PrefillPass
     from tests.test_cudagraph import _FakeGraphPlatform
 
     model = getattr(compiled_engine.models, stage)

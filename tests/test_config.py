@@ -10,12 +10,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.config import ProfileError
-from pipeline.platform import PLATFORMS, detect_platform, get_platform
+from omnirt.pipeline.config import ProfileError
+from omnirt.pipeline.platform import PLATFORMS, detect_platform, get_platform
+from omnirt.pipeline.profile import shipped_or_file
 from tests.profiles import build_config, load_profile
 
 ROOT = Path(__file__).resolve().parents[1]
-DEPLOY = ROOT / "deploy"
+DEPLOY = ROOT / "omnirt" / "deploy"
 
 
 @pytest.mark.parametrize("profile", sorted(p.name for p in DEPLOY.glob("*.yaml")))
@@ -24,6 +25,20 @@ def test_every_shipped_profile_loads_on_every_platform(profile, platform):
     cfg = load_profile(DEPLOY / profile, platform)
     assert cfg.platform == platform and [s.name for s in cfg.stages] == ["thinker", "talker", "code2wav"]
 
+
+
+@pytest.mark.parametrize("given", ["tiny", "tiny.yaml", "deploy/tiny.yaml"])
+def test_a_shipped_profile_is_found_by_name_from_anywhere(given, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no deploy/ folder here: the name alone finds the package's copy
+    assert shipped_or_file(given) == DEPLOY / "tiny.yaml"
+
+
+def test_a_file_of_that_name_wins_over_the_shipped_profile(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "deploy").mkdir()
+    (tmp_path / "deploy" / "tiny.yaml").write_text("model: tiny\n")
+    assert shipped_or_file("deploy/tiny.yaml") == Path("deploy/tiny.yaml")
+    assert shipped_or_file("elsewhere/tiny.yaml") == Path("elsewhere/tiny.yaml")  # a path is never rewritten
 
 def test_platform_entry_merges_over_base():
     raw = yaml.safe_load((DEPLOY / "qwen3_omni_moe.yaml").read_text())
@@ -133,7 +148,7 @@ def test_stage_shares_of_one_device_add_up_to_at_most_the_whole(raw, over):
 
 
 def test_the_global_fraction_comes_from_the_flag_over_the_profile():
-    from pipeline.api import EngineOptions
+    from omnirt.pipeline.api import EngineOptions
     from tests.profiles import engine_config
 
     opts = EngineOptions(deploy_config=str(DEPLOY / "qwen3_omni_moe_1gpu.yaml"), model="qwen3-omni-30b-a3b")
@@ -157,7 +172,7 @@ def test_the_global_fraction_comes_from_the_flag_over_the_profile():
 def test_set_overrides_a_profile_key_and_otherwise_leaves_the_profiles_value(tmp_path, setting, read, default):
     """The ablations live in the profile: `--set KEY=VALUE` overrides any key (nested ones by their path, a
     mapping's siblings kept), and a profile that sets the key is read as written."""
-    from pipeline.api import EngineOptions
+    from omnirt.pipeline.api import EngineOptions
     from tests.profiles import engine_config
 
     key, value = setting.split("=")
@@ -182,14 +197,14 @@ def test_set_overrides_a_profile_key_and_otherwise_leaves_the_profiles_value(tmp
     ("dtype=[1, 2", r"its value is not valid YAML"),
 ])
 def test_a_bad_setting_is_refused_naming_the_flag(setting, message):
-    from pipeline.api import EngineOptions, EngineStartError, check_options
+    from omnirt.pipeline.api import EngineOptions, EngineStartError, check_options
 
     with pytest.raises(EngineStartError, match=message):
         check_options(EngineOptions(settings=(setting,), platform="cpu"))
 
 
 def test_a_stage_star_reaches_only_the_stages_the_key_applies_to():
-    from pipeline.api import EngineOptions
+    from omnirt.pipeline.api import EngineOptions
     from tests.profiles import engine_config
 
     cfg = engine_config(EngineOptions(settings=("stages.*.max_num_seqs=3", "stages.*.max_model_len=512")), "cpu")
@@ -218,7 +233,7 @@ def test_values_from_the_command_line_are_named_by_their_flag():
 
 def test_check_options_reads_every_platform_entry(tmp_path):
     """Without --platform the profile is checked for every platform it could be detected on."""
-    from pipeline.api import EngineOptions, EngineStartError, check_options
+    from omnirt.pipeline.api import EngineOptions, EngineStartError, check_options
 
     path = tmp_path / "p.yaml"
     path.write_text("platforms:\n  rocm:\n    stages:\n      - {stage_id: 1, max_waiting: -1}\n")
@@ -230,7 +245,7 @@ def test_check_options_reads_every_platform_entry(tmp_path):
 def test_the_profile_check_never_imports_torch(tmp_path):
     path = tmp_path / "p.yaml"
     path.write_text("stages:\n  - {stage_id: 1, max_num_seqs: lots}\n")
-    code = ("import sys; from pipeline.api import EngineOptions, EngineStartError, check_options\n"
+    code = ("import sys; from omnirt.pipeline.api import EngineOptions, EngineStartError, check_options\n"
             f"try: check_options(EngineOptions(deploy_config={str(path)!r}))\n"
             "except EngineStartError as exc: print(exc)\n"
             "print('torch' in sys.modules, 'transformers' in sys.modules)")
@@ -240,8 +255,8 @@ def test_the_profile_check_never_imports_torch(tmp_path):
 
 
 def test_sampling_keys_are_the_sampling_parameters():
-    from pipeline.config import SAMPLING_KEYS
-    from pipeline.stage.sampling import SamplingParams
+    from omnirt.pipeline.config import SAMPLING_KEYS
+    from omnirt.pipeline.stage.sampling import SamplingParams
 
     assert set(SAMPLING_KEYS) == {f.name for f in dataclasses.fields(SamplingParams)}
 
@@ -263,7 +278,7 @@ def test_every_shipped_profile_names_openai_voices(profile):
 
 @pytest.mark.parametrize("profile", sorted(p.name for p in DEPLOY.glob("*.yaml")))
 def test_openai_model_names_are_aliases_unless_a_profile_or_flag_turns_them_off(profile):
-    from app.model_names import is_alias, listed_models, served_model
+    from omnirt.app.model_names import is_alias, listed_models, served_model
 
     aliases = tuple(load_profile(DEPLOY / profile, "cpu").model_aliases)
     for name in ("gpt-realtime", "gpt-realtime-2.1", "gpt-4o-mini-realtime-preview-2024-12-17", "gpt-audio",
@@ -336,7 +351,7 @@ def test_stage_override_scales_a_pool_and_replicas_share_devices_in_turn():
 
 @pytest.mark.parametrize("platform", PLATFORMS)
 def test_ray_profile_per_platform(platform):
-    from pipeline.replicas.ray_actors import actor_resources
+    from omnirt.pipeline.replicas.ray_actors import actor_resources
 
     cfg = load_profile(DEPLOY / "qwen3_omni_moe_ray.yaml", platform)
     tk = cfg.stage("talker")
@@ -353,7 +368,7 @@ def test_ray_profile_per_platform(platform):
 def test_device_the_host_lacks_names_the_key(monkeypatch):
     import torch
 
-    from pipeline.replicas.pool import make_stage
+    from omnirt.pipeline.replicas.pool import make_stage
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     cfg = load_profile(DEPLOY / "qwen3_omni_moe_multi_replicas.yaml", "cuda")  # devices "1,2" on a 2-GPU host

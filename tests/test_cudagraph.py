@@ -8,8 +8,8 @@ import contextlib
 import pytest
 import torch
 
-from pipeline.platform import Platform
-from pipeline.stage.cudagraph import CudaGraphCache, batch_buckets, bucket_for, length_buckets
+from omnirt.pipeline.platform import Platform
+from omnirt.pipeline.stage.cudagraph import CudaGraphCache, batch_buckets, bucket_for, length_buckets
 
 
 def test_bucket_lists():
@@ -129,7 +129,7 @@ def test_failed_capture_falls_back_to_eager():
 def test_cuda_graphs_match_eager_on_the_tiny_model():
     import asyncio
 
-    from loadtest.gpu_check import main_async
+    from omnirt.loadtest.gpu_check import main_async
 
     class Args:
         num_requests, thinker_tokens, frames = 4, 12, 20

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import soxr
 
-from app.audio.denoise import DELAY, FRAME, RATE, DenoiseBatcher, Denoiser
-from app.audio.vad import VadBatcher, VadConfig
-from app.realtime.input_buffer import InputBuffer, TurnEnded, TurnStarted
+from omnirt.app.audio.denoise import DELAY, FRAME, RATE, DenoiseBatcher, Denoiser
+from omnirt.app.audio.vad import VadBatcher, VadConfig
+from omnirt.app.realtime.input_buffer import InputBuffer, TurnEnded, TurnStarted
 from tests.realtime_helpers import LEAD_S, espeak_utterance
 
 

@@ -19,9 +19,9 @@ import yaml
 
 from tests.conftest import ROOT, free_port
 
-ENTRYPOINT = ROOT / "deploy" / "docker" / "entrypoint.sh"
+ENTRYPOINT = ROOT / "omnirt" / "deploy" / "docker" / "entrypoint.sh"
 DOCKERFILE = (ROOT / "Dockerfile").read_text()
-COMPOSE = yaml.safe_load((ROOT / "deploy" / "docker" / "compose.yaml").read_text())
+COMPOSE = yaml.safe_load((ROOT / "omnirt" / "deploy" / "docker" / "compose.yaml").read_text())
 
 
 def build_context() -> list[str]:
@@ -57,8 +57,9 @@ def test_the_context_holds_what_the_dockerfile_copies_and_nothing_for_tests():
     context = build_context()
     copied = [src for line in DOCKERFILE.splitlines() if line.startswith("COPY ") for src in line.split()[1:-1]]
     assert copied and all(any(f == src or f.startswith(f"{src}/") for f in context) for src in copied), copied
-    assert not [f for f in context if f.startswith(("tests/", "docs/", "loadtest/", ".venv", "bench-results"))]
-    assert (ROOT / env_line("OMNIRT_PROFILE")).is_file() and "deploy/docker/entrypoint.sh" in context
+    assert not [f for f in context if f.startswith(("tests/", "docs/", "omnirt/loadtest/", ".venv", "bench-results"))]
+    assert f"omnirt/deploy/{env_line('OMNIRT_PROFILE')}.yaml" in context  # a shipped profile, by name
+    assert "omnirt/deploy/docker/entrypoint.sh" in context
 
 
 def test_the_image_installs_serving_only_and_torch_first():
@@ -67,18 +68,19 @@ def test_the_image_installs_serving_only_and_torch_first():
     assert installs[1].split()[-1] == '".[webrtc]"'  # no dev, loadtest or ray extra
     assert f"EXPOSE {env_line('OMNIRT_PORT')}" in DOCKERFILE
     assert "WORKDIR /opt/omnirt" in DOCKERFILE
-    assert 'ENTRYPOINT ["/opt/omnirt/deploy/docker/entrypoint.sh"]' in DOCKERFILE
-    assert re.search(r'HEALTHCHECK .*\n\s+CMD \["/opt/omnirt/deploy/docker/entrypoint.sh", "health"\]', DOCKERFILE)
+    assert 'ENTRYPOINT ["/opt/omnirt/omnirt/deploy/docker/entrypoint.sh"]' in DOCKERFILE
+    health = r'HEALTHCHECK .*\n\s+CMD \["/opt/omnirt/omnirt/deploy/docker/entrypoint.sh", "health"\]'
+    assert re.search(health, DOCKERFILE)
 
 
 def test_the_compose_example_builds_this_dockerfile_with_a_gpu_a_model_volume_and_a_key():
     service = COMPOSE["services"]["omnirt"]
-    context = (ROOT / "deploy" / "docker" / service["build"]["context"]).resolve()
+    context = (ROOT / "omnirt" / "deploy" / "docker" / service["build"]["context"]).resolve()
     assert context == ROOT and (context / service["build"]["dockerfile"]).is_file()
     volume = service["volumes"][0]
     assert volume.startswith("${MODELS_DIR:?") and volume.endswith(":/models:ro")
     assert service["environment"]["OMNIRT_MODEL"].startswith("/models/")
-    assert (ROOT / service["environment"]["OMNIRT_PROFILE"]).is_file()
+    assert (ROOT / "omnirt" / "deploy" / f"{service['environment']['OMNIRT_PROFILE']}.yaml").is_file()
     assert service["environment"]["OMNIRT_API_KEY"].startswith("${OMNIRT_API_KEY:?")
     assert service["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
 
@@ -114,23 +116,23 @@ def test_the_health_check_fails_without_a_server():
 
 
 def test_the_build_context_alone_serves_the_tiny_model_through_the_entrypoint(tmp_path):
-    """The files the image gets, and nothing else of the checkout (`python -m app.cli` in the copy imports the
-    copy's app/ and pipeline/): `entrypoint.sh` serves the tiny model, and `entrypoint.sh health` turns healthy
-    once it answers."""
+    """The files the image gets, and nothing else of the checkout (`python -m omnirt.app.cli` in the copy imports the
+    copy's omnirt/app/ and omnirt/pipeline/): `entrypoint.sh` serves the tiny model, and `entrypoint.sh health` turns
+    healthy once it answers."""
     context = tmp_path / "context"
     for f in build_context():
         (context / f).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / f, context / f)
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "omnirt").write_text(f'#!/bin/sh\nexec {sys.executable} -m app.cli "$@"\n')  # the image's script
+    (bin_dir / "omnirt").write_text(f'#!/bin/sh\nexec {sys.executable} -m omnirt.app.cli "$@"\n')  # the image's script
     (bin_dir / "omnirt").chmod(0o755)
     port = free_port()
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHONPATH": str(context),
            "OMNIRT_HOST": "127.0.0.1", "OMNIRT_PORT": str(port), "OMNIRT_MODEL": "tiny",
-           "OMNIRT_PROFILE": "deploy/tiny.yaml", "OMNIRT_THREADS": "1"}
+           "OMNIRT_PROFILE": "tiny", "OMNIRT_THREADS": "1"}
     log = tmp_path / "serve.log"
-    proc = subprocess.Popen(["sh", str(context / "deploy/docker/entrypoint.sh"), "--log-level", "warning"],
+    proc = subprocess.Popen(["sh", str(context / "omnirt/deploy/docker/entrypoint.sh"), "--log-level", "warning"],
                             cwd=context, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
     try:
         deadline = time.time() + 120
@@ -138,7 +140,7 @@ def test_the_build_context_alone_serves_the_tiny_model_through_the_entrypoint(tm
             assert time.time() < deadline, log.read_text()[-2000:]
             time.sleep(0.5)
         assert health.returncode == 0, log.read_text()[-2000:]
-        page = httpx.get(f"http://127.0.0.1:{port}/", timeout=30)  # the demo, from the context's web/
+        page = httpx.get(f"http://127.0.0.1:{port}/", timeout=30)  # the demo, from the context's omnirt/web/
         assert page.status_code == 200 and "omnirt voice demo" in page.text
     finally:
         proc.terminate()

@@ -1,4 +1,4 @@
-"""The engine API (`pipeline/api.py`) with the engine in this process and in an engine core process of
+"""The engine API (`omnirt/pipeline/api.py`) with the engine in this process and in an engine core process of
 its own: the same behaviour through both clients, the process boundary's failure modes (a core that
 dies mid-stream, refusals, aborts racing last steps), and the dependency rule that makes the API the
 only door."""
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.api import (
+from omnirt.pipeline.api import (
     AudioChunk,
     EngineDeadError,
     EngineOptions,
@@ -204,7 +204,7 @@ async def test_overload_and_a_core_killed_mid_stream(small_core):
 
 
 def test_a_core_that_cannot_start_says_why():
-    from pipeline.api import EngineStartError
+    from omnirt.pipeline.api import EngineStartError
 
     with pytest.raises(EngineStartError, match="max_num_seqs"):
         start_engine(EngineOptions(process="core", stage_overrides={"0": {"max_num_seqs": 0}}))
@@ -226,8 +226,9 @@ def _imports(folder: str) -> set[tuple[str, str]]:
 
 
 def test_app_imports_only_the_engine_api():
-    app = _imports("app")
-    assert {(f, m) for f, m in app if m.startswith("pipeline") and m != "pipeline.api"} == set()
-    assert {(f, m) for f, m in app if m.startswith("loadtest")} == set()
-    pipeline = _imports("pipeline")
-    assert {(f, m) for f, m in pipeline if m.split(".")[0] in ("app", "loadtest", "tests")} == set()
+    app = _imports("omnirt/app")
+    assert app and {(f, m) for f, m in app if m.startswith("omnirt.pipeline") and m != "omnirt.pipeline.api"} == set()
+    assert {(f, m) for f, m in app if m.startswith("omnirt.loadtest")} == set()
+    pipeline = _imports("omnirt/pipeline")
+    above = ("omnirt.app", "omnirt.loadtest", "tests")
+    assert pipeline and {(f, m) for f, m in pipeline if m.startswith(above)} == set()

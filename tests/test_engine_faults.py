@@ -14,18 +14,18 @@ import time
 import pytest
 from faults import MARK, inject
 
-from app.audio.rounds import Rounds
-from app.ops.admission import session_refusal
-from app.ops.front_end_load import FrontEndLoad
-from app.ops.lifecycle import Lifecycle
-from pipeline.api import AudioChunk, EngineOverloaded, Finished, OmniRequest, TextDelta
+from omnirt.app.audio.rounds import Rounds
+from omnirt.app.ops.admission import session_refusal
+from omnirt.app.ops.front_end_load import FrontEndLoad
+from omnirt.app.ops.lifecycle import Lifecycle
+from omnirt.pipeline.api import AudioChunk, EngineOverloaded, Finished, OmniRequest, TextDelta
 from tests.conftest import HANG_GUARD_S, until
 
 
 def make_engine(cfg):
-    from pipeline.engine.omni import OmniEngine
-    from pipeline.models import load_models
-    from pipeline.platform import get_platform
+    from omnirt.pipeline.engine.omni import OmniEngine
+    from omnirt.pipeline.models import load_models
+    from omnirt.pipeline.platform import get_platform
 
     eng = OmniEngine(cfg, load_models(cfg, get_platform("cpu")))
     eng.start()
@@ -71,7 +71,7 @@ PROMPTS = ["Tell me about the sea.", "What is two plus two?", "Sing a short song
 async def test_injected_failure_fails_only_that_request(faulty_engine, caplog):
     """The marked request shares batches with three others; it ends with an error event, they finish
     exactly as they do when run alone."""
-    caplog.set_level(logging.WARNING, logger="pipeline.stage.loop")
+    caplog.set_level(logging.WARNING, logger="omnirt.pipeline.stage.loop")
     alone = [await collect(faulty_engine, request(f"alone-{i}", p)) for i, p in enumerate(PROMPTS)]
     stage = faulty_engine.fault_stage
     for attempt in range(6):  # batching depends on timing: retry until the fault hit a shared batch

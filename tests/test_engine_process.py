@@ -16,7 +16,7 @@ import psutil
 import pytest
 import websockets
 
-from tests.conftest import ROOT, ServerProcess, wait_for
+from tests.conftest import ServerProcess, wait_for
 from tests.realtime_helpers import ask, recv, recv_type, ws_url
 from tests.sse_client import audio_body, stream_chat
 
@@ -61,7 +61,7 @@ def server(tmp_path: Path, *args: str) -> ServerProcess:
 
 def test_sigterm_stops_every_process_of_a_replicated_server(tmp_path):
     """API process, engine core and five replica workers: SIGTERM ends them all, sockets and rings gone."""
-    srv = server(tmp_path, "--deploy-config", str(ROOT / "deploy/qwen3_omni_moe_multi_replicas.yaml"),
+    srv = server(tmp_path, "--deploy-config", "qwen3_omni_moe_multi_replicas",
                  "--stage-overrides", json.dumps({"1": {"num_replicas": 2}}))
     try:
         procs = descendants(srv.proc.pid)
@@ -117,7 +117,7 @@ async def test_core_killed_with_workers_and_a_realtime_session(tmp_path):
     """kill -9 of the core of a replicated server: the Realtime response fails naming the engine, the session
     gets an `error` event and a close, the workers (the core's children) stop by themselves, the server exits
     non-zero, and no IPC socket or shared-memory ring is left."""
-    srv = server(tmp_path, "--deploy-config", str(ROOT / "deploy/qwen3_omni_moe_multi_replicas.yaml"))
+    srv = server(tmp_path, "--deploy-config", "qwen3_omni_moe_multi_replicas")
     try:
         procs = descendants(srv.proc.pid)
         ws = await websockets.connect(ws_url(srv), max_size=None)

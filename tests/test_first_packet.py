@@ -1,5 +1,5 @@
-"""First packet first (`pipeline/stage/priority.py`): which runnable requests take a step's rows, at the scheduler and
-through the engine. Everything is counted in steps, never in time."""
+"""First packet first (`omnirt/pipeline/stage/priority.py`): which runnable requests take a step's rows, at the
+scheduler and through the engine. Everything is counted in steps, never in time."""
 
 from __future__ import annotations
 
@@ -9,16 +9,16 @@ import math
 import pytest
 import torch
 
-from pipeline.api import OmniRequest, collect_reply
-from pipeline.models.qwen3_omni.codec_stream import CodecStream
-from pipeline.models.qwen3_omni.pacing import FixedChunks
-from pipeline.stage.chunk_scheduler import ChunkScheduler
-from pipeline.stage.kv_cache import SlotKVCache
-from pipeline.stage.priority import Priority
-from pipeline.stage.request import StageRequest
-from pipeline.stage.sampling import SamplingParams
-from pipeline.stage.scheduler import SlotScheduler
-from pipeline.stage.step import RowOutput
+from omnirt.pipeline.api import OmniRequest, collect_reply
+from omnirt.pipeline.models.qwen3_omni.codec_stream import CodecStream
+from omnirt.pipeline.models.qwen3_omni.pacing import FixedChunks
+from omnirt.pipeline.stage.chunk_scheduler import ChunkScheduler
+from omnirt.pipeline.stage.kv_cache import SlotKVCache
+from omnirt.pipeline.stage.priority import Priority
+from omnirt.pipeline.stage.request import StageRequest
+from omnirt.pipeline.stage.sampling import SamplingParams
+from omnirt.pipeline.stage.scheduler import SlotScheduler
+from omnirt.pipeline.stage.step import RowOutput
 from tests.conftest import ROOT
 
 
@@ -68,8 +68,8 @@ def test_a_request_owed_its_first_packet_takes_a_full_steps_row_before_a_running
 
 def test_a_background_request_owes_no_first_packet():
     """A transcript of the user (`OmniRequest.background`) ranks with the running requests, after new replies."""
-    from pipeline.models.qwen3_omni.graph import new_requests
-    from pipeline.models.qwen3_omni.prompt import EncodedPrompt
+    from omnirt.pipeline.models.qwen3_omni.graph import new_requests
+    from omnirt.pipeline.models.qwen3_omni.prompt import EncodedPrompt
 
     params = {"thinker": SamplingParams(temperature=0, max_tokens=8)}
     for background, owed in ((False, True), (True, False)):
@@ -204,14 +204,14 @@ async def _reply(engine, req: OmniRequest):
 
 
 async def _replies(priority: bool):
-    from pipeline.engine.omni import OmniEngine
-    from pipeline.models import load_models
-    from pipeline.platform import get_platform
+    from omnirt.pipeline.engine.omni import OmniEngine
+    from omnirt.pipeline.models import load_models
+    from omnirt.pipeline.platform import get_platform
     from tests.profiles import load_profile
 
     # 2 rows per Thinker and Talker step and 1 Code2Wav window for 6 requests; the memory plan gives the AR
     # stages 8 slots each, which the priority fills
-    cfg = load_profile(ROOT / "deploy" / "tiny.yaml", "cpu",
+    cfg = load_profile(ROOT / "omnirt" / "deploy" / "tiny.yaml", "cpu",
                        {"gpu_memory_utilization": 0.05, "first_packet_priority": priority},
                        {"0": {"max_num_seqs": 2}, "1": {"max_num_seqs": 2}, "2": {"max_num_seqs": 1}})
     engine = OmniEngine(cfg, load_models(cfg, get_platform("cpu")))
@@ -244,16 +244,16 @@ async def test_greedy_replies_are_the_same_with_the_priority_on_and_off():
     # wait for whole replies of others: tens of steps)
     for stage in ("thinker", "talker"):
         assert waits_on[stage].first_wait_steps < waits_off[stage].first_wait_steps
-    # each stage's first output for each request was timed (pipeline/engine/timeline.py), and for each request the
-    # Thinker's first token comes before the Talker's first frame, which comes before Code2Wav's first PCM
+    # each stage's first output for each request was timed (omnirt/pipeline/engine/timeline.py), and for each request
+    # the Thinker's first token comes before the Talker's first frame, which comes before Code2Wav's first PCM
     assert [firsts[s][0] for s in ("thinker", "talker", "code2wav")] == [len(PROMPTS)] * 3
     assert 0 < firsts["thinker"][1] <= firsts["talker"][1] <= firsts["code2wav"][1]
 
 
 def test_first_output_times_fall_in_prometheus_buckets():
     """A bucket holds the values up to and including its bound; one past the last bound holds the rest."""
-    from pipeline.api import FIRST_OUTPUT_BUCKETS_S
-    from pipeline.engine.timeline import FirstOutputTimes
+    from omnirt.pipeline.api import FIRST_OUTPUT_BUCKETS_S
+    from omnirt.pipeline.engine.timeline import FirstOutputTimes
 
     times = FirstOutputTimes()
     for seconds in (0.0, 0.025, 0.026, 10.0, 11.0):

@@ -32,8 +32,8 @@ from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
 from pipecat.services.openai.stt import OpenAIRealtimeSTTService
 from pipecat.workers.runner import WorkerRunner
 
-from app.audio.pcm import float_to_pcm16
-from app.audio.resample import resample
+from omnirt.app.audio.pcm import float_to_pcm16
+from omnirt.app.audio.resample import resample
 from tests.conftest import HANG_GUARD_S, until
 from tests.realtime_helpers import espeak_utterance
 

@@ -15,13 +15,13 @@ import httpx
 import pytest
 import websockets
 
-from app import cli
-from app.audio.rounds import Rounds
-from app.ops.front_end_load import FrontEndLoad
-from pipeline import profile
-from pipeline.api import FrontEndLimits
-from pipeline.config import FrontEndConfig, ProfileError
-from pipeline.models.qwen3_omni.stages import STAGES
+from omnirt.app import cli
+from omnirt.app.audio.rounds import Rounds
+from omnirt.app.ops.front_end_load import FrontEndLoad
+from omnirt.pipeline import profile
+from omnirt.pipeline.api import FrontEndLimits
+from omnirt.pipeline.config import FrontEndConfig, ProfileError
+from omnirt.pipeline.models.qwen3_omni.stages import STAGES
 from tests.conftest import HANG_GUARD_S, ROOT, ServerProcess, until, wait_for
 from tests.realtime_helpers import b64_chunks, espeak_utterance, recv, recv_type, ws_url
 
@@ -114,7 +114,7 @@ async def test_vad_backlog_is_the_oldest_waiting_audio_and_refuses_past_its_limi
 
 def front_end_of(*settings: str) -> FrontEndConfig:
     """The tiny profile's `front_end`, with `--set` settings over it."""
-    return profile.load_profile(ROOT / "deploy" / "tiny.yaml", "cpu", STAGES,
+    return profile.load_profile(ROOT / "omnirt" / "deploy" / "tiny.yaml", "cpu", STAGES,
                                 [profile.parse_setting(s) for s in settings]).front_end
 
 
@@ -133,7 +133,7 @@ def test_profile_front_end_limits_and_their_checks():
 def test_api_workers_auto_from_the_cores(monkeypatch, caplog, cores, process, workers):
     monkeypatch.setattr(cli, "host_cores", lambda: cores)
     monkeypatch.setattr(cli.sys, "platform", "linux")
-    with caplog.at_level("INFO", "app.cli"):
+    with caplog.at_level("INFO", "omnirt.app.cli"):
         assert cli.auto_api_workers(process) == workers
     assert f"--api-workers auto: {workers} API worker" in caplog.text
 

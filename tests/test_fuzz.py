@@ -17,7 +17,7 @@ import schemathesis
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from app.audio.pcm import encode_wav
+from omnirt.app.audio.pcm import encode_wav
 from tests.conftest import ServerProcess
 from tests.fuzz_helpers import CHEAP, details, image_url, junk, opt, session, small_ints, sometimes_junk
 

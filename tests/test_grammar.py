@@ -15,12 +15,12 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from pipeline.api import OmniRequest, collect_reply
-from pipeline.models.qwen3_omni.prompt import PromptEncoder
-from pipeline.models.qwen3_omni.tiny import ensure_tiny_model
-from pipeline.models.qwen3_omni.tool_calls import CallDelta, ToolCallParser, tool_call_spec
-from pipeline.stage.grammar import BITS, ConstraintError, GrammarMasks, Grammars, apply_token_bitmask
-from pipeline.stage.sampling import Sampler, SamplingParams
+from omnirt.pipeline.api import OmniRequest, collect_reply
+from omnirt.pipeline.models.qwen3_omni.prompt import PromptEncoder
+from omnirt.pipeline.models.qwen3_omni.tiny import ensure_tiny_model
+from omnirt.pipeline.models.qwen3_omni.tool_calls import CallDelta, ToolCallParser, tool_call_spec
+from omnirt.pipeline.stage.grammar import BITS, ConstraintError, GrammarMasks, Grammars, apply_token_bitmask
+from omnirt.pipeline.stage.sampling import Sampler, SamplingParams
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
                                             "unit": {"enum": ["c", "f"]}},
@@ -85,7 +85,7 @@ def test_tools_render_as_the_released_template(tokenizer):
     consecutive results <tool_response> blocks of one user turn."""
     from transformers import Qwen3OmniMoeConfig
 
-    from pipeline.models.qwen3_omni import released
+    from omnirt.pipeline.models.qwen3_omni import released
 
     path = ensure_tiny_model()
     encoder = PromptEncoder.from_checkpoint(path, tokenizer, Qwen3OmniMoeConfig.from_pretrained(path).thinker_config)

@@ -1,4 +1,4 @@
-"""The guard against DNS rebinding (`app.ops.hosts`): a request whose `Host` names something the server does
+"""The guard against DNS rebinding (`omnirt.app.ops.hosts`): a request whose `Host` names something the server does
 not answer to is refused before anything else runs, over HTTP reads and posts and WebSocket handshakes;
 localhost, IP literals (IPv6 bracketed), `--host` and `--allowed-hosts` names pass, at any port; `*` turns
 the guard off. The origin check then takes a page as same-origin only under a name the server answers to."""
@@ -13,12 +13,12 @@ from fastapi import FastAPI, WebSocket
 from starlette.testclient import TestClient
 from starlette.websockets import WebSocketDisconnect
 
-from app.api_process import server_settings
-from app.flags import build_parser
-from app.ops import security
-from app.ops.hosts import HostRule, hostname
-from app.ops.keys import KeyRing
-from app.ops.secret_store import SecretStore
+from omnirt.app.api_process import server_settings
+from omnirt.app.flags import build_parser
+from omnirt.app.ops import security
+from omnirt.app.ops.hosts import HostRule, hostname
+from omnirt.app.ops.keys import KeyRing
+from omnirt.app.ops.secret_store import SecretStore
 
 REBOUND = "attacker.example:8091"  # a name its owner re-pointed at 127.0.0.1
 

@@ -13,7 +13,7 @@ import pytest
 from aioice import stun
 from aiortc import RTCConfiguration, RTCPeerConnection
 
-from app.transports.ice import (
+from omnirt.app.transports.ice import (
     IceServer,
     IceSettings,
     advertise,

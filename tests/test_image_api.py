@@ -11,8 +11,8 @@ import openai
 import pytest
 from PIL import Image
 
-from app.images import ImageError, ImageLimits, decode_data_url
-from pipeline.api import OmniRequest, collect_reply
+from omnirt.app.images import ImageError, ImageLimits, decode_data_url
+from omnirt.pipeline.api import OmniRequest, collect_reply
 from tests.conftest import ServerProcess
 from tests.fuzz_helpers import IMAGE_URLS, data_url
 from tests.realtime_helpers import collect_until

@@ -16,10 +16,10 @@ from PIL import Image
 from transformers import AutoTokenizer, WhisperFeatureExtractor
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-from pipeline.api import OmniRequest, collect_reply
-from pipeline.models.qwen3_omni import released
-from pipeline.models.qwen3_omni.prompt import PromptConfigError
-from pipeline.models.qwen3_omni.tiny import ensure_tiny_model
+from omnirt.pipeline.api import OmniRequest, collect_reply
+from omnirt.pipeline.models.qwen3_omni import released
+from omnirt.pipeline.models.qwen3_omni.prompt import PromptConfigError
+from omnirt.pipeline.models.qwen3_omni.tiny import ensure_tiny_model
 from tests.test_parity import assert_same_reply, engine_generate, reference_generate, started_engine
 from tests.test_prompt import _audio, _copy, _encoder, _NoVideoProcessor
 

@@ -1,6 +1,6 @@
-"""The import rules hold: the import-linter contracts in pyproject.toml (pipeline/'s and app/'s floors, app imports
-only `pipeline.api` of the engine, only pipeline/models/ knows a model, nothing imports `loadtest`), and no
-import loop in app/ or pipeline/, deferred and `TYPE_CHECKING` imports included."""
+"""The import rules hold: the import-linter contracts in pyproject.toml (omnirt/pipeline/'s and omnirt/app/'s floors,
+app imports only `omnirt.pipeline.api` of the engine, only omnirt/pipeline/models/ knows a model, nothing imports
+`loadtest`), and no import loop in omnirt/app/ or omnirt/pipeline/, deferred and `TYPE_CHECKING` imports included."""
 
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ def test_loops_are_found():
     assert loops(graph, "p") == [{"p.a", "p.b", "p.c"}]
 
 
-@pytest.mark.parametrize("package", ["app", "pipeline"])
+@pytest.mark.parametrize("package", ["omnirt.app", "omnirt.pipeline"])
 def test_no_import_loop(package):
-    graph = grimp.build_graph(package, cache_dir=None)  # every import: deferred and TYPE_CHECKING ones too
+    graph = grimp.build_graph("omnirt", cache_dir=None)  # every import: deferred and TYPE_CHECKING ones too
     assert loops(graph, package) == []

@@ -18,7 +18,7 @@ import openai
 import pytest
 import websockets
 
-from loadtest.webrtc_client import connect
+from omnirt.loadtest.webrtc_client import connect
 from tests.conftest import ROOT, ServerProcess, wait_for
 from tests.realtime_helpers import key_subprotocols, mint_secret, recv, recv_type, ws_url
 
@@ -186,6 +186,6 @@ def test_a_bad_keys_file_or_demo_key_stops_the_server_at_start(tmp_path, args, e
     bad = tmp_path / "bad.yaml"
     bad.write_text("keys: [{id: a, key: sk-123456789, max_session: 2}]")
     args = [a.format(bad=bad, missing=tmp_path / "missing.yaml") for a in args]
-    done = subprocess.run([sys.executable, "-m", "app.cli", "serve", "--port", "0", *args], cwd=ROOT,
+    done = subprocess.run([sys.executable, "-m", "omnirt.app.cli", "serve", "--port", "0", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and error in done.stderr, done.stderr[-2000:]

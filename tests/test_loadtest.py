@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT, ServerProcess
+from tests.conftest import OMNIRT, ROOT, ServerProcess
 
 
 def test_locust_headless_short_run(server, tmp_path):
@@ -22,7 +22,7 @@ def test_locust_headless_short_run(server, tmp_path):
     user finish the task it is in, so the first chat request and the first turn always complete."""
     prefix = tmp_path / "lt"
     run = subprocess.run(
-        [sys.executable, "-m", "locust", "-f", str(ROOT / "loadtest" / "locustfile.py"), "--headless",
+        [sys.executable, "-m", "locust", "-f", str(ROOT / "omnirt" / "loadtest" / "locustfile.py"), "--headless",
          "--host", server.url, "-u", "2", "-r", "2", "-t", "20s", "--stop-timeout", "180", "--csv", str(prefix),
          "--raw-samples", str(prefix), "--only-summary"],
         cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "OMNIRT_LOADTEST_MAX_TOKENS": "8"})
@@ -49,14 +49,14 @@ def test_bench_picks_a_sweep_that_fits_the_server_and_says_so(server, tmp_path):
     """Against the CPU server, without a sweep given: the small CPU sweep, announced (--dry-run: only that)."""
     for cmd, plan in ((["bench"], "prompt lengths [10, 160] x concurrency [1, 2, 4]"),
                       (["bench", "realtime"], "[1, 4] websocket sessions x (1 + 3) turns, mode cancel")):
-        run = subprocess.run([sys.executable, "-m", "app.cli", *cmd, "--url", server.url, "--dry-run"], cwd=tmp_path,
+        run = subprocess.run([*OMNIRT, *cmd, "--url", server.url, "--dry-run"], cwd=tmp_path,
                              capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
         assert run.returncode == 0 and run.stdout.startswith(f"would run: cpu server at {server.url}: {plan}"), run
     assert not list(tmp_path.iterdir())  # a dry run writes nothing
 
 
 def test_bench_writes_into_an_untracked_run_folder_by_default(server, tmp_path):
-    run = subprocess.run([sys.executable, "-m", "app.cli", "bench", "--url", server.url, "--prompt-lens", "10",
+    run = subprocess.run([*OMNIRT, "bench", "--url", server.url, "--prompt-lens", "10",
                           "--concurrency", "1", "--requests-per-point", "2", "--rounds", "1", "--warmup", "1",
                           "--thinker-tokens", "4", "--talker-frames", "6"], cwd=tmp_path, capture_output=True,
                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -80,7 +80,7 @@ def test_bench_writes_into_an_untracked_run_folder_by_default(server, tmp_path):
 def test_turn_gaps_are_each_session_s_own_and_the_same_every_run():
     """--gap-jitter: a session's pauses between turns vary within the bound, differ between sessions and come
     the same in every run (seeded by the session); 0 gives every pause --gap."""
-    from loadtest.realtime_bench import Mic, build_parser
+    from omnirt.loadtest.realtime_bench import Mic, build_parser
 
     args = build_parser().parse_args(["--gap", "1.0", "--gap-jitter", "0.5"])
     runs = [[Mic(i, args, None) for i in range(3)] for _ in range(2)]
@@ -94,7 +94,7 @@ def test_turn_gaps_are_each_session_s_own_and_the_same_every_run():
 def test_distinct_prompts_differ_from_their_first_word_on():
     """--distinct-prompts: each request's prompt begins with its own serial (no whole prompt to reuse), at the
     same word count; without it a point's prompts are all the same."""
-    from loadtest.bench import build_parser, request_body, serial_numbers
+    from omnirt.loadtest.bench import build_parser, request_body, serial_numbers
 
     same, distinct = build_parser().parse_args([]), build_parser().parse_args(["--distinct-prompts"])
     a, b = (request_body(distinct, 5, i)["messages"][0]["content"].split() for i in (3, 4))
@@ -112,7 +112,7 @@ def test_bench_realtime_short_run(server, tmp_path, mode, transport):
     over the WebSocket or as WebRTC calls; every turn is detected (and, with responses, answered with
     audio), nothing fails, only measured turns count, and the report has its figures. Full replies are capped
     (`--reply-frames`): none is longer than its frames' audio."""
-    run = subprocess.run([sys.executable, "-m", "app.cli", "bench", "realtime", "--url", server.url, "--sessions", "2",
+    run = subprocess.run([*OMNIRT, "bench", "realtime", "--url", server.url, "--sessions", "2",
                           "--turns", "1", "--clients", "2", "--mode", mode, "--transport", transport, "--name", "rt",
                           "--out", str(tmp_path), *(["--reply-frames", "6", "--reply-tokens", "8"] if mode == "full"
                                                     else [])],
@@ -143,7 +143,7 @@ def test_bench_realtime_paused_speech_semantic_vad_against_server_vad(server, tm
     turn still ends after its last word."""
     rows = {}
     for td in ("server_vad", "semantic_vad"):
-        run = subprocess.run([sys.executable, "-m", "app.cli", "bench", "realtime", "--url", server.url, "--sessions",
+        run = subprocess.run([*OMNIRT, "bench", "realtime", "--url", server.url, "--sessions",
                               "2", "--turns", "1", "--clients", "1", "--mode", "no-responses", "--speech", "paused",
                               "--turn-detection", td, *(["--noise-reduction", "far_field"] if td == "semantic_vad"
                                                         else []), "--name", td, "--out", str(tmp_path)],
@@ -160,7 +160,7 @@ def test_bench_realtime_paused_speech_semantic_vad_against_server_vad(server, tm
 def test_bench_realtime_with_and_without_transcripts(server, tmp_path):
     """`--transcription both`: each point runs without, then with transcripts of the user; with them every
     measured turn gets its transcript (none fails) and still its reply's audio."""
-    run = subprocess.run([sys.executable, "-m", "app.cli", "bench", "realtime", "--url", server.url, "--sessions", "1",
+    run = subprocess.run([*OMNIRT, "bench", "realtime", "--url", server.url, "--sessions", "1",
                           "--turns", "1", "--clients", "1", "--transcription", "both", "--name", "tr",
                           "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
@@ -185,7 +185,7 @@ def test_bench_realtime_abusive_session_leaves_others_whole(tmp_path):
     srv = ServerProcess(["--realtime-audio-burst-s", "6", "--slow-client-timeout", "3",
                          "--realtime-max-sessions", "40"])
     try:
-        run = subprocess.run([sys.executable, "-m", "app.cli", "bench", "realtime", "--url", srv.url,
+        run = subprocess.run([*OMNIRT, "bench", "realtime", "--url", srv.url,
                               "--sessions", "16", "--turns", "1", "--warmup-turns", "0", "--clients", "4",
                               "--abusive", "1", "--deaf-s", "60", "--name", "abuse", "--out", str(tmp_path)],
                              cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -209,11 +209,11 @@ def test_bench_realtime_abusive_session_leaves_others_whole(tmp_path):
 
 
 def test_vad_lag_ends_every_turn_and_the_gate_none_later(capsys):
-    """`python -m loadtest.vad_lag`: at each alignment of the bench's utterance to the window grid the turn ends,
+    """`python -m omnirt.loadtest.vad_lag`: at each alignment of the bench's utterance to the window grid the turn ends,
     no later with the level gate than with the probability alone; the report has a row for each."""
-    from app.audio.vad import QUIET_DB, SileroBatch
-    from loadtest.realtime_bench import utterance
-    from loadtest.vad_lag import lag_ms, main
+    from omnirt.app.audio.vad import QUIET_DB, SileroBatch
+    from omnirt.loadtest.realtime_bench import utterance
+    from omnirt.loadtest.vad_lag import lag_ms, main
 
     speech, model = utterance(None)[0], SileroBatch()
     for shift in (0, 256, 512):
@@ -225,11 +225,11 @@ def test_vad_lag_ends_every_turn_and_the_gate_none_later(capsys):
 
 
 def test_step_log_summary_per_span(tmp_path):
-    """`python -m loadtest.step_log`: a --step-log cut by the spans a GPU script prints (a point may come twice,
+    """`python -m omnirt.loadtest.step_log`: a --step-log cut by the spans a GPU script prints (a point may come twice,
     each span named by its place), plain or gzipped, summarised per stage and kind."""
     import gzip
 
-    from loadtest.step_log import in_span, read_spans, read_steps, summarize
+    from omnirt.loadtest.step_log import in_span, read_spans, read_steps, summarize
 
     lines = ["10.0 thinker prefill 2 120 40.0", "10.5 thinker decode 2 2 8.0", "11.0 thinker decode 1 1 6.0",
              "20.0 thinker prefill 1 60 30.0", "20.1 talker prefill 1 64 4.0", "30.0 thinker prefill 3 1 9.0"]
@@ -251,9 +251,9 @@ def test_bench_serves_a_named_variant_itself(tmp_path):
     """`omnirt bench --serve reference`: the bench starts transformers' generate() behind the API from this
     checkout on a free port, runs against it and stops it; the report names the variant, and the reference's
     points have no engine stages to report (the omnirt engine's do)."""
-    from loadtest.local_server import health
+    from omnirt.loadtest.local_server import health
 
-    run = subprocess.run([sys.executable, "-m", "app.cli", "bench", "--serve", "reference", "--serve-args",
+    run = subprocess.run([*OMNIRT, "bench", "--serve", "reference", "--serve-args",
                           "--threads 1", "--prompt-lens", "10", "--concurrency", "1", "--requests-per-point", "1",
                           "--rounds", "1", "--warmup", "0", "--thinker-tokens", "4", "--talker-frames", "6",
                           "--name", "ref", "--out", str(tmp_path)], cwd=tmp_path, capture_output=True, text=True,
@@ -270,12 +270,12 @@ def test_bench_serves_a_named_variant_itself(tmp_path):
 def test_variants_join_and_their_settings_reach_the_engine_config():
     """Variants joined by `+` give their `--set`s in order, and the server's config has each changed key (and the
     profile's value otherwise); an unknown name is refused."""
-    from app.cli import engine_options
-    from app.flags import build_parser
-    from loadtest.variants import VARIANTS, serve_args
+    from omnirt.app.cli import engine_options
+    from omnirt.app.flags import build_parser
+    from omnirt.loadtest.variants import VARIANTS, serve_args
     from tests.profiles import engine_config
 
-    profile = ["--model", "qwen3-omni-30b-a3b", "--deploy-config", str(ROOT / "deploy" / "qwen3_omni_moe_1gpu.yaml")]
+    profile = ["--model", "qwen3-omni-30b-a3b", "--deploy-config", "qwen3_omni_moe_1gpu"]
 
     def config(spec: str):
         return engine_config(engine_options(build_parser().parse_args(["serve", *profile, *serve_args(spec)])), "cuda")
@@ -292,31 +292,32 @@ def test_variants_join_and_their_settings_reach_the_engine_config():
 
 
 def test_gpu_driver_resolves_every_scenario(tmp_path):
-    """`python -m loadtest.gpu --dry-run`: every scenario's steps resolve (their variants, values and modules), and a
-    value no scenario of the run reads is refused, naming the ones they read."""
+    """`python -m omnirt.loadtest.gpu --dry-run`: every scenario's steps resolve (their variants, values and modules),
+    and a value no scenario of the run reads is refused, naming the ones they read."""
     import importlib.util
 
-    from loadtest.gpu.scenarios import SCENARIOS
+    from omnirt.loadtest.gpu.scenarios import SCENARIOS
 
-    run = subprocess.run([sys.executable, "-m", "loadtest.gpu", "--dry-run", "--out", str(tmp_path), *SCENARIOS,
+    run = subprocess.run([sys.executable, "-m", "omnirt.loadtest.gpu", "--dry-run", "--out", str(tmp_path), *SCENARIOS,
                           "variants=profile no-graphs fixed-ramp+no-priority"], cwd=ROOT, capture_output=True,
                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
     assert [line[3:].split(":")[0] for line in run.stdout.splitlines() if line.startswith("== ")] == list(SCENARIOS)
     modules = set(re.findall(r" -m ([\w.]+)", run.stdout))
-    assert {"app.cli", "loadtest.gpu.diag", "loadtest.gpu.hf_parity", "pytest"} <= modules
+    assert {"omnirt.app.cli", "omnirt.loadtest.gpu.diag", "omnirt.loadtest.gpu.hf_parity", "pytest"} <= modules
     assert all(importlib.util.find_spec(m) for m in modules), modules
     assert "--enforce-eager" in run.stdout and "--set connector.codec_chunk_pacing=fixed" in run.stdout
     assert "{" not in "".join(line for line in run.stdout.splitlines() if "--stage-overrides" not in line)
-    stray = subprocess.run([sys.executable, "-m", "loadtest.gpu", "--dry-run", "sweep", "sessions=1"], cwd=ROOT,
+    stray = subprocess.run([sys.executable, "-m", "omnirt.loadtest.gpu", "--dry-run", "sweep", "sessions=1"], cwd=ROOT,
                            capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert stray.returncode == 2 and "sessions: no parameter of sweep" in stray.stderr, stray.stderr
 
 
 def test_only_the_variants_table_spells_the_ablation_settings():
-    """The serve settings of the ablations (`--set`, `--enforce-eager`) appear in loadtest/ only in
-    loadtest/variants.py: one place to change; the flags they replaced appear nowhere."""
+    """The serve settings of the ablations (`--set`, `--enforce-eager`) appear in omnirt/loadtest/ only in
+    omnirt/loadtest/variants.py: one place to change; the flags they replaced appear nowhere."""
     flags = re.compile(r"--(set|no-async-chunk|no-async-output|no-first-packet-priority|no-prefix-caching|compile|"
                        r"attention|moe-backend|conv-backend|enforce-eager)\b|--engine reference")
-    files = [p for p in (ROOT / "loadtest").rglob("*") if p.suffix in (".py", ".sh") and p.name != "variants.py"]
+    files = [p for p in (ROOT / "omnirt" / "loadtest").rglob("*")
+             if p.suffix in (".py", ".sh") and p.name != "variants.py"]
     assert files and not [str(p) for p in files if flags.search(p.read_text())]

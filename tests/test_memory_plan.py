@@ -1,5 +1,5 @@
-"""The memory plan (`pipeline/stage/memory_plan.py`): KV slots from the device's memory, per stage or global, and the
-start-up error that names the key and the numbers; then the tiny model on the CPU sized by it (host memory
+"""The memory plan (`omnirt/pipeline/stage/memory_plan.py`): KV slots from the device's memory, per stage or global, and
+the start-up error that names the key and the numbers; then the tiny model on the CPU sized by it (host memory
 faked at `host_memory`, the one place the CPU platform reads it)."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import dataclasses
 import pytest
 import torch
 
-from pipeline.api import EngineOptions, EngineStartError, Finished, OmniRequest
-from pipeline.config import ProfileError
-from pipeline.stage.memory_plan import GIB, MAX_SLOTS_PER_SEQ, StageMemory, plan_memory
+from omnirt.pipeline.api import EngineOptions, EngineStartError, Finished, OmniRequest
+from omnirt.pipeline.config import ProfileError
+from omnirt.pipeline.stage.memory_plan import GIB, MAX_SLOTS_PER_SEQ, StageMemory, plan_memory
 
 
 def stages(thinker: float | None = None, talker: float | None = None, grow: bool = True) -> list[StageMemory]:
@@ -90,7 +90,7 @@ def test_a_plan_must_fit_the_memory_free_after_the_weights():
 def host(monkeypatch):
     """Fake the host's (available, total) memory, which the CPU platform's plan is sized from."""
     def install(free: int, total: int) -> None:
-        monkeypatch.setattr("pipeline.platform.host_memory", lambda: (free, total))
+        monkeypatch.setattr("omnirt.pipeline.platform.host_memory", lambda: (free, total))
     return install
 
 
@@ -100,8 +100,8 @@ def _small(cfg, **top):
 
 
 def test_the_tiny_model_is_sized_by_the_plan(tiny_config, host):
-    from pipeline.models import load_models
-    from pipeline.platform import get_platform
+    from omnirt.pipeline.models import load_models
+    from omnirt.pipeline.platform import get_platform
 
     host(8 * GIB, 16 * GIB)
     models = load_models(_small(tiny_config, gpu_memory_utilization=0.5), get_platform("cpu"))
@@ -117,7 +117,7 @@ def test_the_tiny_model_is_sized_by_the_plan(tiny_config, host):
 
 
 def test_a_fraction_too_small_stops_the_start_naming_the_key(host):
-    from pipeline.serving.core import build_engine
+    from omnirt.pipeline.serving.core import build_engine
 
     host(8 * GIB, 16 * GIB)
     with pytest.raises(EngineStartError, match=r"memory plan: gpu_memory_utilization gives thinker \+ talker \+ "
@@ -147,9 +147,9 @@ async def _turns(engine, num_conversations: int) -> list[tuple[int, int]]:
 def test_grown_slots_keep_more_conversations_resident(tiny_config, host, fraction, num_hits):
     """With 2 slots, 4 conversations evict each other's prefixes; with the slots the plan grows (8), each
     one's next turn starts from its first."""
-    from pipeline.engine.omni import OmniEngine
-    from pipeline.models import load_models
-    from pipeline.platform import get_platform
+    from omnirt.pipeline.engine.omni import OmniEngine
+    from omnirt.pipeline.models import load_models
+    from omnirt.pipeline.platform import get_platform
 
     torch.set_num_threads(1)
     host(8 * GIB, 16 * GIB)
@@ -176,9 +176,9 @@ def released_on_meta():
     """The released architecture with no memory behind it: its weights are counted from the shapes."""
     from transformers import Qwen3OmniMoeForConditionalGeneration
 
-    from pipeline.models.qwen3_omni.released import released_config
-    from pipeline.models.qwen3_omni.tiny import ensure_tiny_model
-    from pipeline.models.qwen3_omni.weights import _tokenizer
+    from omnirt.pipeline.models.qwen3_omni.released import released_config
+    from omnirt.pipeline.models.qwen3_omni.tiny import ensure_tiny_model
+    from omnirt.pipeline.models.qwen3_omni.weights import _tokenizer
 
     with torch.device("meta"):
         return Qwen3OmniMoeForConditionalGeneration._from_config(released_config(_tokenizer(ensure_tiny_model())),
@@ -192,8 +192,8 @@ def released_on_meta():
     ("qwen3_omni_moe_ray.yaml", [("thinker",), ("talker",), ("code2wav",)]),
 ])
 def test_the_shipped_gpu_profiles_fit_an_h200(released_on_meta, profile, processes):
-    from pipeline.models.qwen3_omni.memory import stage_memory
-    from pipeline.profile import DEPLOY_DIR
+    from omnirt.pipeline.models.qwen3_omni.memory import stage_memory
+    from omnirt.pipeline.profile import DEPLOY_DIR
     from tests.profiles import load_profile
 
     cfg = load_profile(DEPLOY_DIR / profile, "cuda")

@@ -1,4 +1,4 @@
-"""The fused Triton MoE experts (`pipeline/kernels/moe.py`, under Triton's interpreter on the CPU): the alignment
+"""The fused Triton MoE experts (`omnirt/pipeline/kernels/moe.py`, under Triton's interpreter on the CPU): the alignment
 of (token, expert) pairs into blocks, the kernels against transformers' eager experts on the Thinker's and
 the Talker's experts modules, and the tiny engine with `moe_backend="triton"` against generate()."""
 
@@ -12,7 +12,7 @@ import torch
 from transformers.models.qwen3_omni_moe import configuration_qwen3_omni_moe as cfgs
 from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as mods
 
-from pipeline.kernels import moe
+from omnirt.pipeline.kernels import moe
 from tests.test_attention import CUDA, cpu_only
 from tests.test_parity import assert_greedy_parity, started_engine
 
@@ -146,9 +146,9 @@ def test_long_prefill_chunks_go_to_grouped_mm(monkeypatch):
 
 @pytest.mark.fast
 def test_moe_backend_choice(monkeypatch):
-    import pipeline.models.qwen3_omni.models as models
-    from pipeline.config import EngineConfig, ProfileError
-    from pipeline.platform import Platform
+    import omnirt.pipeline.models.qwen3_omni.models as models
+    from omnirt.pipeline.config import EngineConfig, ProfileError
+    from omnirt.pipeline.platform import Platform
 
     cpu, gpu = Platform("cpu", "cpu", "gloo", False), Platform("cuda", "cpu", "nccl", True)
     assert models._experts("auto", cpu) == "eager" and models._experts("auto", gpu) == moe.NAME

@@ -12,7 +12,7 @@ import openai
 import pytest
 import soundfile
 
-from app.audio.pcm import encode_wav
+from omnirt.app.audio.pcm import encode_wav
 
 MSG = [{"role": "user", "content": "Hello! Tell me something nice."}]
 AUDIO = {"voice": "chelsie", "format": "wav"}

@@ -9,8 +9,8 @@ import dataclasses
 
 import pytest
 
-from pipeline.models.qwen3_omni.codec_stream import CodecStream
-from pipeline.models.qwen3_omni.pacing import AdaptivePacing, FixedChunks
+from omnirt.pipeline.models.qwen3_omni.codec_stream import CodecStream
+from omnirt.pipeline.models.qwen3_omni.pacing import AdaptivePacing, FixedChunks
 
 FRAME_S = 0.08
 INITIAL, MAX_FRAMES, MARGIN_S = 4, 25, 0.16
@@ -139,7 +139,7 @@ def test_decode_time_is_measured_and_kept_in_reserve():
 
 def test_decisions_are_kept_for_the_log(caplog):
     pacing = adaptive()
-    with caplog.at_level("INFO", logger="pipeline.models.qwen3_omni.codec_stream"):
+    with caplog.at_level("INFO", logger="omnirt.pipeline.models.qwen3_omni.codec_stream"):
         play(pacing, FAST)
     assert pacing.reasons[0] == "first" and pacing.reasons[-1] == "end" and "due" in pacing.reasons
     assert len(pacing.reasons) == pacing.num_chunks

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.api import Finished, OmniRequest, collect_reply
+from omnirt.pipeline.api import Finished, OmniRequest, collect_reply
 
 THINKER_TOKENS, TALKER_TOKENS = 12, 40
 
@@ -132,9 +132,9 @@ def as_pcm16(wav: np.ndarray) -> np.ndarray:
 @contextlib.contextmanager
 def started_engine(cfg):
     """An in-process engine over `cfg` on the CPU (for a variant of the tiny profile), stopped on exit."""
-    from pipeline.engine.omni import OmniEngine
-    from pipeline.models import load_models
-    from pipeline.platform import get_platform
+    from omnirt.pipeline.engine.omni import OmniEngine
+    from omnirt.pipeline.models import load_models
+    from omnirt.pipeline.platform import get_platform
 
     eng = OmniEngine(cfg, load_models(cfg, get_platform("cpu")))
     eng.start()
@@ -261,7 +261,7 @@ async def test_prompts_longer_than_the_token_budget_prefill_in_chunks_as_generat
 def test_streaming_chunks_join_without_gap(engine):
     """Any chunking of any code sequence reproduces the one-shot decode: no missing or repeated samples; exact
     while the context holds the whole history (longer sequences: test_vocoder_parity.py)."""
-    from pipeline.models.qwen3_omni.codec_stream import CodecStream
+    from omnirt.pipeline.models.qwen3_omni.codec_stream import CodecStream
 
     rng = np.random.default_rng(0)
     frames = rng.integers(0, 64, size=(61, 16)).tolist()
@@ -310,8 +310,8 @@ def test_talker_prompts_built_in_one_batch_are_generates_talker_inputs(engine, r
     """A step's new Talker prompts, built together (`TalkerModel.prepare`: one projection per kind of row, one
     gather), are the talker inputs that transformers' generate() builds for each alone from the same Thinker
     rows (text, audio, and a second turn after an assistant reply; Thinker rows arriving in two chunks)."""
-    from pipeline.models.qwen3_omni.talker import TalkerState
-    from pipeline.models.qwen3_omni.thinker import ThinkerRows
+    from omnirt.pipeline.models.qwen3_omni.talker import TalkerState
+    from omnirt.pipeline.models.qwen3_omni.thinker import ThinkerRows
 
     models, gen = engine.models, torch.Generator().manual_seed(0)
     talker, width = models.talker, reference_model.config.thinker_config.text_config.hidden_size
@@ -338,7 +338,7 @@ def test_talker_prompts_built_in_one_batch_are_generates_talker_inputs(engine, r
 def test_rope_positions_without_images_are_get_rope_indexs(engine, reference_model):
     """Text and audio prompts take the plain positions without calling `get_rope_index` (whose host round trips
     made each new turn wait for the stage's stream): they are what it gives."""
-    from pipeline.models.qwen3_omni.rope import rope_positions
+    from omnirt.pipeline.models.qwen3_omni.rope import rope_positions
 
     model = reference_model.thinker.model
     for messages in (PROMPTS["text"], PROMPTS["audio"], MULTI_TURN):

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.platform import PLATFORMS, detect_platform, get_platform
+from omnirt.pipeline.platform import PLATFORMS, detect_platform, get_platform
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -156,18 +156,18 @@ class RoomyDevice(FakeDeviceModule):
 def test_the_memory_plan_reads_each_platforms_memory(name, monkeypatch, reference_model):
     """The KV plan is sized from torch.<device_type>.mem_get_info, on the CPU from the host's memory; graph
     platforms reserve a graph pool for each stage that captures."""
-    from pipeline.models.qwen3_omni.memory import GRAPH_POOL_BYTES
-    from pipeline.models.qwen3_omni.models import memory_plan
-    from pipeline.models.qwen3_omni.stages import STAGES
-    from pipeline.stage.memory_plan import GIB
+    from omnirt.pipeline.models.qwen3_omni.memory import GRAPH_POOL_BYTES
+    from omnirt.pipeline.models.qwen3_omni.models import memory_plan
+    from omnirt.pipeline.models.qwen3_omni.stages import STAGES
+    from omnirt.pipeline.stage.memory_plan import GIB
     from tests.profiles import load_profile
 
     p = get_platform(name)
     if p.device_type == "cpu":
-        monkeypatch.setattr("pipeline.platform.host_memory", lambda: (48 * GIB, 64 * GIB))
+        monkeypatch.setattr("omnirt.pipeline.platform.host_memory", lambda: (48 * GIB, 64 * GIB))
     else:
         monkeypatch.setattr(torch, p.device_type, RoomyDevice(), raising=False)
-    cfg = load_profile(ROOT / "deploy" / "tiny.yaml", name, {"gpu_memory_utilization": 0.5})
+    cfg = load_profile(ROOT / "omnirt" / "deploy" / "tiny.yaml", name, {"gpu_memory_utilization": 0.5})
     plan = memory_plan(reference_model, cfg, tuple(s.name for s in STAGES), p)
     assert plan.device == p.device_name(0) and (plan.free_bytes, plan.total_bytes) == (48 * GIB, 64 * GIB)
     for stage in plan.stages:

@@ -1,4 +1,4 @@
-"""Prefix reuse (`pipeline/stage/prefix_cache.py`): each turn of a conversation prefills only what is new, and
+"""Prefix reuse (`omnirt/pipeline/stage/prefix_cache.py`): each turn of a conversation prefills only what is new, and
 answers exactly as a full prefill would; resident slots give way under pressure; aborts and failures
 leave nothing wrong behind."""
 
@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.api import OmniRequest, TextDelta, collect_reply
-from pipeline.stage.kv_cache import SlotKVCache
-from pipeline.stage.prefix_cache import common_prefix
-from pipeline.stage.request import RequestStatus, StageRequest
-from pipeline.stage.sampling import SamplingParams
-from pipeline.stage.scheduler import SlotScheduler
-from pipeline.stage.step import RowOutput
+from omnirt.pipeline.api import OmniRequest, TextDelta, collect_reply
+from omnirt.pipeline.stage.kv_cache import SlotKVCache
+from omnirt.pipeline.stage.prefix_cache import common_prefix
+from omnirt.pipeline.stage.request import RequestStatus, StageRequest
+from omnirt.pipeline.stage.sampling import SamplingParams
+from omnirt.pipeline.stage.scheduler import SlotScheduler
+from omnirt.pipeline.stage.step import RowOutput
 from tests.test_parity import engine_generate, started_engine
 from tests.test_truncation import Driver, turn_text
 
@@ -355,7 +355,7 @@ async def test_realtime_usage_counts_the_history_each_response_reused(engine):
 def test_set_turns_prefix_reuse_off_in_every_stage_that_has_it():
     """`--set 'stages.*.prefix_caching=false'` (the old `--no-prefix-caching`) reaches every autoregressive stage
     and leaves Code2Wav, which has no KV cache, alone; other stage keys stay."""
-    from pipeline.api import EngineOptions
+    from omnirt.pipeline.api import EngineOptions
     from tests.profiles import engine_config
 
     opts = EngineOptions(settings=("stages.*.prefix_caching=false",), stage_overrides={"1": {"max_num_seqs": 2}})

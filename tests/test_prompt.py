@@ -1,4 +1,4 @@
-"""Prompts as the checkpoint makes them (`pipeline/models/qwen3_omni/prompt.py`): omnirt's token ids and audio
+"""Prompts as the checkpoint makes them (`omnirt/pipeline/models/qwen3_omni/prompt.py`): omnirt's token ids and audio
 features equal transformers' `Qwen3OmniMoeProcessor` built from the same checkpoint files (its chat template,
 then the processor call), for the tiny model that ships the released template; a checkpoint's own template and
 preprocessor config are the ones used, and a checkpoint without them fails at load, saying what is missing; a
@@ -17,12 +17,12 @@ from starlette.testclient import TestClient
 from transformers import AutoTokenizer, Qwen3OmniMoeConfig, Qwen3OmniMoeProcessor, WhisperFeatureExtractor
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-from app.server import create_app
-from app.state import ServerSettings
-from pipeline.api import RequestError
-from pipeline.models.qwen3_omni import released
-from pipeline.models.qwen3_omni.prompt import LruCache, PromptConfigError, PromptEncoder
-from pipeline.models.qwen3_omni.tiny import ensure_tiny_model
+from omnirt.app.server import create_app
+from omnirt.app.state import ServerSettings
+from omnirt.pipeline.api import RequestError
+from omnirt.pipeline.models.qwen3_omni import released
+from omnirt.pipeline.models.qwen3_omni.prompt import LruCache, PromptConfigError, PromptEncoder
+from omnirt.pipeline.models.qwen3_omni.tiny import ensure_tiny_model
 from tests.test_truncation import Driver, turn_text
 
 RATE = 16000

@@ -26,7 +26,7 @@ import websocket
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from app.realtime.transcription import OPENAI_MODELS
+from omnirt.app.realtime.transcription import OPENAI_MODELS
 from tests.conftest import ServerProcess
 from tests.fuzz_helpers import (
     CHEAP,

@@ -10,9 +10,9 @@ import numpy as np
 import openai
 import pytest
 
-from app.audio.pcm import float_to_pcm16
-from app.audio.resample import resample
-from app.audio.wire import G711_ALAW, G711_ULAW, decode, encode
+from omnirt.app.audio.pcm import float_to_pcm16
+from omnirt.app.audio.resample import resample
+from omnirt.app.audio.wire import G711_ALAW, G711_ULAW, decode, encode
 from tests.realtime_helpers import LEAD_S, b64_chunks, collect_until, response_done
 
 MANUAL_TEXT = {"type": "realtime", "output_modalities": ["text"], "audio": {"input": {"turn_detection": None}}}

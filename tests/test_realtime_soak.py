@@ -23,11 +23,11 @@ import pytest
 import websockets
 from starlette.testclient import TestClient
 
-from app.realtime.input_buffer import InputBuffer
-from app.realtime.response import Response
-from app.realtime.session import RealtimeSession
-from app.server import create_app
-from app.state import ServerSettings, app_state
+from omnirt.app.realtime.input_buffer import InputBuffer
+from omnirt.app.realtime.response import Response
+from omnirt.app.realtime.session import RealtimeSession
+from omnirt.app.server import create_app
+from omnirt.app.state import ServerSettings, app_state
 from tests.conftest import ServerProcess, until, wait_for
 from tests.realtime_helpers import ask, b64_chunks, espeak_utterance, lost_audio, recv_type, until_done, ws_url
 from tests.soak_helpers import RssSampler, check_plateau, report

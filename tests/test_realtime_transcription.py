@@ -14,12 +14,12 @@ import time
 import numpy as np
 import pytest
 
-from app.audio.vad import VadBatcher
-from app.realtime.config import SessionConfig, apply_session_update, initial_config, session_object
-from app.realtime.events import ProtocolError
-from app.realtime.session import RealtimeLimits, RealtimeSession
-from app.realtime.transcription import INSTRUCTION, MAX_PENDING, TranscriptionConfig, transcription_messages
-from app.realtime.transcription_session import apply_update, as_transcription, session_event
+from omnirt.app.audio.vad import VadBatcher
+from omnirt.app.realtime.config import SessionConfig, apply_session_update, initial_config, session_object
+from omnirt.app.realtime.events import ProtocolError
+from omnirt.app.realtime.session import RealtimeLimits, RealtimeSession
+from omnirt.app.realtime.transcription import INSTRUCTION, MAX_PENDING, TranscriptionConfig, transcription_messages
+from omnirt.app.realtime.transcription_session import apply_update, as_transcription, session_event
 from tests.conftest import until
 
 VOICES = ("chelsie", "ethan")

@@ -11,9 +11,9 @@ import pytest
 import soxr
 from scipy.signal import resample_poly
 
-from app.audio.resample import LowDelayResampler, StreamResampler
-from app.audio.turn_end import SemanticVadConfig
-from app.audio.vad import (
+from omnirt.app.audio.resample import LowDelayResampler, StreamResampler
+from omnirt.app.audio.turn_end import SemanticVadConfig
+from omnirt.app.audio.vad import (
     QUIET_DB,
     SILENCE_DB,
     VAD_RATE,
@@ -26,21 +26,21 @@ from app.audio.vad import (
     VadConfig,
     VadStream,
 )
-from app.audio.wire import G711_ALAW, G711_ULAW, decode, encode
-from app.ops.limits import TokenBucket
-from app.realtime.config import (
+from omnirt.app.audio.wire import G711_ALAW, G711_ULAW, decode, encode
+from omnirt.app.ops.limits import TokenBucket
+from omnirt.app.realtime.config import (
     SessionConfig,
     apply_session_update,
     initial_config,
     response_options,
     session_object,
 )
-from app.realtime.conversation import Content, Conversation, Item
-from app.realtime.events import ProtocolError, _parse_json_object, parse_client_event, validate_client_event
-from app.realtime.input_buffer import BufferFull, InputBuffer, TurnEnded, TurnStarted
-from app.realtime.outbox import Outbox
-from app.realtime.session import RealtimeLimits, RealtimeSession
-from pipeline.api import OmniRequest, RequestError
+from omnirt.app.realtime.conversation import Content, Conversation, Item
+from omnirt.app.realtime.events import ProtocolError, _parse_json_object, parse_client_event, validate_client_event
+from omnirt.app.realtime.input_buffer import BufferFull, InputBuffer, TurnEnded, TurnStarted
+from omnirt.app.realtime.outbox import Outbox
+from omnirt.app.realtime.session import RealtimeLimits, RealtimeSession
+from omnirt.pipeline.api import OmniRequest, RequestError
 from tests.conftest import until
 from tests.realtime_helpers import LEAD_S, espeak_utterance
 
@@ -480,8 +480,8 @@ async def test_a_long_append_does_not_hold_up_other_sessions():
 
 
 async def test_vad_counts_reach_metrics(engine):
-    from app.ops.metrics import Metrics
-    from app.realtime.registry import SessionRegistry
+    from omnirt.app.ops.metrics import Metrics
+    from omnirt.app.realtime.registry import SessionRegistry
 
     metrics = Metrics(engine)
     registry = SessionRegistry(RealtimeLimits(), metrics)

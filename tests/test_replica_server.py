@@ -10,14 +10,14 @@ import sys
 import openai
 import pytest
 
-from tests.conftest import ROOT, ServerProcess
+from tests.conftest import ServerProcess
 from tests.sse_client import pcm_samples_for_frames
 
 pytestmark = pytest.mark.timeout(300)
 
 
 def test_serve_multi_replica_profile_with_stage_override():
-    srv = ServerProcess(["--model", "tiny", "--deploy-config", str(ROOT / "deploy/qwen3_omni_moe_multi_replicas.yaml"),
+    srv = ServerProcess(["--model", "tiny", "--deploy-config", "qwen3_omni_moe_multi_replicas",
                          "--stage-overrides", json.dumps({"1": {"num_replicas": 3}})])
     try:
         replicas = srv.health()["replicas"]
@@ -41,7 +41,7 @@ def test_serve_multi_replica_profile_with_stage_override():
 
 
 def test_distributed_ray_without_ray_is_a_clear_error(monkeypatch):
-    from app.cli import main
+    from omnirt.app.cli import main
 
     monkeypatch.setitem(sys.modules, "ray", None)  # as if the omnirt[ray] extra were not installed
     with pytest.raises(SystemExit, match=r"distributed: ray needs Ray.*pip install 'omnirt\[ray\]'"):

@@ -22,10 +22,10 @@ from replica_helpers import (
     wait_for,
 )
 
-from pipeline.api import OmniRequest, collect_reply
-from pipeline.replicas.pool import ReplicaPool
-from pipeline.replicas.worker import ReplicaLoad, StepReport, WorkerSpec
-from pipeline.stage.messages import Command, StageMessage
+from omnirt.pipeline.api import OmniRequest, collect_reply
+from omnirt.pipeline.replicas.pool import ReplicaPool
+from omnirt.pipeline.replicas.worker import ReplicaLoad, StepReport, WorkerSpec
+from omnirt.pipeline.stage.messages import Command, StageMessage
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -96,9 +96,9 @@ async def test_killed_replica_fails_its_requests_others_finish_and_it_returns(po
 
 
 async def test_hung_replica_is_killed_and_its_unanswered_request_retried(pooled, baseline, monkeypatch):
-    import pipeline.replicas.worker
+    import omnirt.pipeline.replicas.worker
 
-    monkeypatch.setattr(pipeline.replicas.worker, "HANG_TIMEOUT_S", 3.0)
+    monkeypatch.setattr(omnirt.pipeline.replicas.worker, "HANG_TIMEOUT_S", 3.0)
     await wait_for(lambda: all(r["state"] == "up" for r in pooled.replica_status()["talker"]), 120, "replicas up")
     pid = replica(pooled, "talker", 0)["pid"]
     os.kill(pid, signal.SIGSTOP)  # replica 0 takes the request (both idle: lowest index) but never answers
@@ -141,7 +141,7 @@ class _Recorder:
 
 @pytest.mark.parametrize("routing,expected", [("round_robin", [3, 3, 3]), ("least_loaded", [3, 3, 3])])
 def test_routing_policies(routing, expected):
-    from pipeline.config import EngineConfig
+    from omnirt.pipeline.config import EngineConfig
 
     specs = [WorkerSpec("code2wav", i, i, EngineConfig()) for i in range(3)]
     pool = ReplicaPool("code2wav", specs, on_step=lambda *a: None, routing=routing, replica_cls=_Recorder)
@@ -168,7 +168,7 @@ async def test_thinker_in_a_worker_process_matches_in_process(baseline):
 
     from tests.profiles import load_profile
 
-    eng = start_engine(load_profile(ROOT / "deploy" / "tiny.yaml", "cpu", {}, {"0": {"devices": "1"}}))
+    eng = start_engine(load_profile(ROOT / "omnirt" / "deploy" / "tiny.yaml", "cpu", {}, {"0": {"devices": "1"}}))
     try:
         assert eng.replica_status()["thinker"][0]["kind"] == "process"
         got = await asyncio.wait_for(asyncio.gather(*(run(eng, f"th-{i}", t) for i, t in enumerate(PROMPTS[:3]))), 120)
@@ -195,7 +195,7 @@ async def test_talker_in_its_own_process_on_the_engine_device(baseline):
 
     from tests.profiles import load_profile
 
-    eng = start_engine(load_profile(ROOT / "deploy" / "tiny.yaml", "cpu", {}, {"1": {"own_process": True}}))
+    eng = start_engine(load_profile(ROOT / "omnirt" / "deploy" / "tiny.yaml", "cpu", {}, {"1": {"own_process": True}}))
     try:
         status = eng.replica_status()
         assert status["talker"][0]["kind"] == "process" and status["code2wav"][0]["kind"] == "inline"
@@ -214,8 +214,8 @@ def test_a_process_loads_only_its_own_stages(tiny_config):
     three marker rows it reads (the rest of the Thinker is never materialised)."""
     import torch
 
-    from pipeline.models import load_models
-    from pipeline.platform import get_platform
+    from omnirt.pipeline.models import load_models
+    from omnirt.pipeline.platform import get_platform
 
     cpu = get_platform("cpu")
     full = load_models(tiny_config, cpu)

@@ -1,4 +1,4 @@
-"""The benchmarks' percentiles (`loadtest/stats.py`): nearest rank, and a tail percentile only where the
+"""The benchmarks' percentiles (`omnirt/loadtest/stats.py`): nearest rank, and a tail percentile only where the
 sample has enough values for it; every report (chat bench, Realtime bench, Locust's raw summary) prints the
 maximum, labelled "max", in its place rather than a maximum under a percentile's name."""
 
@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from loadtest.bench import Sample, markdown, summarize
-from loadtest.realtime_bench import markdown as realtime_markdown
-from loadtest.realtime_bench import summarize as realtime_summarize
-from loadtest.stats import cell, percentile, summary
+from omnirt.loadtest.bench import Sample, markdown, summarize
+from omnirt.loadtest.realtime_bench import markdown as realtime_markdown
+from omnirt.loadtest.realtime_bench import summarize as realtime_summarize
+from omnirt.loadtest.stats import cell, percentile, summary
 
 
 @pytest.mark.parametrize("n,q,expected", [(100, 99, 99), (101, 99, 100), (200, 99, 198), (99, 99, None),

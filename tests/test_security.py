@@ -18,13 +18,13 @@ from starlette.routing import WebSocketRoute
 from starlette.testclient import TestClient
 from starlette.websockets import WebSocketDisconnect
 
-from app.audio.pcm import encode_wav
-from app.cli import build_parser
-from app.errors import APIError
-from app.ops.keys import KeyRing
-from app.ops.secret_store import SecretStore
-from app.ops.security import AccessCheck, authenticate
-from loadtest.server_metrics import steps
+from omnirt.app.audio.pcm import encode_wav
+from omnirt.app.cli import build_parser
+from omnirt.app.errors import APIError
+from omnirt.app.ops.keys import KeyRing
+from omnirt.app.ops.secret_store import SecretStore
+from omnirt.app.ops.security import AccessCheck, authenticate
+from omnirt.loadtest.server_metrics import steps
 from tests.conftest import ServerProcess, until
 from tests.realtime_helpers import ask, recv_type, ws_url
 

@@ -15,9 +15,9 @@ import websockets
 from starlette.testclient import TestClient
 from starlette.websockets import WebSocketDisconnect
 
-from app.ops.lifecycle import SHUTDOWN_REASON
-from app.server import create_app
-from app.state import ServerSettings, app_state
+from omnirt.app.ops.lifecycle import SHUTDOWN_REASON
+from omnirt.app.server import create_app
+from omnirt.app.state import ServerSettings, app_state
 from tests.conftest import ServerProcess, until, wait_for
 from tests.realtime_helpers import ask, lost_audio, recv, recv_type, ws_url
 from tests.sse_client import audio_body, stream_chat

@@ -12,15 +12,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipeline.models.qwen3_omni.code2wav import Code2WavModel, CodecWindow
-from pipeline.models.qwen3_omni.convolutions import (
+from omnirt.pipeline.models.qwen3_omni.code2wav import Code2WavModel, CodecWindow
+from omnirt.pipeline.models.qwen3_omni.convolutions import (
     GemmTransConv,
     PrecomputedSnakeBeta,
     TritonConv,
     TritonResidualUnit,
     TritonSnake,
 )
-from pipeline.models.qwen3_omni.snake_conv import causal_conv, is_time_major, snake, time_major
+from omnirt.pipeline.models.qwen3_omni.snake_conv import causal_conv, is_time_major, snake, time_major
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"

@@ -15,7 +15,7 @@ import httpx
 import pytest
 import websockets
 
-from loadtest.server_metrics import prefill_tokens, settled_scrape
+from omnirt.loadtest.server_metrics import prefill_tokens, settled_scrape
 from tests.conftest import ServerProcess
 from tests.realtime_helpers import ask, key_subprotocols, mint_secret, recv_type, until_done, ws_url
 from tests.test_truncation import turn_text

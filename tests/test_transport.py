@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from pipeline.replicas.channel import Channel, DeviceRing, ShmRing, remove_driver_files
+from omnirt.pipeline.replicas.channel import Channel, DeviceRing, ShmRing, remove_driver_files
 
 DTYPES = (torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.uint8)
 
@@ -125,7 +125,7 @@ def test_cursor_rings_without_data_hold_only_their_header():
 
 def _echo_worker(inbox_spec: tuple, outbox_spec: tuple) -> None:
     """A worker that sends its device rings' handles, then returns every message with its tensors doubled."""
-    from pipeline.replicas.worker import DeviceLink
+    from omnirt.pipeline.replicas.worker import DeviceLink
 
     device = torch.device("cuda", 0)
     stream = torch.cuda.Stream(device)

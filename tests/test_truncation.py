@@ -7,10 +7,10 @@ import asyncio
 
 import pytest
 
-from app.audio.vad import VadBatcher
-from app.realtime.config import initial_config
-from app.realtime.session import RealtimeLimits, RealtimeSession
-from pipeline.api import Finished, OmniRequest, RequestError, TextDelta
+from omnirt.app.audio.vad import VadBatcher
+from omnirt.app.realtime.config import initial_config
+from omnirt.app.realtime.session import RealtimeLimits, RealtimeSession
+from omnirt.pipeline.api import Finished, OmniRequest, RequestError, TextDelta
 
 TEXT_LIMIT = 4096 - 64  # the tiny Thinker's context less its default output budget (64 tokens)
 

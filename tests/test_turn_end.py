@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import soxr
 
-from app.audio import turn_end
-from app.audio.log_mel import NUM_SAMPLES, fit, log_mel
-from app.audio.turn_end import EAGERNESS, SemanticVadConfig, SmartTurn, TurnEndBatcher
-from app.audio.vad import (
+from omnirt.app.audio import turn_end
+from omnirt.app.audio.log_mel import NUM_SAMPLES, fit, log_mel
+from omnirt.app.audio.turn_end import EAGERNESS, SemanticVadConfig, SmartTurn, TurnEndBatcher
+from omnirt.app.audio.vad import (
     VAD_RATE,
     WINDOW,
     PauseCandidate,
@@ -23,7 +23,7 @@ from app.audio.vad import (
     VadBatcher,
     VadConfig,
 )
-from app.realtime.input_buffer import InputBuffer, TurnEnded, TurnStarted
+from omnirt.app.realtime.input_buffer import InputBuffer, TurnEnded, TurnStarted
 from tests.realtime_helpers import espeak_utterance
 
 # (cut off mid-sentence, the same sentence finished): espeak-ng says both with a falling end, so the model must

@@ -5,12 +5,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pipeline.models.qwen3_omni.codec_stream import CodecStream
-from pipeline.stage.kv_cache import SlotKVCache
-from pipeline.stage.request import RequestStatus, StageRequest
-from pipeline.stage.sampling import Sampler, SamplingParams
-from pipeline.stage.scheduler import SlotScheduler
-from pipeline.stage.step import RowOutput
+from omnirt.pipeline.models.qwen3_omni.codec_stream import CodecStream
+from omnirt.pipeline.stage.kv_cache import SlotKVCache
+from omnirt.pipeline.stage.request import RequestStatus, StageRequest
+from omnirt.pipeline.stage.sampling import Sampler, SamplingParams
+from omnirt.pipeline.stage.scheduler import SlotScheduler
+from omnirt.pipeline.stage.step import RowOutput
 
 
 def _kv(slots=4, max_len=64):
@@ -94,8 +94,8 @@ def test_sampler_greedy_penalty_suppress_min_tokens():
 def test_seen_tokens_per_slot_equal_the_whole_history_mask():
     """The device mask kept per slot, fed only each step's new tokens, equals the mask built from the whole
     histories at every step; a new request in a slot (another history) starts from nothing."""
-    from pipeline.stage.pinned import PinnedBuffers
-    from pipeline.stage.sampling import SeenTokens, _seen_mask
+    from omnirt.pipeline.stage.pinned import PinnedBuffers
+    from omnirt.pipeline.stage.sampling import SeenTokens, _seen_mask
 
     rng = np.random.default_rng(0)
     pinned, seen = PinnedBuffers(torch.device("cpu")), SeenTokens(50, torch.device("cpu"))
@@ -144,7 +144,7 @@ def test_repetition_penalty_in_a_batch_is_each_rows_own():
 def test_graph_safe_sampling_draws_from_the_same_distribution_as_the_warpers():
     """The code predictor's top-k/top-p (top-p over the sorted top-k values) keeps exactly the tokens that
     transformers' order keeps (`warp`), and draws them in proportion."""
-    from pipeline.stage.sampling import sample_top_k_top_p, warp
+    from omnirt.pipeline.stage.sampling import sample_top_k_top_p, warp
 
     torch.manual_seed(0)
     logits = torch.randn(4, 300) * 3
@@ -190,8 +190,8 @@ def test_incremental_detokenizer_matches_a_full_decode_and_never_splits_a_charac
     character whose bytes span several tokens; each call decodes a window, not the whole reply."""
     from transformers import AutoTokenizer
 
-    from pipeline.engine.detokenizer import IncrementalDetokenizer
-    from pipeline.models.qwen3_omni.tiny import ensure_tiny_model
+    from omnirt.pipeline.engine.detokenizer import IncrementalDetokenizer
+    from omnirt.pipeline.models.qwen3_omni.tiny import ensure_tiny_model
 
     tok = AutoTokenizer.from_pretrained(ensure_tiny_model(), local_files_only=True)
     text = "Grüße aus Köln — 你好，世界! 🎉🎉 naïve café " * 3
@@ -211,7 +211,7 @@ def test_incremental_detokenizer_matches_a_full_decode_and_never_splits_a_charac
 def test_dummy_weights_are_the_same_on_every_start():
     """`--load-format dummy` builds seeded random weights: two starts compare on the same model, and the
     caller's random stream is left as it was."""
-    from pipeline.models.qwen3_omni.weights import PARTS, load_hf_model
+    from omnirt.pipeline.models.qwen3_omni.weights import PARTS, load_hf_model
 
     torch.manual_seed(5)
     expected = torch.rand(3)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.models.qwen3_omni.codec_stream import CodecStream
+from omnirt.pipeline.models.qwen3_omni.codec_stream import CodecStream
 from tests.profiles import load_profile
 from tests.test_parity import (
     PROMPTS,
@@ -28,7 +28,7 @@ from tests.test_parity import (
     started_engine,
 )
 
-DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
+DEPLOY = Path(__file__).resolve().parents[1] / "omnirt" / "deploy"
 REAL_PROFILES = sorted(p.name for p in DEPLOY.glob("qwen3_omni_moe*.yaml"))
 LONG_FRAMES = 240  # >= 3 attention windows of the tiny vocoder, < generate()'s 300-frame chunk (one-shot)
 # measured on this reply with 25 frames of context: max |error| 2.3e-3 to 6.1e-3 and SNR 46-57 dB over two
@@ -106,8 +106,8 @@ def test_receptive_field_of_the_tiny_and_the_released_vocoder(reference_model):
     from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeCode2WavConfig
     from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeCode2Wav
 
-    from pipeline.models.qwen3_omni.code2wav import receptive_field_frames
-    from pipeline.models.qwen3_omni.released import ARCHITECTURE
+    from omnirt.pipeline.models.qwen3_omni.code2wav import receptive_field_frames
+    from omnirt.pipeline.models.qwen3_omni.released import ARCHITECTURE
 
     assert receptive_field_frames(reference_model.code2wav) == 2 * 71 + 10
     with torch.device("meta"):
@@ -116,11 +116,11 @@ def test_receptive_field_of_the_tiny_and_the_released_vocoder(reference_model):
 
 
 def test_start_up_logs_a_context_short_of_the_receptive_field(tiny_config, caplog):
-    from pipeline.models import load_models
-    from pipeline.platform import get_platform
+    from omnirt.pipeline.models import load_models
+    from omnirt.pipeline.platform import get_platform
 
     short = dataclasses.replace(tiny_config, connector=profile_connector("qwen3_omni_moe.yaml"))
-    with caplog.at_level("INFO", logger="pipeline.models.qwen3_omni.models"):
+    with caplog.at_level("INFO", logger="omnirt.pipeline.models.qwen3_omni.models"):
         load_models(short, get_platform("cpu"), ("code2wav",))
     assert "25 frames of left context, the vocoder's receptive field is 152" in caplog.text
 
@@ -155,7 +155,7 @@ def measure() -> None:
     """Print the error of each profile's chunking of the long reply, at its own left context, the vocoder's
     attention window and its receptive field (the figures in docs/architecture.md):
     `python -m tests.test_vocoder_parity`."""
-    from pipeline.models.qwen3_omni.weights import load_hf_model
+    from omnirt.pipeline.models.qwen3_omni.weights import load_hf_model
 
     torch.set_num_threads(1)
     reference_model = load_hf_model("tiny", "auto", torch.float32, torch.device("cpu"))[0]

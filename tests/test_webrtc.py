@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 from aiortc import RTCConfiguration, RTCPeerConnection
 
-from app.audio.vad import VAD_RATE
-from app.server import create_app
-from app.state import ServerSettings, app_state
-from app.transports.ice import IceSettings
-from app.transports.webrtc import CLOSE_STEP_TIMEOUT_S, Call, call_registry
-from loadtest.webrtc_client import RealtimeCall, connect
+from omnirt.app.audio.vad import VAD_RATE
+from omnirt.app.server import create_app
+from omnirt.app.state import ServerSettings, app_state
+from omnirt.app.transports.ice import IceSettings
+from omnirt.app.transports.webrtc import CLOSE_STEP_TIMEOUT_S, Call, call_registry
+from omnirt.loadtest.webrtc_client import RealtimeCall, connect
 from tests.conftest import ROOT, ServerProcess, until
 from tests.realtime_helpers import LEAD_S
 
@@ -251,9 +251,9 @@ async def test_a_closing_step_that_never_ends_does_not_hold_up_the_close(caplog)
             await asyncio.sleep(3600)
 
     call = Call.__new__(Call)
-    call.id, call.log = "rtc_test", logging.getLogger("app.transports.webrtc")
+    call.id, call.log = "rtc_test", logging.getLogger("omnirt.app.transports.webrtc")
     started = time.monotonic()
-    with caplog.at_level(logging.WARNING, "app.transports.webrtc"):
+    with caplog.at_level(logging.WARNING, "omnirt.app.transports.webrtc"):
         await call._bounded("peer connection close", stubborn())
     assert time.monotonic() - started >= CLOSE_STEP_TIMEOUT_S  # given up on (it would sleep an hour), not sooner
     assert "peer connection close did not finish" in caplog.text

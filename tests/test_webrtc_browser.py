@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import soundfile
 
-from app.audio.resample import resample
+from omnirt.app.audio.resample import resample
 from tests.conftest import ARTIFACTS, ServerProcess, until
 from tests.realtime_helpers import espeak_utterance
 

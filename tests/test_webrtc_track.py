@@ -8,9 +8,9 @@ import time
 
 import numpy as np
 
-from app.audio.pcm import float_to_pcm16
-from app.audio.vad import VAD_RATE
-from app.transports.webrtc_track import FRAME_SAMPLES, MicBacklog, PacedAudioTrack
+from omnirt.app.audio.pcm import float_to_pcm16
+from omnirt.app.audio.vad import VAD_RATE
+from omnirt.app.transports.webrtc_track import FRAME_SAMPLES, MicBacklog, PacedAudioTrack
 
 
 def tone(seconds: float, rate: int = 24000) -> bytes:

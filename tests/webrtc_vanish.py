@@ -8,7 +8,7 @@ import os
 import signal
 import sys
 
-from loadtest.webrtc_client import connect
+from omnirt.loadtest.webrtc_client import connect
 
 
 async def _call_and_vanish(base_url: str) -> None:

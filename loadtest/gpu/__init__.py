@@ -1,2 +1,0 @@
-"""The GPU measurements: one driver (`python3 -m loadtest.gpu SCENARIO`, the scenarios in `scenarios.py`) and the
-in-process checks it runs (diag, the kernel and parity checks)."""
