@@ -26,6 +26,24 @@ $(VENV)/.installed-%: pyproject.toml $(VENV)/.torch
 	$(BIN)/python -m pip install -q -e ".[$(EXTRAS_$*)]"
 	@touch $@
 
+# xgrammar's metadata requires triton (about 1 GB) on Linux x86_64, yet on the CPU xgrammar never imports it: it
+# compiles grammars and fills token masks in C++. So `make serve` and `make loadtest` install xgrammar without its
+# dependencies, then the project's and the extras' requirements and xgrammar's other ones by name, then the project
+# without dependencies: no triton (`pip check` names it as missing). `make test` keeps it: the tests run the Triton
+# kernels in its interpreter. On a GPU, CUDA torch wheels bring triton themselves.
+XGRAMMAR  := $(shell sed -n 's/^ *"\(xgrammar[^"]*\)".*/\1/p' pyproject.toml)
+LIST_REQS := $(BIN)/python -c 'import sys, tomllib, importlib.metadata as m; \
+  p = tomllib.load(open("pyproject.toml", "rb"))["project"]; \
+  rs = p["dependencies"] + [r for e in sys.argv[1].split(",") for r in p["optional-dependencies"][e]]; \
+  rs += [r for r in m.requires("xgrammar") if "extra ==" not in r]; \
+  print(*[r for r in rs if not r.startswith(("xgrammar", "triton"))], sep="\n")'
+
+$(VENV)/.installed-serve $(VENV)/.installed-loadtest: $(VENV)/.installed-%: pyproject.toml $(VENV)/.torch
+	$(BIN)/python -m pip install -q --no-deps "$(XGRAMMAR)"
+	$(LIST_REQS) $(EXTRAS_$*) | xargs -d '\n' $(BIN)/python -m pip install -q --no-warn-conflicts
+	$(BIN)/python -m pip install -q --no-deps -e .
+	@touch $@
+
 venv: $(VENV)/.installed-test
 
 # Debian packages the tests use: espeak-ng (real speech for VAD tests), chromium (browser tests).

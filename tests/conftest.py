@@ -123,7 +123,7 @@ class ServerProcess:
         raise RuntimeError(f"server did not start in 120 s: {self.log.read_text()[-2000:]}")
 
     def health(self) -> dict:
-        return httpx.get(f"{self.url}/health", timeout=5).json()
+        return httpx.get(f"{self.url}/health", timeout=HANG_GUARD_S).json()
 
     def metric(self, name: str, **labels) -> float:
         """The sum of the /metrics samples of `name` whose labels include `labels`."""

@@ -65,6 +65,8 @@ async def test_a_chat_image_reaches_the_model(client, engine):
     text, prompt_tokens = await _engine_answer(engine, engine_messages, 8)
     n_image = sum(b - a for a, b in engine.models.encoder.encode(engine_messages).image_spans)
     assert n_image == 12 and reply.usage.prompt_tokens == prompt_tokens  # 96 x 128 px: 3 x 4 merged patches
+    details = reply.usage.prompt_tokens_details
+    assert (details.image_tokens, details.audio_tokens, details.text_tokens) == (12, 0, prompt_tokens - 12)
     assert reply.choices[0].message.content == text
 
 
@@ -142,6 +144,9 @@ async def test_a_realtime_input_image_is_answered_about(rt_client, engine):
                                                      {"type": "text", "text": "What is in this picture?"}]}]
     text, prompt_tokens = await _engine_answer(engine, messages, 8)
     assert done.status in ("completed", "incomplete") and done.usage.input_tokens == prompt_tokens  # 8 tokens
+    n_image = sum(b - a for a, b in engine.models.encoder.encode(messages).image_spans)
+    details = done.usage.input_token_details
+    assert (details.image_tokens, details.audio_tokens, details.text_tokens) == (n_image, 0, prompt_tokens - n_image)
     assert done.output[0].content[0].text == text
 
 

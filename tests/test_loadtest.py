@@ -321,3 +321,18 @@ def test_only_the_variants_table_spells_the_ablation_settings():
     files = [p for p in (ROOT / "omnirt" / "loadtest").rglob("*")
              if p.suffix in (".py", ".sh") and p.name != "variants.py"]
     assert files and not [str(p) for p in files if flags.search(p.read_text())]
+
+
+def test_tiny_voice_figures_of_a_known_signal():
+    """`python -m omnirt.loadtest.tiny_voice` (the README's figures of the tiny model's voice) on a signal whose figures
+    are known: a 9 kHz tone of amplitude 0.1 on an offset of +0.07."""
+    import numpy as np
+
+    from omnirt.loadtest.tiny_voice import RATE, describe, energy_bands
+
+    x = 0.07 + 0.1 * np.sin(2 * np.pi * 9000 * np.arange(RATE) / RATE + 0.1)
+    said = describe(x)
+    assert "1.0 s, offset +0.070, swing +-0.071" in said and "min -0.03, max +0.17" in said, said
+    negative = float(re.search(r"negative ([\d.]+)%", said).group(1))
+    assert abs(negative - 100 * np.mean(x < 0)) < 0.1 and 20 < negative < 30  # asin(0.7)/pi below zero: 25 %
+    assert "8-10 kHz 100%" in energy_bands(x) and "0-2 kHz 0%" in energy_bands(x)

@@ -105,6 +105,12 @@ def test_audio_input_and_multi_turn(client):
     ]
     r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8)
     assert r.usage.prompt_tokens > 20  # the 1 s of audio became ~13 audio tokens plus three turns
+    details = r.usage.prompt_tokens_details  # 1 s: 100 mel frames, 13 audio encoder frames, one token each
+    assert (details.audio_tokens, details.image_tokens) == (13, 0)
+    assert details.text_tokens == r.usage.prompt_tokens - 13
+    text_only = client.chat.completions.create(model="tiny", messages=messages[2:], max_tokens=1).usage
+    assert text_only.prompt_tokens_details.audio_tokens == 0
+    assert text_only.prompt_tokens_details.text_tokens == text_only.prompt_tokens
 
 
 def test_a_resent_history_reports_the_tokens_it_did_not_prefill_again(client):

@@ -94,6 +94,9 @@ async def test_audio_turn_with_server_vad(client, utterance):
     transcript = "".join(e.delta for e in events if e.type == "response.output_audio_transcript.delta")
     assert transcript == done.output[0].content[0].transcript
     assert done.usage.input_tokens > 40  # ~4 s of speech became audio tokens in the Thinker's prompt
+    details = done.usage.input_token_details
+    assert details.audio_tokens > 40 and details.image_tokens == 0
+    assert details.text_tokens == done.usage.input_tokens - details.audio_tokens
 
 
 async def test_user_transcript_with_server_vad(client, server, utterance):

@@ -18,7 +18,7 @@ from starlette.websockets import WebSocketDisconnect
 from omnirt.app.ops.lifecycle import SHUTDOWN_REASON
 from omnirt.app.server import create_app
 from omnirt.app.state import ServerSettings, app_state
-from tests.conftest import ServerProcess, until, wait_for
+from tests.conftest import HANG_GUARD_S, ServerProcess, until, wait_for
 from tests.realtime_helpers import ask, lost_audio, recv, recv_type, ws_url
 from tests.sse_client import audio_body, stream_chat
 
@@ -37,7 +37,7 @@ def test_sigterm_drains_then_closes_with_a_reason():
             srv.proc.send_signal(signal.SIGTERM)
             wait_for(lambda: "draining:" in srv.log.read_text(), "the drain to begin")
             try:  # no new work once draining: the listener is closed (or a 503 on a reused connection)
-                r = httpx.post(f"{srv.url}/v1/chat/completions", json=audio_body(4, 8), timeout=5)
+                r = httpx.post(f"{srv.url}/v1/chat/completions", json=audio_body(4, 8), timeout=HANG_GUARD_S)
                 assert r.status_code == 503 and r.json()["error"]["code"] == "server_shutting_down"
             except httpx.ConnectError:
                 pass

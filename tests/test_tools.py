@@ -6,6 +6,8 @@ bad tools, tool choices and schemas get OpenAI's error shape and the server goes
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import httpx
 import jsonschema
@@ -92,6 +94,20 @@ def test_results_fed_back_continue_the_conversation(client):
     assert r.choices[0].message.content and r.choices[0].message.tool_calls is None
     assert r.usage.prompt_tokens > client.chat.completions.create(model="tiny", messages=MSG,
                                                                   max_tokens=1).usage.prompt_tokens
+
+
+def test_the_docs_example_runs_as_written(server):
+    """docs/tools.md's example, taken from the page and pointed at this server: the forced call is whole JSON
+    that `json.loads` reads, and the results fed back are answered."""
+    page = (Path(__file__).resolve().parents[1] / "docs" / "tools.md").read_text()
+    code = re.search(r"```python\n(.*?)```", page, re.S).group(1)
+    assert "http://127.0.0.1:8091/v1" in code
+    scope: dict = {}
+    exec(code.replace("http://127.0.0.1:8091/v1", f"{server.url}/v1"), scope)
+    first = scope["messages"][1]
+    assert first["tool_calls"][0]["function"]["name"] == "get_weather"
+    jsonschema.validate(scope["args"], scope["tools"][0]["function"]["parameters"])
+    assert scope["r"].choices[0].message.content
 
 
 def test_a_reply_that_is_a_call_speaks_nothing(client):

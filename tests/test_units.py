@@ -208,6 +208,31 @@ def test_incremental_detokenizer_matches_a_full_decode_and_never_splits_a_charac
     assert len(ids) > 60
 
 
+def test_a_dummy_build_of_billions_of_weights_on_a_cpu_is_announced(caplog):
+    """`--load-format dummy` of the released 30B model on a CPU fills 35 B random weights, which takes minutes:
+    a warning says so before it starts. The tiny model, or a GPU, builds without one."""
+    from transformers import Qwen3OmniMoeForConditionalGeneration
+
+    from omnirt.pipeline.models.qwen3_omni import released
+    from omnirt.pipeline.models.qwen3_omni.tiny import ensure_tiny_model
+    from omnirt.pipeline.models.qwen3_omni.weights import PARTS, _tokenizer, warn_if_slow
+
+    tokenizer = _tokenizer(ensure_tiny_model())
+    with torch.device("meta"):
+        big = Qwen3OmniMoeForConditionalGeneration._from_config(released.released_config(tokenizer))
+        tiny = Qwen3OmniMoeForConditionalGeneration._from_config(
+            type(big.config).from_pretrained(ensure_tiny_model()))
+    cpu, all_parts, name = torch.device("cpu"), frozenset(PARTS), "omnirt.pipeline.models.qwen3_omni.weights"
+    caplog.clear()
+    with caplog.at_level("WARNING", logger=name):
+        warn_if_slow(tiny, all_parts, torch.float32, cpu)
+        warn_if_slow(big, all_parts, torch.bfloat16, torch.device("cuda", 0))
+        assert not [r for r in caplog.records if r.name == name]
+        warn_if_slow(big, all_parts, torch.bfloat16, cpu)
+    (said,) = [r.getMessage() for r in caplog.records if r.name == name]
+    assert "35.3 B parameters" in said and "66 GiB" in said and "minutes" in said and "--model tiny" in said
+
+
 def test_dummy_weights_are_the_same_on_every_start():
     """`--load-format dummy` builds seeded random weights: two starts compare on the same model, and the
     caller's random stream is left as it was."""

@@ -18,7 +18,7 @@ import pytest
 import soundfile
 
 from omnirt.app.audio.resample import resample
-from tests.conftest import ARTIFACTS, ServerProcess, until
+from tests.conftest import ARTIFACTS, HANG_GUARD_S, ServerProcess, until
 from tests.realtime_helpers import espeak_utterance
 
 CHROMIUM = "/usr/bin/chromium"
@@ -69,7 +69,7 @@ async def demo_page(server, tmp_path, tail_silence_s: float, responses: list | N
 async def test_browser_talks_to_the_agent(server, tmp_path):
     responses = []
     async with demo_page(server, tmp_path, tail_silence_s=40, responses=responses) as (page, console):
-        voices = httpx.get(f"{server.url}/v1/voices", timeout=5).json()["voices"]
+        voices = httpx.get(f"{server.url}/v1/voices", timeout=HANG_GUARD_S).json()["voices"]
         assert await page.eval_on_selector_all("#voice option", "os => os.map(o => o.value)") == voices
         assert await page.inner_text("#model") == "tiny"  # the served model, before any call
         assert (await page.inner_text("#status")).startswith("Press Talk")

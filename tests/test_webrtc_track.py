@@ -11,6 +11,7 @@ import numpy as np
 from omnirt.app.audio.pcm import float_to_pcm16
 from omnirt.app.audio.vad import VAD_RATE
 from omnirt.app.transports.webrtc_track import FRAME_SAMPLES, MicBacklog, PacedAudioTrack
+from tests.conftest import HANG_GUARD_S
 
 
 def tone(seconds: float, rate: int = 24000) -> bytes:
@@ -91,7 +92,7 @@ async def test_mic_backlog_keeps_the_newest_audio_within_its_bound_and_counts_th
     await asyncio.sleep(0.05)
     assert not waiting.done()  # less than asked for: it waits
     backlog.push(np.zeros(300, np.float32))
-    samples, num_dropped = await asyncio.wait_for(waiting, 1)
+    samples, num_dropped = await asyncio.wait_for(waiting, HANG_GUARD_S)
     assert samples.size == 400 and num_dropped == 0 and backlog.num_dropped_samples == VAD_RATE // 2
     backlog.close()
     assert await backlog.take(1) is None

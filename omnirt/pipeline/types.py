@@ -113,6 +113,12 @@ class Usage(msgspec.Struct, frozen=True):
     completion_tokens: int = 0
     audio_frames: int = 0
     cached_tokens: int = 0  # of the prompt tokens, those whose KV an earlier request left (not prefilled)
+    prompt_audio_tokens: int = 0  # of the prompt tokens, the input audio's placeholders (one per encoder frame)
+    prompt_image_tokens: int = 0  # of the prompt tokens, the input images' placeholders (one per merged patch)
+
+    @property
+    def prompt_text_tokens(self) -> int:
+        return self.prompt_tokens - self.prompt_audio_tokens - self.prompt_image_tokens
 
 
 class Finished(msgspec.Struct, frozen=True, tag=True):

@@ -155,7 +155,8 @@ def _usage(fin: Finished) -> dict:
     u = fin.usage
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
             "total_tokens": u.prompt_tokens + u.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+            "prompt_tokens_details": {"cached_tokens": u.cached_tokens, "text_tokens": u.prompt_text_tokens,
+                                      "audio_tokens": u.prompt_audio_tokens, "image_tokens": u.prompt_image_tokens},
             "completion_tokens_details": {"audio_tokens": u.audio_frames, "reasoning_tokens": 0}}
 
 

@@ -201,7 +201,9 @@ class Response:
         u = fin.usage
         out = u.completion_tokens + u.audio_frames
         self.usage = {"total_tokens": u.prompt_tokens + out, "input_tokens": u.prompt_tokens, "output_tokens": out,
-                      "input_token_details": {"cached_tokens": u.cached_tokens},
+                      "input_token_details": {"cached_tokens": u.cached_tokens, "text_tokens": u.prompt_text_tokens,
+                                              "audio_tokens": u.prompt_audio_tokens,
+                                              "image_tokens": u.prompt_image_tokens},
                       "output_token_details": {"text_tokens": u.completion_tokens, "audio_tokens": u.audio_frames}}
 
     async def _text(self, text: str) -> None:

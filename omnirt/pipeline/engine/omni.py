@@ -140,6 +140,8 @@ class OmniEngine:
         path = self.graph.path(req.wants_audio)
         stream = self._stream_type(req, asyncio.get_running_loop(), n_prompt, path, self.cfg.max_output_buffer_bytes,
                                    self._overflow, dropped, submitted_at)
+        stream.num_prompt_audio_tokens = prompt.num_audio_tokens
+        stream.num_prompt_image_tokens = prompt.num_image_tokens
         self.admission.admit(path)  # raises EngineOverloaded when a stage's wait queue is full
         self._streams[req.request_id] = stream
         try:
@@ -229,6 +231,6 @@ class OmniEngine:
         self._streams.pop(stream.request.request_id, None)
         self.admission.release(stream.stages)
         usage = Usage(stream.num_prompt_tokens, stream.num_completion_tokens, stream.num_audio_frames,
-                      stream.num_cached_tokens)
+                      stream.num_cached_tokens, stream.num_prompt_audio_tokens, stream.num_prompt_image_tokens)
         stream.put(Finished(stream.request.request_id, reason or stream.finish_reason, usage, error,
                             stream.truncated_messages))

@@ -34,6 +34,8 @@ class ReplyStream:
     num_completion_tokens: int = 0
     num_audio_frames: int = 0
     num_cached_tokens: int = 0  # prompt tokens the first stage reused from a resident slot
+    num_prompt_audio_tokens: int = 0  # of num_prompt_tokens, the input audio's
+    num_prompt_image_tokens: int = 0  # of num_prompt_tokens, the input images'
     closed: bool = False
     num_buffered_bytes: int = 0
     served_by: set[str] = field(default_factory=set)  # stages that have given it an output

@@ -81,5 +81,6 @@ class ReferenceEngine:
             yield ev
         if out.pcm16:
             yield AudioChunk(req.request_id, out.pcm16, 0)
-        usage = Usage(len(prompt.input_ids), out.num_tokens, out.num_frames)
+        usage = Usage(len(prompt.input_ids), out.num_tokens, out.num_frames,
+                      prompt_audio_tokens=prompt.num_audio_tokens, prompt_image_tokens=prompt.num_image_tokens)
         yield text_out.finished(Finished(req.request_id, "stop" if out.stopped else "length", usage))

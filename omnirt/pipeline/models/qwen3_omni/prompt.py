@@ -46,6 +46,14 @@ class EncodedPrompt:
     cache_key: bytes = b""
 
     @property
+    def num_audio_tokens(self) -> int:
+        return sum(end - start for start, end in self.audio_spans)
+
+    @property
+    def num_image_tokens(self) -> int:
+        return sum(end - start for start, end in self.image_spans)
+
+    @property
     def audio_lengths(self) -> torch.Tensor | None:
         return None if self.feature_mask is None else self.feature_mask.sum(-1)
 

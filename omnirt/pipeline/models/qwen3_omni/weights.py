@@ -33,6 +33,7 @@ def resolve_model_path(model: str) -> Path:
 
 
 PARTS = ("thinker", "talker", "code2wav")  # the submodules of Qwen3OmniMoeForConditionalGeneration
+SLOW_CPU_BUILD_PARAMS = 1_000_000_000  # random weights of this many parameters take minutes to fill on a CPU
 
 
 def load_hf_model(model: str, load_format: str, dtype: torch.dtype, device: torch.device,
@@ -82,6 +83,18 @@ def _tokenizer(path: Path):
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
+def warn_if_slow(hf, parts: frozenset[str], dtype: torch.dtype, device: torch.device) -> None:
+    """Before a dummy build that takes minutes, say so: billions of random weights filled on a CPU (the released
+    model's three stages are 35 B parameters). `hf` is the model on the meta device, its sizes known, no memory."""
+    num_params = sum(p.numel() for part in PARTS if part in parts and hasattr(hf, part)
+                     for p in getattr(hf, part).parameters())
+    if torch.device(device).type != "cpu" or num_params < SLOW_CPU_BUILD_PARAMS:
+        return
+    log.warning("dummy weights: filling %.1f B parameters with random values on the CPU takes minutes and %.0f GiB "
+                "of host memory (%s); --model tiny serves the same architecture at a toy size in seconds",
+                num_params / 1e9, num_params * dtype.itemsize / 2**30, str(dtype).removeprefix("torch."))
+
+
 def _dummy(model: str, dtype: torch.dtype, device: torch.device, parts: frozenset[str]):
     """The real architecture with random weights: from a checkpoint's config when one is at hand, else
     (for the released model's names) from the built-in architecture with the tiny tokenizer's ids."""
@@ -103,6 +116,7 @@ def _dummy(model: str, dtype: torch.dtype, device: torch.device, parts: frozense
     try:
         with torch.device("meta"):
             hf = Qwen3OmniMoeForConditionalGeneration._from_config(config, dtype=dtype)
+        warn_if_slow(hf, parts, dtype, device)
         # seeded, so that every start builds the same random weights (runs compare on the same near-ties)
         cuda = [device] if torch.device(device).type == "cuda" else []
         with torch.random.fork_rng(devices=cuda), torch.device(device):
