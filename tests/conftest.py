@@ -47,6 +47,13 @@ def wait_for(predicate, what: str, timeout_s: float = HANG_GUARD_S, poll_s: floa
         time.sleep(poll_s)
 
 
+
+def replica_pids(srv: ServerProcess) -> list[int]:
+    """The worker processes `/health` lists. The engine core's stats reach the API process a little after it
+    answers, so a test waits for the count it expects rather than reading the first answer."""
+    return [r["pid"] for rs in srv.health()["replicas"].values() for r in rs if r.get("pid")]
+
+
 async def until(predicate, what: str, timeout_s: float = HANG_GUARD_S, poll_s: float = 0.05) -> None:
     """`wait_for` for a test on an event loop: polls without blocking the loop."""
     deadline = time.monotonic() + timeout_s

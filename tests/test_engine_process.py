@@ -16,7 +16,7 @@ import psutil
 import pytest
 import websockets
 
-from tests.conftest import ServerProcess, wait_for
+from tests.conftest import ServerProcess, replica_pids, until, wait_for
 from tests.realtime_helpers import ask, recv, recv_type, ws_url
 from tests.sse_client import audio_body, stream_chat
 
@@ -64,9 +64,9 @@ def test_sigterm_stops_every_process_of_a_replicated_server(tmp_path):
     srv = server(tmp_path, "--deploy-config", "qwen3_omni_moe_multi_replicas",
                  "--stage-overrides", json.dumps({"1": {"num_replicas": 2}}))
     try:
+        wait_for(lambda: len(replica_pids(srv)) == 4, "the four replica workers listed")
         procs = descendants(srv.proc.pid)
-        workers = [r["pid"] for rs in srv.health()["replicas"].values() for r in rs if r.get("pid")]
-        assert len(workers) == 4 and set(workers) <= {p.pid for p in procs}
+        assert set(replica_pids(srv)) <= {p.pid for p in procs}
         assert len(list(tmp_path.glob("omnirt-core-*"))) == 1
         assert stream_chat(srv.url, audio_body(8, frames=12)).is_complete
         rings = rings_of([psutil.Process(srv.proc.pid), *procs])
@@ -119,6 +119,7 @@ async def test_core_killed_with_workers_and_a_realtime_session(tmp_path):
     non-zero, and no IPC socket or shared-memory ring is left."""
     srv = server(tmp_path, "--deploy-config", "qwen3_omni_moe_multi_replicas")
     try:
+        await until(lambda: len(replica_pids(srv)) == 4, "the four replica workers listed")
         procs = descendants(srv.proc.pid)
         ws = await websockets.connect(ws_url(srv), max_size=None)
         await recv_type(ws, "session.created")

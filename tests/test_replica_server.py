@@ -10,7 +10,7 @@ import sys
 import openai
 import pytest
 
-from tests.conftest import ServerProcess
+from tests.conftest import ServerProcess, replica_pids, wait_for
 from tests.sse_client import pcm_samples_for_frames
 
 pytestmark = pytest.mark.timeout(300)
@@ -20,6 +20,7 @@ def test_serve_multi_replica_profile_with_stage_override():
     srv = ServerProcess(["--model", "tiny", "--deploy-config", "qwen3_omni_moe_multi_replicas",
                          "--stage-overrides", json.dumps({"1": {"num_replicas": 3}})])
     try:
+        wait_for(lambda: len(replica_pids(srv)) == 5, "three talker and two code2wav workers listed")
         replicas = srv.health()["replicas"]
         assert [r["device"] for r in replicas["talker"]] == [1, 2, 1]
         assert len(replicas["code2wav"]) == 2 and replicas["thinker"][0]["kind"] == "inline"
