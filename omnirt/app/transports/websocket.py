@@ -1,8 +1,9 @@
 """`GET /v1/realtime`: the OpenAI Realtime protocol over a WebSocket, on top of `omnirt.app.realtime.session`.
 
 One reader loop (client events, size limit), one idle watch and one writer task (the session's
-outbox -> text frames) per connection; the WebSocket itself is read by `omnirt.app.transports.ws_protocol`. A client that sends `OpenAI-Beta: realtime=v1` (or offers the
-`openai-beta.realtime-v1` subprotocol, as browsers must) gets the beta event names and session shape.
+outbox -> text frames) per connection; the WebSocket itself is read by `omnirt.app.transports.ws_protocol`.
+A client that sends `OpenAI-Beta: realtime=v1` (or offers the `openai-beta.realtime-v1`
+subprotocol, as browsers must) gets the beta event names and session shape.
 The caller's client secret (`Authorization: Bearer ek_…` or the `openai-insecure-api-key.ek_…`
 subprotocol) gives the session its settings. Refusals at connect are an `error` event followed by a close
 code whose reason says why: 1008 for an unknown model (or not the client secret's), 1013 when
