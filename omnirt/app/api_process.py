@@ -21,6 +21,7 @@ from omnirt.app.ops.worker_link import WorkerContext
 from omnirt.app.realtime.session import RealtimeLimits
 from omnirt.app.server import create_app
 from omnirt.app.state import ServerSettings, app_state
+from omnirt.app.transports import ws_protocol
 from omnirt.app.transports.ice import IceSettings
 from omnirt.pipeline.api import EngineClient, EngineInfo
 
@@ -107,8 +108,10 @@ def _uvicorn_config(app: FastAPI, args: argparse.Namespace, port: int) -> uvicor
     # whether or not uvloop is installed: aiortc's ICE fails on uvloop (encode/uvicorn#840); HTTP is parsed by
     # httptools (a dependency) where uvicorn finds it. WebSocket frames go uncompressed: a microphone's 50 appends a
     # second would each cost ~10 µs of inflating (a tenth of what the front end spends on a chunk) to save a third
-    # of the bytes of base64 audio
+    # of the bytes of base64 audio. WebSocket reading is uvicorn's, made cheaper per message
+    # (`omnirt.app.transports.ws_protocol`)
     return uvicorn.Config(app, host=args.host, port=port, log_level=args.log_level, loop="asyncio",
+                          ws=ws_protocol.PROTOCOL or "auto",
                           ws_max_size=limits.max_event_bytes + 2**20, ws_per_message_deflate=False,
                           timeout_graceful_shutdown=args.shutdown_timeout + 5)
 

@@ -1,8 +1,9 @@
 """`GET /v1/realtime`: the OpenAI Realtime protocol over a WebSocket, on top of `omnirt.app.realtime.session`.
 
-One reader loop (client events, size limit, idle timeout) and one writer task (the session's
-outbox -> text frames) per connection. A client that sends `OpenAI-Beta: realtime=v1` (or offers the
-`openai-beta.realtime-v1` subprotocol, as browsers must) gets the beta event names and session shape.
+One reader loop (client events, size limit), one idle watch and one writer task (the session's
+outbox -> text frames) per connection; the WebSocket itself is read by `omnirt.app.transports.ws_protocol`.
+A client that sends `OpenAI-Beta: realtime=v1` (or offers the `openai-beta.realtime-v1`
+subprotocol, as browsers must) gets the beta event names and session shape.
 The caller's client secret (`Authorization: Bearer ek_…` or the `openai-insecure-api-key.ek_…`
 subprotocol) gives the session its settings. Refusals at connect are an `error` event followed by a close
 code whose reason says why: 1008 for an unknown model (or not the client secret's), 1013 when
@@ -101,27 +102,30 @@ def _starting_config(st: AppState, secret: ClientSecret | None, model: str | Non
 
 
 class _Connection:
-    """One WebSocket and its session: a reader loop (client events, size limit, idle timeout), a writer
-    task (the session's outbox -> text frames), and `end(reason)` for the server to close it (1001)."""
+    """One WebSocket and its session: a reader loop (client events, size limit), an idle watch, a writer task
+    (the session's outbox -> text frames), and `end(reason)` for the server to close it (1001)."""
 
     def __init__(self, ws: WebSocket, session: RealtimeSession):
         self.ws, self.session = ws, session
         self.log = logging.LoggerAdapter(log, session.log_ids)
         self.writer: asyncio.Task | None = None
         self.state = "closed"  # how it ended, for /metrics: closed (by the client), timeout, policy, shutdown
+        self.last_event_s = 0.0  # when the last client event came (the event loop's clock)
 
     async def serve(self, limits: RealtimeLimits) -> None:
         """Until the client goes, the session idles out or breaks a limit, or the client stops reading."""
         self.writer = asyncio.create_task(self._write(limits.send_timeout_s))
-        reader, close = None, None
+        reader, idle, close = None, None, None
         try:
             await self.session.start()
             reader = asyncio.create_task(self._read(limits))
-            await asyncio.wait({reader, self.writer}, return_when=asyncio.FIRST_COMPLETED)
-            close = reader.result() if reader.done() else self.writer.result()
+            idle = asyncio.create_task(self._idle(limits.idle_timeout_s))
+            await asyncio.wait({reader, idle, self.writer}, return_when=asyncio.FIRST_COMPLETED)
+            close = next(task.result() for task in (reader, idle, self.writer) if task.done())
         finally:
-            if reader is not None:
-                reader.cancel()
+            for task in (reader, idle):
+                if task is not None:
+                    task.cancel()
             await self._drain()
         if close is not None and self.ws.application_state is WebSocketState.CONNECTED:
             code, reason, self.state = close
@@ -145,24 +149,19 @@ class _Connection:
         self.writer.cancel()
 
     async def _read(self, limits: RealtimeLimits) -> Close | None:
-        """Client events until the client goes (None), or the session idles out or breaks a limit (a close)."""
-        ws, session = self.ws, self.session
+        """Client events until the client goes (None) or the session breaks a limit (a close). Each event's arrival
+        is noted for `_idle`: no timer per event."""
+        ws, session, clock = self.ws, self.session, asyncio.get_running_loop().time
         while True:
             try:
-                async with asyncio.timeout(limits.idle_timeout_s):  # no task per event, unlike wait_for
-                    msg = await ws.receive()
-            except TimeoutError:
-                if session.is_busy:
-                    continue
-                await session.send_error(ProtocolError(f"no client event for {limits.idle_timeout_s:g} s: closing "
-                                                       "the session", "session_idle_timeout"))
-                return 1000, "", "timeout"
+                msg = await ws.receive()
             except (WebSocketDisconnect, RuntimeError):  # RuntimeError: `end` closed it meanwhile
                 return None
+            self.last_event_s = clock()
             if msg["type"] == "websocket.disconnect":
                 return None
-            data = msg.get("text") if msg.get("text") is not None else msg.get("bytes")
-            if data is None:
+            data = msg.get("text")
+            if data is None and (data := msg.get("bytes")) is None:
                 continue
             if len(data) > limits.max_event_bytes:
                 await session.send_error(ProtocolError(f"the event is {len(data)} bytes; the limit is "
@@ -171,6 +170,22 @@ class _Connection:
             await session.handle_text(data)
             if session.violation is not None:
                 return CLOSE_POLICY, session.violation, "policy"
+
+    async def _idle(self, timeout_s: float) -> Close:
+        """The idle timeout: `timeout_s` with no client event and no response running sends an `error` event and
+        ends the session (a close 1000). A response running at the deadline starts the wait afresh."""
+        clock = asyncio.get_running_loop().time
+        quiet_since = self.last_event_s = clock()
+        while True:
+            quiet_since = max(quiet_since, self.last_event_s)
+            if (left_s := quiet_since + timeout_s - clock()) > 0:
+                await asyncio.sleep(left_s)
+            elif self.session.is_busy:
+                quiet_since = clock()
+            else:
+                await self.session.send_error(ProtocolError(f"no client event for {timeout_s:g} s: closing the "
+                                                            "session", "session_idle_timeout"))
+                return 1000, "", "timeout"
 
     async def _write(self, timeout_s: float) -> Close | None:
         """The outbox -> text frames, until it closes (None) or one frame waits `timeout_s` (a close)."""
