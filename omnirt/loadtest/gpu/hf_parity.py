@@ -1,18 +1,45 @@
-"""Full-size parity with transformers on the device: the engine as served (CUDA graphs, compiled layers, slot
-attention, fused experts) against transformers' own `generate()` on the same bf16 weights.
+"""Parity with transformers that can fail: the engine as served (CUDA graphs, compiled layers, slot attention,
+fused experts), teacher-forced on transformers' own tokens, against transformers' logits on the same prefix.
 
-Both sides run the same modules of one loaded model, so the weights are the same tensors: first the
-engine serves each prompt (greedy, one request at a time), then `generate()` runs it with transformers'
-own experts (`grouped_mm`) and SDPA. Compared: the first text tokens and every codebook of the first codec
-frames. Random dummy weights give near-ties that bf16 rounding decides differently on the two paths; where
-a side's choice differs, the summary gives both top-2 logit margins at that step and the largest
-difference of the chosen logit over the steps before (the noise between the paths). The documented rule:
-a parting is a tie when a margin there is within that noise (or within one bf16 step of the logit).
-`python omnirt/loadtest/gpu/hf_parity.py -- --model qwen3-omni-30b-a3b --load-format dummy --deploy-config
-qwen3_omni_moe_1gpu` (a JSON summary on stdout).
+Both sides run the same modules of one loaded model (the same weight tensors). Per prompt, transformers'
+`generate()` (its `grouped_mm` experts, SDPA) makes a greedy reply: text tokens, codec frames (16 codes) and the
+logits of every Thinker step, Talker step and code-predictor step. The engine then serves the same prompt with
+those tokens forced (`SamplingParams.forced`: each step emits the reference's token, the code predictor the
+reference's codes) and hands back its own logits of every step; so both sides' step k sees the same prefix, and
+differences do not compound through differing choices. Compared per stage: max and mean |engine - reference|,
+and top-1 agreement. Code2Wav's waveform for those same codes (the engine's chunking against transformers'
+`chunked_decode`): SNR and max error. Free-running replies come after, as a report of where they part.
+
+The bound, stated before any run. bf16 keeps 8 significant bits: rounding a value x errs by at most u|x| with
+u = 2^-8 (`torch.finfo(dtype).eps / 2`; float32's 2^-24 for the tiny model). Two paths that compute the same
+function with different kernels round differently, so each rounded tensor may differ between them by up to
+about u of its size. A decoder layer rounds its result in series R = 6 times (attention output, its
+projection, the residual sum, the experts' output, the residual sum, the norm); the residual stream carries
+a relative error on with gain about 1 (each layer adds to it, and the norms are scale-free), so independent
+rounding differences add up as a random walk: after N = 6 * L layers the hidden state's relative difference
+has rms <= u * sqrt(N), and the logits (a linear map of it, rounded once more) inherit it. With
+s = u * sqrt(N + 1) * rms(reference logits of the step), a step passes when
+    mean |d| <= s            and            max |d| <= Z * s,   Z = 6
+(the largest of some 10^7 Gaussian draws, a step's vocabulary over 64 steps, is about 5.3 of its sigma).
+L counts every layer the logits depend on: the Thinker's layers; for the Talker, the Thinker's layers up to the
+one it reads (`accept_hidden_layer`) plus its own; for the code predictor, those plus its own. Code2Wav: N = its
+modules with weights (each rounds its output once), the waveform must keep SNR >= -20 log10(u sqrt(N + 1)) dB
+and max |d| <= Z * u * sqrt(N + 1) * rms(reference waveform).
+A negative control shows the check can fail: the same forced requests with the attention's scale broken in the
+served path only (`broken_attention`: every Thinker and Talker layer's q_norm weight multiplied in place, which
+the captured graphs and compiled layers read), after the reference's logits are kept; the check must fail it.
+`python -m omnirt.loadtest.gpu.hf_parity -- --model qwen3-omni-30b-a3b --load-format dummy --deploy-config
+qwen3_omni_moe_1gpu`: one JSON line per prompt as it is compared, then the summary (`"pass"`).
 """
 
 from __future__ import annotations
+
+import contextlib
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -23,35 +50,67 @@ from omnirt.pipeline.models.qwen3_omni.generate import prompt_kwargs
 
 VOICE = "ethan"
 PENALTY = 1.05  # the Talker's repetition penalty, both sides
+ROUNDINGS_PER_LAYER = 6
+Z = 6.0  # the largest difference of a step, in its rms bound
 
 
 def prompts() -> list[list[dict]]:
-    """Two text prompts, two spoken ones (a decaying tone and a chirp, 16 kHz) and a picture (448 x 640 smooth
-    noise: 280 image tokens through the 27-layer vision encoder and its 3 deepstack layers)."""
+    """16 prompts: text (one with a system prompt, long, code, non-Latin, three multi-turn), audio (a tone, a chirp,
+    noise, short, in a second turn), images (smooth noise and a gradient, 448 x 640: 280 image tokens through the
+    vision encoder and its deepstack layers; one with audio; one in an earlier turn)."""
     rng = np.random.default_rng(0)
     picture = np.kron(rng.integers(0, 256, (14, 20, 3), dtype=np.uint8), np.ones((32, 32, 1), dtype=np.uint8))
+    gradient = np.broadcast_to(np.linspace(0, 255, 640, dtype=np.uint8)[None, :, None], (448, 640, 3)).copy()
     t = np.arange(16000 * 3) / 16000
     tone = (0.3 * np.sin(2 * np.pi * 440 * t[:16000]) * np.exp(-t[:16000])).astype(np.float32)
     chirp = (0.2 * np.sin(2 * np.pi * (200 + 300 * t) * t)).astype(np.float32)
+    noise = (0.05 * rng.standard_normal(32000)).astype(np.float32)
+    short = (0.3 * np.sin(2 * np.pi * 880 * t[:8000])).astype(np.float32)
+
+    def user(*parts) -> dict:
+        return {"role": "user", "content": [p if isinstance(p, dict) else {"type": "text", "text": p} for p in parts]}
+
+    def audio(a: np.ndarray) -> dict:
+        return {"type": "audio", "audio": a}
+
+    def image(i: np.ndarray) -> dict:
+        return {"type": "image", "image": i}
+
+    system = {"role": "system", "content": "You are a helpful assistant."}
     return [
-        [{"role": "system", "content": "You are a helpful assistant."},
-         {"role": "user", "content": "Hello, how are you today?"}],
+        [system, {"role": "user", "content": "Hello, how are you today?"}],
         [{"role": "user", "content": "Tell me something about the sea " * 6}],
-        [{"role": "user", "content": [{"type": "audio", "audio": tone}, {"type": "text", "text": "What is this?"}]}],
-        [{"role": "system", "content": "Answer briefly."},
-         {"role": "user", "content": [{"type": "audio", "audio": chirp}]}],
-        [{"role": "user", "content": [{"type": "image", "image": picture}, {"type": "text", "text": "Describe it."}]}],
+        [{"role": "user", "content": "What does this do?\ndef f(xs):\n    return sorted(set(xs))[-2]"}],
+        [{"role": "user", "content": "你好，请用三句话介绍一下你自己。"}],
+        [{"role": "user", "content": "My name is Ada."}, {"role": "assistant", "content": "Nice to meet you, Ada."},
+         {"role": "user", "content": "What is my name?"}],
+        [system, {"role": "user", "content": "Pick a number."}, {"role": "assistant", "content": "Seven."},
+         {"role": "user", "content": "Double it."}, {"role": "assistant", "content": "Fourteen."},
+         {"role": "user", "content": "And now halve that and add one."}],
+        [{"role": "user", "content": "Write a haiku about autumn."}, {"role": "assistant", "content": "Leaves fall."},
+         {"role": "user", "content": "Longer, please."}],
+        [user(audio(tone), "What is this?")],
+        [{"role": "system", "content": "Answer briefly."}, user(audio(chirp))],
+        [user(audio(noise), "Is anyone speaking?")],
+        [user(audio(short))],
+        [{"role": "user", "content": "I will play you a sound."}, {"role": "assistant", "content": "Go ahead."},
+         user(audio(tone))],
+        [user(image(picture), "Describe it.")],
+        [user(image(gradient), "Which side is brighter?")],
+        [user(image(picture), audio(chirp), "Does the sound match the picture?")],
+        [user(image(gradient), "Remember this picture."), {"role": "assistant", "content": "I will."},
+         {"role": "user", "content": "What colour was it?"}],
     ]
 
 
 def _kind(messages: list[dict]) -> str:
-    """"image", "audio" or "text": the richest part of the prompt."""
-    kinds = {p["type"] for m in messages if isinstance(m["content"], list) for p in m["content"]}
-    return next((k for k in ("image", "audio") if k in kinds), "text")
+    """"image", "audio" or "text" (the richest part of the prompt), "-turns" added for a conversation."""
+    kind = next((k for k in ("image", "audio") if _has(messages, k)), "text")
+    return kind + ("-turns" if any(m["role"] == "assistant" for m in messages) else "")
 
 
 class Logits:
-    """The last position's logits of every call of `module` (one generation step each), top-2 and argmax."""
+    """The last position's logits of every call of `module` (one generation step each)."""
 
     def __init__(self, module: torch.nn.Module):
         self.steps: list[torch.Tensor] = []
@@ -62,52 +121,24 @@ class Logits:
         return self.steps
 
 
-def engine_logits(engine) -> dict[str, dict[tuple[str, int], torch.Tensor]]:
-    """Per stage, (request id, step) -> that row's logits, for every sampled row of the engine."""
-    book: dict[str, dict] = {}
-    for stage in engine.stages:
-        runner, rows = stage.runner, book.setdefault(stage.name, {})
+@dataclass
+class Reply:
+    """One side's reply: text tokens (EOS included), codec frames [frames][16], the logits of each Thinker step,
+    each Talker step (its first codebook) and, per frame, the code predictor's [15, vocab], and the waveform."""
 
-        def run(batch, original=runner.run, rows=rows):
-            outs = original(batch)
-            for r, o in zip(batch.requests, outs):
-                if getattr(o, "logits", None) is not None:
-                    rows[(r.request_id, len(r.output_ids))] = o.logits.float().cpu()
-            return outs
-
-        runner.run = run
-    return book
-
-
-async def serve(engine, rid: str, messages: list[dict], tokens: int, frames: int):
-    """One greedy request through the engine: its text tokens and the codec frames fed to the vocoder (a
-    reply of n + 1 Talker steps feeds n frames, as generate() does)."""
-    fed, original = [], engine.models.code2wav.decode
-
-    def capture(windows):
-        for w in windows:
-            fed.extend(w.codes[w.num_context:])
-        return original(windows)
-
-    engine.models.code2wav.decode = capture
-    try:
-        req = OmniRequest(rid, messages, ("text", "audio"), voice=VOICE,
-                          thinker_sampling={"temperature": 0.0, "max_tokens": tokens},
-                          talker_sampling={"temperature": 0.0, "max_tokens": frames + 1, "repetition_penalty": PENALTY})
-        reply = await collect_reply(await engine.submit(req))
-    finally:
-        engine.models.code2wav.decode = original
-    eos = set(engine.models.thinker.eos_ids)
-    return [t for t in reply.token_ids if t not in eos], [list(f) for f in fed]
+    tokens: list[int]
+    frames: list[list[int]]
+    thinker: list[torch.Tensor]
+    talker: list[torch.Tensor]
+    codebooks: list[torch.Tensor]
+    wav: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
 
 
 @torch.inference_mode()
-def reference(models, messages: list[dict], tokens: int, frames: int):
-    """transformers' generate() of the same prompt: text tokens, codec frames [frames][16], the logits of
-    each Thinker step and each Talker (first codebook) step."""
+def reference(models, messages: list[dict], tokens: int, frames: int) -> Reply:
+    """transformers' generate() of the prompt, greedy, with its own experts implementation (grouped_mm)."""
     hf = models.hf
-    prompt = models.encoder.encode(messages)
-    kw = prompt_kwargs(hf, prompt, models.thinker.device)
+    kw = prompt_kwargs(hf, models.encoder.encode(messages), models.thinker.device)
     codes, original = {}, hf.code2wav.chunked_decode
 
     def capture(c, *a, **k):
@@ -118,118 +149,288 @@ def reference(models, messages: list[dict], tokens: int, frames: int):
     th, tk = Logits(hf.thinker.lm_head), Logits(hf.talker.codec_head)
     heads = [Logits(h) for h in hf.talker.code_predictor.lm_head]  # codebook g + 1's head, once per frame
     try:
-        seqs, _ = hf.generate(**kw, speaker=VOICE, return_audio=True, thinker_max_new_tokens=tokens,
-                              thinker_do_sample=False, thinker_eos_token_id=models.thinker.eos_ids[0],
-                              talker_max_new_tokens=frames + 1, talker_do_sample=False,
-                              talker_repetition_penalty=PENALTY)
+        with experts(hf, "grouped_mm"):
+            seqs, wav = hf.generate(**kw, speaker=VOICE, return_audio=True, thinker_max_new_tokens=tokens,
+                                    thinker_do_sample=False, thinker_eos_token_id=models.thinker.eos_ids[0],
+                                    talker_max_new_tokens=frames + 1, talker_do_sample=False,
+                                    talker_repetition_penalty=PENALTY)
     finally:
         hf.code2wav.chunked_decode = original
-    eos = set(models.thinker.eos_ids)
-    text = [t for t in seqs[0, len(prompt.input_ids):].tolist() if t not in eos]
-    return text, codes["c"][0].T.tolist(), th.close(), tk.close(), [h.close() for h in heads]
+    rows = [h.close() for h in heads]
+    books = [torch.stack([r[f] for r in rows]) for f in range(min(map(len, rows)))]
+    return Reply(seqs[0, kw["input_ids"].shape[1]:].tolist(), codes["c"][0].T.tolist(), th.close(), tk.close(),
+                 books, wav.reshape(-1).float().cpu().numpy())
 
 
-def decided(row: torch.Tensor, history: list[int], penalty: float, suppress: list[int]) -> torch.Tensor:
-    """The logits a choice was made on: the repetition penalty over the tokens produced before, and the
-    suppressed ids out, as both sides' processors apply them (greedy: no warpers)."""
-    row = row.clone()
-    if penalty != 1.0 and history:
-        seen = torch.tensor(sorted(set(history)))
-        row[seen] = torch.where(row[seen] < 0, row[seen] * penalty, row[seen] / penalty)
-    if suppress:
-        row[torch.tensor(suppress)] = float("-inf")
-    return row
+@contextlib.contextmanager
+def experts(hf, name: str):
+    """transformers' experts implementation `name` for a while, the engine's back after."""
+    configs = [m.config for m in hf.modules() if hasattr(getattr(m, "config", None), "_experts_implementation")]
+    saved = [c._experts_implementation for c in configs]
+    hf.set_experts_implementation(name)
+    try:
+        yield
+    finally:
+        for c, s in zip(configs, saved):
+            c._experts_implementation = s
 
 
-def parting(ours: list, theirs: list, engine_rows: list[torch.Tensor], ref_rows: list[torch.Tensor],
-            penalty: float = 1.0, suppress: list[int] = ()) -> dict | None:
-    """Where the two sequences first differ: both sides' decision margins there (top-1 minus top-2 of the
-    processed logits; whether each side's choice is its own argmax), and the noise before (the largest
-    difference between the two sides' top logit over the steps they agreed on)."""
-    k = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
-    if k is None:
-        n = min(len(ours), len(theirs))
-        return None if len(ours) == len(theirs) else {"step": n, "lengths": [len(ours), len(theirs)]}
-    out = {"step": k}
-    if k < len(engine_rows) and k < len(ref_rows):
-        mine, ref = (decided(r[k], ours[:k], penalty, list(suppress)) for r in (engine_rows, ref_rows))
+class Tap:
+    """Every step's logits the engine's runners produce, per (request id, step), on the host; and the float
+    waveform Code2Wav decodes (one request at a time)."""
 
-        def margin(row):
-            v = torch.topk(row, 2).values
-            return round(float(v[0] - v[1]), 4)
+    def __init__(self, engine):
+        self.rows: dict[str, dict[tuple[str, int], torch.Tensor]] = {}
+        self.codebooks: dict[tuple[str, int], torch.Tensor] = {}
+        self.wav: list[np.ndarray] = []
+        for stage in engine.stages:
+            if hasattr(stage.runner, "launch"):
+                stage.runner.launch = self._launch(stage.runner.launch, self.rows.setdefault(stage.name, {}))
+        c2w, decode = engine.models.code2wav, engine.models.code2wav.decode
+        c2w.decode = lambda windows: self.wav.extend(out := decode(windows)) or out
 
-        noise = max((abs(float(e.max() - r.max())) for e, r in zip(engine_rows[:k], ref_rows[:k])), default=0.0)
-        out.update(margin_engine=margin(mine), margin_reference=margin(ref), noise_before=round(noise, 4),
-                   engine_logits_of_both=[round(float(mine[t]), 4) for t in (ours[k], theirs[k])],
-                   reference_logits_of_both=[round(float(ref[t]), 4) for t in (ours[k], theirs[k])],
-                   choices_are_argmax=[int(mine.argmax()) == ours[k], int(ref.argmax()) == theirs[k]])
-    return out
+    def _launch(self, original, rows: dict):
+        def launch(batch):
+            steps = [r.num_outputs for r in batch.requests]  # the step each row samples (before it is issued)
+            issued = original(batch)
+            for r, k, o in zip(batch.requests, steps, issued.outputs):
+                if o.logits is not None:
+                    rows[(r.request_id, k)] = o.logits.float().cpu()
+                if o.inner_logits is not None:  # decode step k completes frame k - 1
+                    self.codebooks[(r.request_id, k - 1)] = o.inner_logits.float().cpu()
+            return issued
+        return launch
 
-
-def first_code_parting(ours: list[list[int]], theirs: list[list[int]], heads: list[list[torch.Tensor]]) -> dict | None:
-    """The first (frame, codebook) where the frames differ. For codebooks 1-15 (the code predictor's, whose
-    logits the engine's captured graph keeps to itself) the reference's own margin between its choice and
-    the engine's there, and whether its choice is its argmax: a near-zero margin is a tie on its side."""
-    at = next(((f, g) for f, (a, b) in enumerate(zip(ours, theirs)) for g, (x, y) in enumerate(zip(a, b)) if x != y),
-              None)
-    if at is None:
-        return None
-    f, g = at
-    out = {"frame": f, "codebook": g}
-    if g and f < len(heads[g - 1]):
-        row = heads[g - 1][f]
-        out.update(reference_margin=round(float(row[theirs[f][g]] - row[ours[f][g]]), 4),
-                   reference_choice_is_argmax=int(row.argmax()) == theirs[f][g])
-    return out
+    def reply(self, rid: str, tokens: list[int], frames: list[list[int]]) -> Reply:
+        out = Reply(tokens, frames, _steps(self.rows.get("thinker", {}), rid), _steps(self.rows.get("talker", {}), rid),
+                    _steps(self.codebooks, rid), np.concatenate(self.wav) if self.wav else np.zeros(0, np.float32))
+        self.wav = []
+        return out
 
 
-def steps(rows: dict, rid: str) -> list[torch.Tensor]:
-    """One request's logits, step by step from its first sampled token."""
+def _steps(rows: dict, rid: str) -> list[torch.Tensor]:
     out = []
     while (row := rows.get((rid, len(out)))) is not None:
         out.append(row)
     return out
 
 
-def frame_key(frames: list[list[int]]) -> list[int]:
-    return [f[0] for f in frames]
+async def serve(engine, tap: Tap, rid: str, messages: list[dict], tokens: int, frames: int,
+                forced: Reply | None = None) -> Reply:
+    """One greedy request through the engine; with `forced`, its tokens and frames in place of sampling."""
+    thinker = {"temperature": 0.0, "max_tokens": len(forced.tokens) if forced else tokens}
+    talker = {"temperature": 0.0, "max_tokens": frames + 1, "repetition_penalty": PENALTY}
+    if forced:
+        thinker["forced"], talker["forced"] = tuple(forced.tokens), tuple(tuple(f) for f in forced.frames)
+    fed, decode = [], engine.models.code2wav.decode
+
+    def capture(windows):
+        for w in windows:
+            fed.extend(w.codes[w.num_context:])
+        return decode(windows)
+
+    engine.models.code2wav.decode = capture
+    try:
+        reply = await collect_reply(await engine.submit(OmniRequest(rid, messages, ("text", "audio"), voice=VOICE,
+                                                                    thinker_sampling=thinker, talker_sampling=talker)))
+    finally:
+        engine.models.code2wav.decode = decode
+    return tap.reply(rid, list(reply.token_ids), [list(f) for f in fed])
+
+
+@dataclass(frozen=True)
+class Bound:
+    """A stage's rounding scale: u (the dtype's unit roundoff) and N (roundings in series before its logits)."""
+
+    unit: float
+    roundings: int
+
+    @property
+    def rel(self) -> float:
+        return self.unit * math.sqrt(self.roundings + 1)
+
+
+def bounds(models, messages: list[dict]) -> dict[str, Bound]:
+    """Each compared stage's bound for a prompt, from the dtype and the layers its logits depend on (the
+    module docstring): an audio or image prompt adds its encoder's layers, plus one for its input embedding and
+    output merger."""
+    hf, kind = models.hf, _kind(messages)
+    u = torch.finfo(hf.thinker.lm_head.weight.dtype).eps / 2
+    thc = hf.config.thinker_config
+    encoder = {"image": thc.vision_config.depth + 1, "audio": thc.audio_config.encoder_layers + 1}
+    # an image prompt may hold audio too: the deeper encoder counts
+    front = max([encoder["image"]] * kind.startswith("image") + [encoder["audio"]] * _has(messages, "audio"),
+                default=0)
+    thinker = front + thc.text_config.num_hidden_layers
+    tc = hf.config.talker_config
+    talker = front + tc.accept_hidden_layer + tc.text_config.num_hidden_layers
+    predictor = talker + tc.code_predictor_config.num_hidden_layers
+    c2w = sum(1 for m in hf.code2wav.modules() if next(m.parameters(recurse=False), None) is not None)
+    r = ROUNDINGS_PER_LAYER
+    return {"thinker": Bound(u, r * thinker), "talker": Bound(u, r * talker),
+            "code_predictor": Bound(u, r * predictor), "code2wav": Bound(u, c2w)}
+
+
+def _has(messages: list[dict], kind: str) -> bool:
+    return any(p["type"] == kind for m in messages if isinstance(m["content"], list) for p in m["content"])
+
+
+def compare(engine: list[torch.Tensor], ref: list[torch.Tensor], bound: Bound) -> dict:
+    """Step by step: max and mean |d|, each against its bound (`ratio` <= 1 passes), and top-1 agreement."""
+    n = min(len(engine), len(ref))
+    if not n:
+        return {"steps": 0, "pass": False}
+    e, r = torch.stack([x.reshape(-1) for x in engine[:n]]), torch.stack([x.reshape(-1) for x in ref[:n]])
+    d = (e - r).abs()
+    scale = bound.rel * r.pow(2).mean(-1).sqrt()  # per step
+    ratio = torch.maximum(d.mean(-1) / scale, d.amax(-1) / (Z * scale))
+    return {"steps": n, "lengths": [len(engine), len(ref)], "max_abs": float(d.max()), "mean_abs": float(d.mean()),
+            "top1_agree": float((e.argmax(-1) == r.argmax(-1)).float().mean()), "worst_ratio": float(ratio.max()),
+            "worst_step": int(ratio.argmax()), "pass": bool(ratio.max() <= 1.0)}
+
+
+def compare_wav(engine: np.ndarray, ref: np.ndarray, bound: Bound) -> dict:
+    """SNR and max error of the engine's waveform against transformers', for the same codes."""
+    n = min(len(engine), len(ref))
+    if not n:
+        return {"samples": [len(engine), len(ref)], "pass": False}
+    e, r = engine[:n].astype(np.float64), ref[:n].astype(np.float64)
+    err, rms = e - r, float(np.sqrt(np.mean(r ** 2))) or 1e-12
+    snr = 10 * math.log10(rms ** 2 / max(float(np.mean(err ** 2)), 1e-300))
+    floor = -20 * math.log10(bound.rel)
+    return {"samples": [len(engine), len(ref)], "snr_db": round(snr, 2), "snr_bound_db": round(floor, 2),
+            "max_abs": float(np.abs(err).max()), "max_bound": Z * bound.rel * rms,
+            "pass": len(engine) == len(ref) and snr >= floor and float(np.abs(err).max()) <= Z * bound.rel * rms}
+
+
+def forced_result(ours: Reply, ref: Reply, b: dict[str, Bound]) -> dict:
+    """The teacher-forced comparison of one prompt, stage by stage."""
+    out = {"bounds": {k: {"unit_roundoff": v.unit, "roundings": v.roundings, "rel_rms": v.rel, "z": Z}
+                      for k, v in b.items()},
+           "thinker": compare(ours.thinker, ref.thinker, b["thinker"]),
+           "talker": compare(ours.talker, ref.talker, b["talker"]),
+           "code_predictor": compare(ours.codebooks, ref.codebooks, b["code_predictor"]),
+           "code2wav": compare_wav(ours.wav, ref.wav, b["code2wav"]),
+           "tokens_followed": ours.tokens == ref.tokens and ours.frames == ref.frames[:len(ours.frames)]}
+    out["pass"] = all(out[k]["pass"] for k in ("thinker", "talker", "code_predictor", "code2wav")) \
+        and out["tokens_followed"]
+    return out
+
+
+def parting(ours: list, theirs: list) -> int | None:
+    """The first step where two free-running sequences differ (None: equal)."""
+    k = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+    return k if k is not None or len(ours) == len(theirs) else min(len(ours), len(theirs))
+
+
+def free_result(free: Reply, ref: Reply) -> dict:
+    """Where the engine's own greedy reply parts from transformers', and the reference's top-2 margin there
+    (a small one: a near-tie that rounding decided)."""
+    text = parting(free.tokens, ref.tokens)
+    frame = parting([f[0] for f in free.frames], [f[0] for f in ref.frames])
+    margin = None
+    if text is not None and text < len(ref.thinker):
+        v = torch.topk(ref.thinker[text], 2).values
+        margin = round(float(v[0] - v[1]), 4)
+    return {"text_parts_at": text, "reference_margin_there": margin, "first_code_parts_at": frame,
+            "frames_equal": free.frames == ref.frames[:len(free.frames)] and len(free.frames) == len(ref.frames)}
+
+
+@contextlib.contextmanager
+def broken_attention(models, factor: float):
+    """The negative control: every Thinker and Talker layer's attention scores multiplied by `factor` (the
+    q_norm weights scaled in place: the served path's graphs and compiled layers read them)."""
+    weights = [layer.self_attn.q_norm.weight for stack in (models.thinker.stack, models.talker.stack)
+               for layer in stack.layers]
+    with torch.inference_mode():
+        for w in weights:
+            w.mul_(factor)
+    try:
+        yield
+    finally:
+        with torch.inference_mode():
+            for w in weights:
+                w.div_(factor)
+
+
+def say(text: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
+
+
+async def check(engine, args) -> dict:
+    """The whole check on a built engine: references, forced and free runs, the negative control."""
+    models, started = engine.models, time.monotonic()
+    tap = Tap(engine)
+    refs, results = [], []
+    for i, messages in enumerate(prompts()[: args.prompts]):
+        if time.monotonic() - started > args.budget_s:
+            say(f"budget of {args.budget_s} s spent: {i} prompts")
+            break
+        refs.append(reference(models, messages, args.tokens, args.frames))
+        ours = await serve(engine, tap, f"forced-{i}", messages, args.tokens, args.frames, refs[-1])
+        free = await serve(engine, tap, f"free-{i}", messages, args.tokens, args.frames)
+        row = {"prompt": i, "kind": _kind(messages), **forced_result(ours, refs[-1], bounds(models, messages)),
+               "free_running": free_result(free, refs[-1])}
+        results.append(row)
+        print(json.dumps({"prompt_result": row}), flush=True)
+        say(f"prompt {i} ({row['kind']}): {'pass' if row['pass'] else 'FAIL'} "
+            f"({time.monotonic() - started:.0f} s)")
+    control = []
+    with broken_attention(models, args.break_scale):
+        for i, ref in enumerate(refs[: args.control_prompts]):
+            ours = await serve(engine, tap, f"broken-{i}", prompts()[i], args.tokens, args.frames, ref)
+            control.append(forced_result(ours, ref, bounds(models, prompts()[i])))
+    caught = bool(control) and not any(c["pass"] for c in control)
+    say(f"negative control (attention scale x{args.break_scale}): {'caught' if caught else 'NOT CAUGHT'}")
+    return summary(results, control, caught, args)
+
+
+def summary(results: list[dict], control: list[dict], caught: bool, args) -> dict:
+    def stage(name: str) -> dict:
+        rows = [r[name] for r in results if r[name].get("steps")]
+        if not rows:
+            return {}
+        return {"steps": sum(r["steps"] for r in rows), "max_abs": max(r["max_abs"] for r in rows),
+                "mean_abs": sum(r["mean_abs"] * r["steps"] for r in rows) / sum(r["steps"] for r in rows),
+                "top1_agree": sum(r["top1_agree"] * r["steps"] for r in rows) / sum(r["steps"] for r in rows),
+                "worst_ratio": max(r["worst_ratio"] for r in rows), "failed_prompts": sum(not r["pass"] for r in rows)}
+
+    enough = len(results) >= args.prompts and all(
+        r["thinker"]["steps"] >= args.tokens and r["talker"]["steps"] >= args.frames for r in results)
+    return {"prompts": len(results), "tokens": args.tokens, "frames": args.frames, "enough_steps": enough,
+            **{k: stage(k) for k in ("thinker", "talker", "code_predictor")},
+            "code2wav": {"min_snr_db": min((r["code2wav"].get("snr_db", -1e9) for r in results), default=None),
+                         "max_abs": max((r["code2wav"].get("max_abs", 0) for r in results), default=None),
+                         "failed_prompts": sum(not r["code2wav"]["pass"] for r in results)},
+            "forced_pass": sum(r["pass"] for r in results),
+            "free_running_text_equal": sum(r["free_running"]["text_parts_at"] is None for r in results),
+            "free_running_frames_equal": sum(r["free_running"]["frames_equal"] for r in results),
+            "negative_control": {"break": f"attention scale x{args.break_scale}", "caught": caught,
+                                 "worst_ratio": [max(c[k].get("worst_ratio", 0) for k in ("thinker", "talker"))
+                                                 for c in control]},
+            "pass": enough and all(r["pass"] for r in results) and caught}
 
 
 async def main_async(args) -> dict:
     from omnirt.app.cli import build_parser, engine_options
     from omnirt.pipeline.serving.core import build_engine
 
+    say("building the engine")
     engine = build_engine(engine_options(build_parser().parse_args(["serve", *args.serve_args])))
-    book = engine_logits(engine)
-    served = [await serve(engine, f"p{i}", m, args.tokens, args.frames) for i, m in enumerate(prompts())]
-    engine.stop()
-    models = engine.models
-    models.hf.set_experts_implementation("grouped_mm")
-    results = []
-    for i, (messages, (tokens, frames)) in enumerate(zip(prompts(), served)):
-        ref_tokens, ref_frames, ref_th, ref_tk, ref_heads = reference(models, messages, args.tokens, args.frames)
-        th_rows, tk_rows = steps(book["thinker"], f"p{i}"), steps(book["talker"], f"p{i}")
-        same_text = tokens[: args.tokens] == ref_tokens[: args.tokens]
-        n = min(args.frames, len(frames), len(ref_frames))
-        results.append({
-            "prompt": i, "kind": _kind(messages),
-            "text_equal": same_text, "text_lengths": [len(tokens), len(ref_tokens)],
-            "text_parting": None if same_text else parting(tokens, ref_tokens, th_rows, ref_th),
-            "frames_compared": n, "frames_equal": frames[:n] == ref_frames[:n] and n == args.frames,
-            "codes_differing": sum(a != b for f, g in zip(frames[:n], ref_frames[:n]) for a, b in zip(f, g)),
-            "first_code_parting": first_code_parting(frames[:n], ref_frames[:n], ref_heads),
-            # the Talker's frames follow the text; they are comparable only while the text agrees
-            "frame_parting": None if frames[:n] == ref_frames[:n] else parting(
-                frame_key(frames), frame_key(ref_frames), tk_rows, ref_tk, PENALTY, models.talker.suppress_ids),
-        })
-    return {"tokens": args.tokens, "frames": args.frames, "results": results,
-            "text_identical": sum(r["text_equal"] for r in results),
-            "frames_identical": sum(r["frames_equal"] for r in results)}
+    say("engine ready")
+    try:
+        return await check(engine, args)
+    finally:
+        engine.stop()
 
 
 def main() -> None:
-    cli(__doc__, {"--tokens": (int, 16, "text tokens compared"),
-                  "--frames": (int, 8, "codec frames compared (all 16 codebooks)")}, main_async)
+    cli(__doc__, {"--tokens": (int, 64, "text tokens per reply"),
+                  "--frames": (int, 64, "codec frames per reply (all 16 codebooks)"),
+                  "--prompts": (int, 16, "prompts compared (at most 16)"),
+                  "--control-prompts": (int, 2, "prompts of the negative control"),
+                  "--break-scale": (float, 2.0, "the negative control's attention scale"),
+                  "--budget-s": (float, 1e9, "no new prompt after this many seconds")}, main_async)
 
 
 if __name__ == "__main__":

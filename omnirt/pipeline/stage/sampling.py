@@ -31,6 +31,9 @@ class SamplingParams:
     max_tokens: int = 256
     min_tokens: int = 0
     seed: int | None = None
+    # teacher forcing (the parity check's): step k emits forced[k] instead of sampling, or for a stage whose step
+    # makes a frame of codes, forced[k] is that frame (its first code is the token; the model forces the rest)
+    forced: tuple = ()
 
     def __post_init__(self):
         assert self.temperature >= 0, "temperature must be >= 0"
@@ -105,6 +108,10 @@ class Sampler:
             rows = put(sampled)
             warped = warp(logits[rows], [params[i] for i in sampled], put)
             tokens[rows] = draw(warped, [generators[i] for i in sampled])
+        if forced := [(i, p.forced[n]) for i, (p, n) in enumerate(zip(params, counts)) if n < len(p.forced)]:
+            at, values = self._staging_for(logits.device).tensors([i for i, _ in forced],
+                                                                    [f if isinstance(f, int) else f[0] for _, f in forced])
+            tokens[at] = values
         if slots is not None and self._seen is not None:
             self._seen.add(tokens)
         return tokens

@@ -26,6 +26,7 @@ class RowOutput:
     logits: torch.Tensor | None = None
     payload: Any = None
     token: int | None = None
+    inner_logits: torch.Tensor | None = None  # a frame's inner codebooks' logits [codebooks, vocab] (the parity check's)
 
 
 

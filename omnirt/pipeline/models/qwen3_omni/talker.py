@@ -137,6 +137,8 @@ class TalkerModel:
         # each slot's last sampled code (the next frame's first): decode steps read it here, not from the host,
         # so a step can be issued before the last one's tokens land (async scheduling)
         self.last_codes = torch.zeros(kv.num_slots + 1, dtype=torch.long, device=self.device)
+        # the code predictor's forced codes when no row is teacher-forced (-1: sample)
+        self.unforced = torch.full((max_num_seqs, self.num_groups - 1), -1, dtype=torch.long, device=self.device)
         with torch.inference_mode():
             bos, eos, pad = talker.text_projection(special_rows.unsqueeze(0)).chunk(3, dim=1)
         self.tts_bos, self.tts_eos, self.tts_pad = bos[0, 0], eos[0, 0], pad[0, 0]
@@ -162,7 +164,8 @@ class TalkerModel:
         def predictor_inputs(key):
             return {"past": torch.zeros(key[0], h, dtype=self.talker.dtype, device=self.device),
                     "code0": torch.zeros(key[0], dtype=torch.long, device=self.device),
-                    "greedy": torch.ones(key[0], dtype=torch.bool, device=self.device)}
+                    "greedy": torch.ones(key[0], dtype=torch.bool, device=self.device),
+                    "forced": self.unforced[:key[0]].clone()}
 
         self.predictor_graphs.capture(predictor_inputs)
         with experts_implementation(self.stack, self.graph_moe):
@@ -253,16 +256,27 @@ class TalkerModel:
         slots, positions, rope = self.pinned.tensors(
             [r.slot for r in reqs], starts, [s + r.state.rope_delta for r, s in zip(reqs, starts)])
         greedy = self.pinned.tensor([r.sampling.is_greedy for r in reqs], torch.bool)
-        codes, code_sum = self.predictor_graphs.run(
-            n, None, {"past": self.past_hidden[slots], "code0": self.last_codes[slots], "greedy": greedy},
-            {"greedy": 1})
+        codes, code_sum, inner = self.predictor_graphs.run(
+            n, None, {"past": self.past_hidden[slots], "code0": self.last_codes[slots], "greedy": greedy,
+                      "forced": self._forced_codes(reqs)}, {"greedy": 1, "forced": -1})
         embeds = (code_sum + self._trailing_rows(reqs)).unsqueeze(1)
         hidden, logits = self.decode_graphs.run(
             n, max(starts) + 1, {"embeds": embeds, "slots": slots, "positions": positions, "rope_pos": rope},
             {"slots": self.kv.scratch_slot})
         self.past_hidden[slots] = hidden
         # the frames stay on the device: they come to the host with the sampled tokens, in one wait
-        return [RowOutput(logits=row, payload=frame) for row, frame in zip(logits, codes)]
+        return [RowOutput(logits=row, payload=frame, inner_logits=i) for row, frame, i in zip(logits, codes, inner)]
+
+    def _forced_codes(self, reqs) -> torch.Tensor:
+        """[B, 15]: the codes 1-15 a teacher-forced row gives the frame this step completes (its frame
+        `num_outputs - 1`), -1 where the predictor samples them."""
+        frames = [r.sampling.forced[k] if 0 <= (k := r.num_outputs - 1) < len(r.sampling.forced) else None
+                  for r in reqs]
+        if not any(f is not None and not isinstance(f, int) for f in frames):
+            return self.unforced[:len(reqs)]
+        rest = [list(f[1:]) if f is not None and not isinstance(f, int) else [-1] * (self.num_groups - 1)
+                for f in frames]
+        return self.pinned.tensor([c for row in rest for c in row]).view(len(reqs), -1)
 
     def complete(self, reqs, outs: list[RowOutput], sampled: list[int],
                  tokens: torch.Tensor | None) -> list[torch.Tensor | None]:
@@ -295,20 +309,23 @@ class TalkerModel:
                 rows[i] = projected[j]
         return torch.stack(rows)
 
-    def _predict_step(self, _length, past, code0, greedy) -> tuple[torch.Tensor, torch.Tensor]:
-        """The code predictor's 15 small AR steps for each row's pending frame, all on the device.
-        Returns (codes [B, 16], sum of the 16 code embeddings [B, H]), as the reference builds them."""
+    def _predict_step(self, _length, past, code0, greedy, forced) -> tuple[torch.Tensor, ...]:
+        """The code predictor's 15 small AR steps for each row's pending frame, all on the device (`forced`
+        [B, 15]: a code >= 0 is taken in place of the sampled one). Returns (codes [B, 16], sum of the 16 code
+        embeddings [B, H], each step's logits [B, 15, vocab]), as the reference builds them."""
         b = past.shape[0]
         stack, heads = self.predictor.model, self.predictor.lm_head
         slots = torch.arange(b, device=self.device)
         embeds = [self.stack.codec_embedding(code0)]
-        x, codes = torch.stack([past, embeds[0]], dim=1), [code0]
+        x, codes, logits = torch.stack([past, embeds[0]], dim=1), [code0], []
         for g in range(self.num_groups - 1):
             start, n = (0, 2) if g == 0 else (g + 1, 1)
             view = self.predictor_kv.dense_view(slots, torch.full((b,), start, device=self.device), n, start + n)
             normed, _ = run_decoder(stack, x, torch.arange(start, start + n, device=self.device).expand(b, -1), view,
                                     layers=self.predictor_layers)
-            codes.append(sample_top_k_top_p(heads[g](normed[:, -1]).float(), greedy, top_k=50, top_p=0.8))
+            logits.append(heads[g](normed[:, -1]))
+            sampled = sample_top_k_top_p(logits[-1].float(), greedy, top_k=50, top_p=0.8)
+            codes.append(torch.where(forced[:, g] >= 0, forced[:, g], sampled))
             embeds.append(stack.codec_embedding[g](codes[-1]))
             x = embeds[-1].unsqueeze(1)
-        return torch.stack(codes, dim=1), torch.stack(embeds, dim=1).sum(1)
+        return torch.stack(codes, dim=1), torch.stack(embeds, dim=1).sum(1), torch.stack(logits, dim=1)
