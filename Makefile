@@ -12,7 +12,7 @@ HOST   ?= 127.0.0.1
 PORT   ?= 8091
 export OMNIRT_THREADS ?= 2
 
-.PHONY: serve test test-fast lint venv sysdeps clean loadtest soak fuzz
+.PHONY: serve test test-fast test-gpu lint venv sysdeps clean loadtest soak fuzz
 
 # torch is installed first and pinned: the local CPU wheel, never a several-GB CUDA build (elsewhere:
 # TORCH="torch --index-url https://download.pytorch.org/whl/cpu", see the README).
@@ -88,3 +88,11 @@ lint: $(VENV)/.installed-test
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+# The GPU tier, on a CUDA machine from the repository root (no virtualenv: the machine's torch, the wheels carried
+# in .whl/): every `gpu`-marked test, tests/test_platform.py, and full-size parity with transformers (its
+# negative control included); pass/fail counts, results in OUT (default bench-results/test-gpu/), exit 1 on any
+# failure or skip. docs/reliability.md says what it checks.
+OUT ?=
+test-gpu:
+	$(PYTHON) -m omnirt.loadtest.gpu.test_gpu $(if $(OUT),--out $(OUT))

@@ -112,7 +112,8 @@ def test_accelerator_platforms_dispatch_to_their_device_module(name, device_type
     assert p.ipc_transport == ("cuda_ipc" if device_type == "cuda" else "shm")
 
 
-def test_cpu_platform_runs_here():
+def test_cpu_platform_runs_where_no_accelerator_is_visible(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the GPU machine of `make test-gpu` too
     p = get_platform("cpu")
     assert detect_platform() is p
     assert p.device(3) == torch.device("cpu") and p.device_count() is None
@@ -123,6 +124,16 @@ def test_cpu_platform_runs_here():
     assert p.memory_stats()["total"] == 0
     with pytest.raises(RuntimeError, match="enforce_eager"):
         p.graph_pool_handle()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_platform_is_detected_and_runs_here():
+    p = detect_platform()
+    assert p is get_platform("rocm" if torch.version.hip else "cuda") and p.device_count() == torch.cuda.device_count()
+    free, total = p.mem_get_info()
+    assert 0 < free <= total and p.memory_stats()["total"] == total
+    p.synchronize()
 
 
 def test_cpu_distributed_backend_is_real_gloo(tmp_path):

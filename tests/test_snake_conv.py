@@ -21,11 +21,11 @@ from omnirt.pipeline.models.qwen3_omni.convolutions import (
     TritonSnake,
 )
 from omnirt.pipeline.models.qwen3_omni.snake_conv import causal_conv, is_time_major, snake, time_major
+from tests.test_attention import CUDA, on_cuda
 
-CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 # compiled on a GPU (bf16 as served, and fp32); interpreted on the CPU (fp32: numpy has no bf16)
-DTYPES = [(torch.float32, 1e-5)] + ([(torch.bfloat16, 2e-2)] if CUDA else [])
+DTYPES = [(torch.float32, 1e-5), on_cuda(torch.bfloat16, 2e-2)]
 # the tiny vocoder's CPU runs need the interpreter, which conftest turns on only where there is no GPU
 cpu_only = pytest.mark.skipif(CUDA, reason="runs the kernels on CPU tensors under Triton's interpreter")
 

@@ -143,6 +143,7 @@ def _echo_worker(inbox_spec: tuple, outbox_spec: tuple) -> None:
     outbox.close()
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a GPU")
 def test_device_tensors_cross_processes_on_the_device():
     shm_before = set(os.listdir("/dev/shm"))

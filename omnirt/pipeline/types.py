@@ -72,6 +72,9 @@ class OmniRequest(msgspec.Struct, tag=True):
     # no client waits on its first packet (a transcript of the user): with first-packet priority the stages
     # serve it after the requests still owed theirs, like any running request (aging keeps it moving)
     background: bool = False
+    # teacher forcing, per stage name: step k emits forced[stage][k] instead of sampling (`SamplingParams.forced`);
+    # the parity check's (`omnirt/loadtest/gpu/hf_parity.py`), which no client sets
+    forced: dict[str, tuple] = msgspec.field(default_factory=dict)
 
     @property
     def wants_audio(self) -> bool:

@@ -50,6 +50,7 @@ from omnirt.pipeline.models.qwen3_omni.generate import prompt_kwargs
 
 VOICE = "ethan"
 PENALTY = 1.05  # the Talker's repetition penalty, both sides
+STARTED = time.monotonic()  # --budget-s counts from here: the engine's start-up included
 ROUNDINGS_PER_LAYER = 6
 Z = 6.0  # the largest difference of a step, in its rms bound
 
@@ -220,8 +221,7 @@ async def serve(engine, tap: Tap, rid: str, messages: list[dict], tokens: int, f
     """One greedy request through the engine; with `forced`, its tokens and frames in place of sampling."""
     thinker = {"temperature": 0.0, "max_tokens": len(forced.tokens) if forced else tokens}
     talker = {"temperature": 0.0, "max_tokens": frames + 1, "repetition_penalty": PENALTY}
-    if forced:
-        thinker["forced"], talker["forced"] = tuple(forced.tokens), tuple(tuple(f) for f in forced.frames)
+    teacher = {"thinker": tuple(forced.tokens), "talker": tuple(tuple(f) for f in forced.frames)} if forced else {}
     fed, decode = [], engine.models.code2wav.decode
 
     def capture(windows):
@@ -231,8 +231,9 @@ async def serve(engine, tap: Tap, rid: str, messages: list[dict], tokens: int, f
 
     engine.models.code2wav.decode = capture
     try:
-        reply = await collect_reply(await engine.submit(OmniRequest(rid, messages, ("text", "audio"), voice=VOICE,
-                                                                    thinker_sampling=thinker, talker_sampling=talker)))
+        reply = await collect_reply(await engine.submit(OmniRequest(
+            rid, messages, ("text", "audio"), voice=VOICE, thinker_sampling=thinker, talker_sampling=talker,
+            forced=teacher)))
     finally:
         engine.models.code2wav.decode = decode
     return tap.reply(rid, list(reply.token_ids), [list(f) for f in fed])
@@ -359,7 +360,7 @@ def say(text: str) -> None:
 
 async def check(engine, args) -> dict:
     """The whole check on a built engine: references, forced and free runs, the negative control."""
-    models, started = engine.models, time.monotonic()
+    models, started = engine.models, STARTED
     tap = Tap(engine)
     refs, results = [], []
     for i, messages in enumerate(prompts()[: args.prompts]):
@@ -430,7 +431,7 @@ def main() -> None:
                   "--prompts": (int, 16, "prompts compared (at most 16)"),
                   "--control-prompts": (int, 2, "prompts of the negative control"),
                   "--break-scale": (float, 2.0, "the negative control's attention scale"),
-                  "--budget-s": (float, 1e9, "no new prompt after this many seconds")}, main_async)
+                  "--budget-s": (float, 1e9, "no new prompt after this many seconds from the start")}, main_async)
 
 
 if __name__ == "__main__":

@@ -69,7 +69,8 @@ class RequestRules:
         for name in self.models.graph.path(req.wants_audio):
             node = self.models.graph.node(name)
             if node.sampling_field is not None:
-                out[name] = self.params(name, getattr(req, node.sampling_field), num_prompt + node.prefix_tokens)
+                params = self.params(name, getattr(req, node.sampling_field), num_prompt + node.prefix_tokens)
+                out[name] = params.merged(forced=tuple(req.forced[name])) if name in req.forced else params
         return out
 
     def prompt_limit(self, req: OmniRequest) -> int:
@@ -110,6 +111,8 @@ class RequestRules:
             raise RequestError(f"the prompt is {num_prompt} tokens; the {stage} context holds "
                                f"{cfg.max_model_len}", "messages", "context_length_exceeded")
         try:
+            if "forced" in overrides:  # the engine's own (teacher forcing), not a client's
+                raise TypeError("forced is not a sampling parameter")
             params = SamplingParams(**cfg.default_sampling_params).merged(**overrides)
         except (AssertionError, TypeError) as exc:
             raise RequestError(f"bad sampling parameters: {exc}", "sampling") from exc

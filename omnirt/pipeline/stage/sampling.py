@@ -109,8 +109,8 @@ class Sampler:
             warped = warp(logits[rows], [params[i] for i in sampled], put)
             tokens[rows] = draw(warped, [generators[i] for i in sampled])
         if forced := [(i, p.forced[n]) for i, (p, n) in enumerate(zip(params, counts)) if n < len(p.forced)]:
-            at, values = self._staging_for(logits.device).tensors([i for i, _ in forced],
-                                                                    [f if isinstance(f, int) else f[0] for _, f in forced])
+            firsts = [f if isinstance(f, int) else f[0] for _, f in forced]  # a frame's first code is the token
+            at, values = self._staging_for(logits.device).tensors([i for i, _ in forced], firsts)
             tokens[at] = values
         if slots is not None and self._seen is not None:
             self._seen.add(tokens)

@@ -26,7 +26,8 @@ class RowOutput:
     logits: torch.Tensor | None = None
     payload: Any = None
     token: int | None = None
-    inner_logits: torch.Tensor | None = None  # a frame's inner codebooks' logits [codebooks, vocab] (the parity check's)
+    # the inner codebooks' logits [codebooks, vocab] of the frame the step completed (the parity check reads them)
+    inner_logits: torch.Tensor | None = None
 
 
 
