@@ -3,7 +3,7 @@ of a CUDA machine, with the carried wheels (`.whl/`, installed into /tmp/site as
 does).
 
 1. Every `gpu`-marked test (the tests that need CUDA and the bf16 kernel parametrizations that exist only
-   there), and `tests/test_platform.py` (which must hold on a machine with CUDA too): junit XML and output.
+   there), then the platform tests that must hold on a machine with CUDA too: junit XML and output.
 2. Full-size parity (`omnirt/loadtest/gpu/hf_parity.py`): the 1-GPU profile with dummy weights, teacher-forced
    against transformers, a bound stated in advance, its negative control, Code2Wav, free-running replies.
 
@@ -26,6 +26,8 @@ from omnirt.loadtest.gpu.__main__ import FULL_SIZE, environment, install_wheels
 from omnirt.loadtest.local_server import ROOT
 
 MARKERS = ("mark.gpu", "on_cuda(")  # how a test module spells a GPU test
+# tests that once assumed no GPU: they must hold where CUDA is present too
+NO_GPU_ASSUMED = ("tests/test_platform.py", "tests/test_config.py::test_platform_detection_boundary")
 
 
 def gpu_test_files() -> list[str]:
@@ -111,8 +113,8 @@ def main(argv: list[str] | None = None) -> None:
               "--continue-on-collection-errors"]
     rcs["gpu-tests"] = run("gpu-tests", [*pytest, "-m", "gpu", f"--junitxml={out / 'gpu-tests.xml'}", *files],
                            args.tests_s - 40, out, env)
-    rcs["platform-tests"] = run("platform-tests", [*pytest, f"--junitxml={out / 'platform-tests.xml'}",
-                                                   "tests/test_platform.py"], 40, out, env)
+    rcs["platform-tests"] = run("platform-tests", [*pytest, "-m", "not gpu", f"--junitxml={out / 'platform-tests.xml'}",
+                                                   *NO_GPU_ASSUMED], 40, out, env)
     left = args.total_s - (time.monotonic() - started)
     # no new prompt within 75 s of the end: the last prompt, the negative control and the summary fit in that
     rcs["hf-parity"] = run("hf-parity", [py, "-m", "omnirt.loadtest.gpu.hf_parity", "--budget-s", f"{left - 75:.0f}",
