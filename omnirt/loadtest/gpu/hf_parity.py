@@ -149,18 +149,19 @@ def reference(models, messages: list[dict], tokens: int, frames: int) -> Reply:
     hf.code2wav.chunked_decode = capture
     th, tk = Logits(hf.thinker.lm_head), Logits(hf.talker.codec_head)
     heads = [Logits(h) for h in hf.talker.code_predictor.lm_head]  # codebook g + 1's head, once per frame
-    try:
+    try:  # min tokens: every reply runs its full length (random weights may end one early)
         with experts(hf, "grouped_mm"):
             seqs, wav = hf.generate(**kw, speaker=VOICE, return_audio=True, thinker_max_new_tokens=tokens,
-                                    thinker_do_sample=False, thinker_eos_token_id=models.thinker.eos_ids[0],
-                                    talker_max_new_tokens=frames + 1, talker_do_sample=False,
+                                    thinker_min_new_tokens=tokens, thinker_do_sample=False,
+                                    thinker_eos_token_id=models.thinker.eos_ids[0], talker_max_new_tokens=frames + 1,
+                                    talker_min_new_tokens=frames + 1, talker_do_sample=False,
                                     talker_repetition_penalty=PENALTY)
     finally:
         hf.code2wav.chunked_decode = original
-    rows = [h.close() for h in heads]
+        thinker, talker, rows = th.close(), tk.close(), [h.close() for h in heads]
     books = [torch.stack([r[f] for r in rows]) for f in range(min(map(len, rows)))]
-    return Reply(seqs[0, kw["input_ids"].shape[1]:].tolist(), codes["c"][0].T.tolist(), th.close(), tk.close(),
-                 books, wav.reshape(-1).float().cpu().numpy())
+    return Reply(seqs[0, kw["input_ids"].shape[1]:].tolist(), codes["c"][0].T.tolist(), thinker, talker, books,
+                 wav.reshape(-1).float().cpu().numpy())
 
 
 @contextlib.contextmanager
@@ -219,8 +220,9 @@ def _steps(rows: dict, rid: str) -> list[torch.Tensor]:
 async def serve(engine, tap: Tap, rid: str, messages: list[dict], tokens: int, frames: int,
                 forced: Reply | None = None) -> Reply:
     """One greedy request through the engine; with `forced`, its tokens and frames in place of sampling."""
-    thinker = {"temperature": 0.0, "max_tokens": len(forced.tokens) if forced else tokens}
-    talker = {"temperature": 0.0, "max_tokens": frames + 1, "repetition_penalty": PENALTY}
+    n = len(forced.tokens) if forced else tokens  # min tokens as the reference's
+    thinker = {"temperature": 0.0, "max_tokens": n, "min_tokens": n}
+    talker = {"temperature": 0.0, "max_tokens": frames + 1, "min_tokens": frames + 1, "repetition_penalty": PENALTY}
     teacher = {"thinker": tuple(forced.tokens), "talker": tuple(tuple(f) for f in forced.frames)} if forced else {}
     fed, decode = [], engine.models.code2wav.decode
 
