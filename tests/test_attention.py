@@ -15,14 +15,14 @@ from tests.test_parity import PROMPTS, assert_greedy_parity, engine_generate, re
 CUDA = torch.cuda.is_available()
 
 
-def on_cuda(*values, reason: str = "bf16 kernels are compiled on a CUDA device only (numpy has no bf16)"):
+def on_cuda(*values, id: str, reason: str = "bf16 kernels are compiled on a CUDA device only (numpy has no bf16)"):
     """A parametrization that runs only where CUDA is: marked `gpu` (`make test-gpu` selects it), skipped with a
     reason elsewhere, so a CPU run counts it among its skips."""
-    return pytest.param(*values, marks=[pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason=reason)])
+    return pytest.param(*values, marks=[pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason=reason)], id=id)
 
 
 # compiled on a GPU (bf16 as served, and fp32); interpreted on the CPU (fp32: numpy has no bf16)
-DTYPES = [(torch.float32, 1e-5), on_cuda(torch.bfloat16, 2e-2)]
+DTYPES = [(torch.float32, 1e-5), on_cuda(torch.bfloat16, 2e-2, id="bf16")]
 # the tiny model's CPU runs need the interpreter, which conftest turns on only where there is no GPU
 cpu_only = pytest.mark.skipif(CUDA, reason="runs the kernel on CPU tensors under Triton's interpreter")
 

@@ -101,6 +101,7 @@ async def test_info(client):
     (request("bad-voice", voice="nobody"), "invalid_voice"),
     (request("too-long", text="word " * 5000), "context_length_exceeded"),
     (request("bad-sampling", thinker={"temperature": -1.0}), "invalid_request"),
+    (request("client-forcing", thinker={"forced": [1, 2]}), "invalid_request"),  # teacher forcing: not a client's
 ])
 async def test_refusals_are_typed(client, req, code):
     with pytest.raises(RequestError) as exc:

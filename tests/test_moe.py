@@ -18,7 +18,7 @@ from tests.test_parity import assert_greedy_parity, started_engine
 
 DEVICE = "cuda" if CUDA else "cpu"
 # compiled on a GPU (bf16 as served, and fp32); interpreted on the CPU (fp32: numpy has no bf16)
-DTYPES = [(torch.float32, 1e-5), on_cuda(torch.bfloat16, 3e-2)]
+DTYPES = [(torch.float32, 1e-5), on_cuda(torch.bfloat16, 3e-2, id="bf16")]
 EXPERTS = {"thinker": mods.Qwen3OmniMoeThinkerTextExperts, "talker": mods.Qwen3OmniMoeTalkerTextExperts}
 SMALL_TILES = moe.Tiles(block_m=16, block_n=16, block_k=16)  # several column and reduction tiles at tiny sizes
 

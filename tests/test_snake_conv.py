@@ -25,7 +25,7 @@ from tests.test_attention import CUDA, on_cuda
 
 DEVICE = "cuda" if CUDA else "cpu"
 # compiled on a GPU (bf16 as served, and fp32); interpreted on the CPU (fp32: numpy has no bf16)
-DTYPES = [(torch.float32, 1e-5), on_cuda(torch.bfloat16, 2e-2)]
+DTYPES = [(torch.float32, 1e-5), on_cuda(torch.bfloat16, 2e-2, id="bf16")]
 # the tiny vocoder's CPU runs need the interpreter, which conftest turns on only where there is no GPU
 cpu_only = pytest.mark.skipif(CUDA, reason="runs the kernels on CPU tensors under Triton's interpreter")
 

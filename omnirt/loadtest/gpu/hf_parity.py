@@ -13,18 +13,21 @@ and top-1 agreement. Code2Wav's waveform for those same codes (the engine's chun
 The bound, stated before any run. bf16 keeps 8 significant bits: rounding a value x errs by at most u|x| with
 u = 2^-8 (`torch.finfo(dtype).eps / 2`; float32's 2^-24 for the tiny model). Two paths that compute the same
 function with different kernels round differently, so each rounded tensor may differ between them by up to
-about u of its size. A decoder layer rounds its result in series R = 6 times (attention output, its
-projection, the residual sum, the experts' output, the residual sum, the norm); the residual stream carries
-a relative error on with gain about 1 (each layer adds to it, and the norms are scale-free), so independent
-rounding differences add up as a random walk: after N = 6 * L layers the hidden state's relative difference
-has rms <= u * sqrt(N), and the logits (a linear map of it, rounded once more) inherit it. With
-s = u * sqrt(N + 1) * rms(reference logits of the step), a step passes when
+about u of its size; a matrix product accumulates its K terms in float32 first, which adds up to sqrt(K) * 2^-24
+(K the hidden size: 2^-18.5 at full size, nothing beside bf16's u, but most of the tiny float32 model's). So
+each rounding counts u' = u + sqrt(K) * 2^-24. A decoder layer rounds its result in series R = 6 times
+(attention output, its projection, the residual sum, the experts' output, the residual sum, the norm); the
+residual stream carries a relative error on with gain about 1 (each layer adds to it, and the norms are
+scale-free), so independent rounding differences add up as a random walk: after N = 6 * L layers the hidden
+state's relative difference has rms <= u' * sqrt(N), and the logits (a linear map of it, rounded once more)
+inherit it. With s = u' * sqrt(N + 1) * rms(reference logits of the step), a step passes when
     mean |d| <= s            and            max |d| <= Z * s,   Z = 6
 (the largest of some 10^7 Gaussian draws, a step's vocabulary over 64 steps, is about 5.3 of its sigma).
 L counts every layer the logits depend on: the Thinker's layers; for the Talker, the Thinker's layers up to the
-one it reads (`accept_hidden_layer`) plus its own; for the code predictor, those plus its own. Code2Wav: N = its
-modules with weights (each rounds its output once), the waveform must keep SNR >= -20 log10(u sqrt(N + 1)) dB
-and max |d| <= Z * u * sqrt(N + 1) * rms(reference waveform).
+one it reads (`accept_hidden_layer`) plus its own; for the code predictor, those plus its own; an audio or image
+prompt adds its encoder's layers plus one (its input embedding and output merger). Code2Wav: N = its modules with
+weights (each rounds its output once), K their largest fan-in; the waveform must keep
+SNR >= -20 log10(u' sqrt(N + 1)) dB and max |d| <= Z * u' * sqrt(N + 1) * rms(reference waveform).
 A negative control shows the check can fail: the same forced requests with the attention's scale broken in the
 served path only (`broken_attention`: every Thinker and Talker layer's q_norm weight multiplied in place, which
 the captured graphs and compiled layers read), after the reference's logits are kept; the check must fail it.
@@ -243,7 +246,8 @@ async def serve(engine, tap: Tap, rid: str, messages: list[dict], tokens: int, f
 
 @dataclass(frozen=True)
 class Bound:
-    """A stage's rounding scale: u (the dtype's unit roundoff) and N (roundings in series before its logits)."""
+    """A stage's rounding scale: u' (the dtype's unit roundoff, plus float32 accumulation over K terms) and N
+    (roundings in series before its logits)."""
 
     unit: float
     roundings: int
@@ -259,6 +263,10 @@ def bounds(models, messages: list[dict]) -> dict[str, Bound]:
     output merger."""
     hf, kind = models.hf, _kind(messages)
     u = torch.finfo(hf.thinker.lm_head.weight.dtype).eps / 2
+
+    def unit(k: int) -> float:
+        return u + math.sqrt(k) * 2.0 ** -24
+
     thc = hf.config.thinker_config
     encoder = {"image": thc.vision_config.depth + 1, "audio": thc.audio_config.encoder_layers + 1}
     # an image prompt may hold audio too: the deeper encoder counts
@@ -268,10 +276,13 @@ def bounds(models, messages: list[dict]) -> dict[str, Bound]:
     tc = hf.config.talker_config
     talker = front + tc.accept_hidden_layer + tc.text_config.num_hidden_layers
     predictor = talker + tc.code_predictor_config.num_hidden_layers
-    c2w = sum(1 for m in hf.code2wav.modules() if next(m.parameters(recurse=False), None) is not None)
+    weighted = [m for m in hf.code2wav.modules() if next(m.parameters(recurse=False), None) is not None]
+    fan_in = max((p[0].numel() for m in weighted for p in m.parameters(recurse=False) if p.dim() > 1), default=1)
     r = ROUNDINGS_PER_LAYER
-    return {"thinker": Bound(u, r * thinker), "talker": Bound(u, r * talker),
-            "code_predictor": Bound(u, r * predictor), "code2wav": Bound(u, c2w)}
+    return {"thinker": Bound(unit(thc.text_config.hidden_size), r * thinker),
+            "talker": Bound(unit(tc.text_config.hidden_size), r * talker),
+            "code_predictor": Bound(unit(tc.code_predictor_config.hidden_size), r * predictor),
+            "code2wav": Bound(unit(fan_in), len(weighted))}
 
 
 def _has(messages: list[dict], kind: str) -> bool:

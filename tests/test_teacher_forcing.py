@@ -1,0 +1,158 @@
+"""Teacher forcing through the served path, and the full-size parity check's own machinery on the tiny model
+(fp32): forced tokens are emitted as given, the logits the engine hands back are transformers' on the same
+prefix, the bound passes the engine and fails a broken one, and `pytest -m gpu` selects exactly the GPU tier."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from omnirt.loadtest.gpu import hf_parity
+from omnirt.loadtest.gpu.test_gpu import gpu_test_files, parity_summary, pytest_counts
+from tests.conftest import ROOT
+
+TINY = ["--model", "tiny", "--dtype", "float32", "--threads", "1"]
+
+
+@pytest.fixture(scope="module")
+def built():
+    from omnirt.app.cli import build_parser, engine_options
+    from omnirt.pipeline.serving.core import build_engine
+
+    engine = build_engine(engine_options(build_parser().parse_args(["serve", *TINY])))
+    yield engine
+    engine.stop()
+
+
+def test_forced_tokens_are_emitted_and_their_logits_are_transformers_on_that_prefix(built):
+    """Off the greedy path (tokens and codes of no reply's own choosing): the engine emits them, and each Thinker
+    step's logits equal one transformers forward over the prompt and the forced tokens before it."""
+    models, tap = built.models, hf_parity.Tap(built)
+    messages = [{"role": "user", "content": "Tell me about the sea."}]
+    rng = np.random.default_rng(1)
+    eos = set(models.thinker.eos_ids)
+    special = eos | {models.thinker.tool_call_id}
+    tokens = [int(t) for t in rng.integers(10, models.thinker.vocab_size, 24) if int(t) not in special][:16]
+    codebook = models.hf.config.talker_config.code_predictor_config.vocab_size
+    frames = rng.integers(0, min(codebook, models.talker.vocab_size - 1024), (8, models.talker.num_groups)).tolist()
+    forced = hf_parity.Reply(tokens, frames, [], [], [])
+    ours = asyncio.run(hf_parity.serve(built, tap, "forced-off-path", messages, len(tokens), len(frames), forced))
+    assert ours.tokens == tokens and ours.frames == frames
+
+    prompt = models.encoder.encode(messages)
+    ids = torch.tensor([prompt.input_ids + tokens[:-1]])
+    with torch.inference_mode():
+        logits = models.hf.thinker(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0]
+    ref = list(logits[len(prompt.input_ids) - 1:].float())
+    assert len(ours.thinker) == len(ref) == len(tokens)
+    result = hf_parity.compare(ours.thinker, ref, hf_parity.bounds(models, messages)["thinker"])
+    assert result["pass"] and result["top1_agree"] == 1.0, result
+    assert len(ours.talker) == len(frames) + 1 and len(ours.codebooks) == len(frames)
+    assert all(c.shape == (models.talker.num_groups - 1, codebook) for c in ours.codebooks)
+
+
+def test_the_check_passes_the_engine_and_fails_a_broken_attention(built):
+    args = SimpleNamespace(prompts=3, tokens=8, frames=8, control_prompts=2, break_scale=2.0, budget_s=1e9)
+    out = asyncio.run(hf_parity.check(built, args))
+    assert out["pass"] and out["prompts"] == 3 and out["forced_pass"] == 3 and out["enough_steps"]
+    for stage in ("thinker", "talker", "code_predictor"):
+        assert out[stage]["top1_agree"] == 1.0 and out[stage]["worst_ratio"] <= 1.0, (stage, out[stage])
+    assert out["code2wav"]["failed_prompts"] == 0
+    assert out["free_running_text_equal"] == out["free_running_frames_equal"] == 3
+    control = out["negative_control"]
+    assert control["caught"] and min(control["worst_ratio"]) > 100  # far past the bound, not near it
+
+    # the weights are back as they were: the same forced request passes again
+    ref = hf_parity.reference(built.models, hf_parity.prompts()[0], 8, 8)
+    again = asyncio.run(hf_parity.serve(built, hf_parity.Tap(built), "after-control", hf_parity.prompts()[0], 8, 8,
+                                        ref))
+    assert hf_parity.forced_result(again, ref, hf_parity.bounds(built.models, hf_parity.prompts()[0]))["pass"]
+
+
+def test_the_bound_is_stated_from_the_dtype_and_the_layers():
+    models = SimpleNamespace(hf=SimpleNamespace(
+        thinker=SimpleNamespace(lm_head=SimpleNamespace(weight=torch.zeros(1, dtype=torch.bfloat16))),
+        config=SimpleNamespace(
+            thinker_config=SimpleNamespace(text_config=SimpleNamespace(num_hidden_layers=48, hidden_size=2048),
+                                           vision_config=SimpleNamespace(depth=27),
+                                           audio_config=SimpleNamespace(encoder_layers=32)),
+            talker_config=SimpleNamespace(
+                accept_hidden_layer=24, text_config=SimpleNamespace(num_hidden_layers=20, hidden_size=1024),
+                code_predictor_config=SimpleNamespace(num_hidden_layers=5, hidden_size=1024))),
+        code2wav=torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))))
+    text = hf_parity.bounds(models, [{"role": "user", "content": "hi"}])
+    assert text["thinker"].unit == 2 ** -8 + 2 ** -24 * 2048 ** 0.5 and text["thinker"].roundings == 6 * 48
+    assert text["talker"].roundings == 6 * 44 and text["code_predictor"].roundings == 6 * 49
+    assert text["code2wav"].roundings == 2
+    audio = hf_parity.bounds(models, [{"role": "user", "content": [{"type": "audio", "audio": np.zeros(1)}]}])
+    assert audio["thinker"].roundings == 6 * (48 + 33)
+    assert text["thinker"].rel == pytest.approx(text["thinker"].unit * (6 * 48 + 1) ** 0.5)
+
+
+def test_a_difference_past_the_bound_fails_and_one_within_passes():
+    b = hf_parity.Bound(2 ** -8, 6 * 48)
+    rng = torch.Generator().manual_seed(0)
+    ref = [torch.randn(1000, generator=rng) * 3 for _ in range(4)]
+    noise = [r * (1 + 0.5 * b.rel * torch.randn(1000, generator=rng)) for r in ref]  # half the bound's rms
+    assert hf_parity.compare(noise, ref, b)["pass"]
+    assert not hf_parity.compare([r * (1 + 2 * b.rel) for r in ref], ref, b)["pass"]  # twice the bound's rms
+    spike = [r.clone() for r in ref]
+    spike[2][7] += 10 * hf_parity.Z * b.rel * 3
+    out = hf_parity.compare(spike, ref, b)
+    assert not out["pass"] and out["worst_step"] == 2
+
+
+def test_the_prompts_cover_text_audio_images_and_conversations():
+    kinds = [hf_parity._kind(m) for m in hf_parity.prompts()]
+    assert len(kinds) >= 16
+    assert {"text", "text-turns", "audio", "audio-turns", "image", "image-turns"} <= set(kinds)
+
+
+def _collected(*args: str) -> list[str]:
+    out = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "--collect-only", *args],
+                         capture_output=True, text=True, cwd=ROOT, timeout=600)
+    return [line for line in out.stdout.splitlines() if "::" in line]
+
+
+def test_pytest_m_gpu_selects_exactly_the_gpu_tier():
+    """Five tests that need CUDA, and the bf16 parametrizations of the three kernels (attention 4, fused
+    experts 10, SnakeBeta convolution 11), which exist only there; `make test-gpu`'s files hold them all."""
+    everywhere = _collected("-m", "gpu", "tests")
+    assert sorted(everywhere) == sorted(_collected("-m", "gpu", *gpu_test_files()))
+    named = {i for i in everywhere if "[" not in i}
+    assert named == {"tests/test_attention.py::test_host_staging_reuses_its_pinned_regions_round_robin",
+                     "tests/test_cudagraph.py::test_cuda_graphs_match_eager_on_the_tiny_model",
+                     "tests/test_grammar.py::test_the_mask_replays_in_a_captured_graph",
+                     "tests/test_platform.py::test_cuda_platform_is_detected_and_runs_here",
+                     "tests/test_transport.py::test_device_tensors_cross_processes_on_the_device"}
+    kernels = [i for i in everywhere if "[" in i]
+    assert all(re.search(r"[\[-]bf16[\]-]", i) for i in kernels)
+    per_file = {f: sum(i.startswith(f"tests/{f}") for i in kernels) for f in ("test_attention", "test_moe",
+                                                                             "test_snake_conv")}
+    assert per_file == {"test_attention": 4, "test_moe": 10, "test_snake_conv": 11}
+    assert len(everywhere) == 30
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine they run (make test-gpu)")
+def test_on_the_cpu_the_gpu_tier_skips_each_test_with_its_reason(tmp_path):
+    xml = tmp_path / "gpu.xml"
+    subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-m", "gpu",
+                    f"--junitxml={xml}", *gpu_test_files()], capture_output=True, cwd=ROOT, timeout=600)
+    counts = pytest_counts(xml)
+    assert counts["skipped"] == 30 and counts["passed"] == counts["failed"] == counts["errors"] == 0
+    assert all(re.search(r"CUDA|GPU", s.split(": ", 1)[1]) for s in counts["skips"])
+
+
+def test_the_verdict_reads_a_parity_run_cut_short(tmp_path):
+    path = tmp_path / "hf-parity.txt"
+    path.write_text('{"prompt_result": {"prompt": 0, "pass": true}}\n{"prompt_result": {"prompt": 1, "pass": false}}\n')
+    assert parity_summary(path) == {"pass": False, "incomplete": True, "prompts": 2, "forced_pass": 1}
+    path.write_text(path.read_text() + '{\n "prompts": 2,\n "pass": true\n}\n')
+    assert parity_summary(path) == {"prompts": 2, "pass": True}
