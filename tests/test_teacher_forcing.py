@@ -59,7 +59,7 @@ def test_forced_tokens_are_emitted_and_their_logits_are_transformers_on_that_pre
 
 
 def test_the_check_passes_the_engine_and_fails_a_broken_attention(built):
-    args = SimpleNamespace(prompts=3, tokens=8, frames=8, control_prompts=2, break_scale=2.0, budget_s=1e9)
+    args = SimpleNamespace(prompts=3, tokens=8, frames=8, control_prompts=2, break_scales="2.0 1.02", budget_s=1e9)
     out = asyncio.run(hf_parity.check(built, args))
     assert out["pass"] and out["prompts"] == 3 and out["forced_pass"] == 3 and out["enough_steps"]
     for stage in ("thinker", "talker", "code_predictor"):
@@ -68,6 +68,7 @@ def test_the_check_passes_the_engine_and_fails_a_broken_attention(built):
     assert out["free_running_text_equal"] == out["free_running_frames_equal"] == 3
     control = out["negative_control"]
     assert control["caught"] and min(control["worst_ratio"]) > 100  # far past the bound, not near it
+    assert out["sensitivity"]["attention scale x1.02"]["caught"]  # in float32 even a 2% break is far past it
 
     # the weights are back as they were: the same forced request passes again
     ref = hf_parity.reference(built.models, hf_parity.prompts()[0], 8, 8)

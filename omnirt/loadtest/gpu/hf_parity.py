@@ -30,7 +30,8 @@ weights (each rounds its output once), K their largest fan-in; the waveform must
 SNR >= -20 log10(u' sqrt(N + 1)) dB and max |d| <= Z * u' * sqrt(N + 1) * rms(reference waveform).
 A negative control shows the check can fail: the same forced requests with the attention's scale broken in the
 served path only (`broken_attention`: every Thinker and Talker layer's q_norm weight multiplied in place, which
-the captured graphs and compiled layers read), after the reference's logits are kept; the check must fail it.
+the captured graphs and compiled layers read), after the reference's logits are kept; the check must fail it at
+x2, and the summary says whether it also fails x1.1 and x1.02 (how small a break it sees).
 `python -m omnirt.loadtest.gpu.hf_parity -- --model qwen3-omni-30b-a3b --load-format dummy --deploy-config
 qwen3_omni_moe_1gpu`: one JSON line per prompt as it is compared, then the summary (`"pass"`).
 """
@@ -372,7 +373,7 @@ def say(text: str) -> None:
 
 
 async def check(engine, args) -> dict:
-    """The whole check on a built engine: references, forced and free runs, the negative control."""
+    """The whole check on a built engine: references, forced and free runs, the broken attention."""
     models, started = engine.models, STARTED
     tap = Tap(engine)
     refs, results = [], []
@@ -389,17 +390,23 @@ async def check(engine, args) -> dict:
         print(json.dumps({"prompt_result": row}), flush=True)
         say(f"prompt {i} ({row['kind']}): {'pass' if row['pass'] else 'FAIL'} "
             f"({time.monotonic() - started:.0f} s)")
-    control = []
-    with broken_attention(models, args.break_scale):
-        for i, ref in enumerate(refs[: args.control_prompts]):
-            ours = await serve(engine, tap, f"broken-{i}", prompts()[i], args.tokens, args.frames, ref)
-            control.append(forced_result(ours, ref, bounds(models, prompts()[i])))
-    caught = bool(control) and not any(c["pass"] for c in control)
-    say(f"negative control (attention scale x{args.break_scale}): {'caught' if caught else 'NOT CAUGHT'}")
-    return summary(results, control, caught, args)
+    controls = {}
+    for scale in map(float, str(args.break_scales).split()):
+        rows = []
+        with broken_attention(models, scale):
+            for i, ref in enumerate(refs[: args.control_prompts]):
+                ours = await serve(engine, tap, f"broken-{scale}-{i}", prompts()[i], args.tokens, args.frames, ref)
+                rows.append(forced_result(ours, ref, bounds(models, prompts()[i])))
+        controls[scale] = {"caught": bool(rows) and not any(r["pass"] for r in rows),
+                           "worst_ratio": [max(r[k].get("worst_ratio", 0) for k in ("thinker", "talker"))
+                                           for r in rows]}
+        say(f"attention scale x{scale}: {'caught' if controls[scale]['caught'] else 'not caught'}")
+    return summary(results, controls, args)
 
 
-def summary(results: list[dict], control: list[dict], caught: bool, args) -> dict:
+def summary(results: list[dict], controls: dict[float, dict], args) -> dict:
+    """The figures over all prompts; the first break scale is the negative control (it must fail the check), the
+    others show how small a break still does."""
     def stage(name: str) -> dict:
         rows = [r[name] for r in results if r[name].get("steps")]
         if not rows:
@@ -409,6 +416,7 @@ def summary(results: list[dict], control: list[dict], caught: bool, args) -> dic
                 "top1_agree": sum(r["top1_agree"] * r["steps"] for r in rows) / sum(r["steps"] for r in rows),
                 "worst_ratio": max(r["worst_ratio"] for r in rows), "failed_prompts": sum(not r["pass"] for r in rows)}
 
+    first = next(iter(controls), None)
     enough = len(results) >= args.prompts and all(
         r["thinker"]["steps"] >= args.tokens and r["talker"]["steps"] >= args.frames for r in results)
     return {"prompts": len(results), "tokens": args.tokens, "frames": args.frames, "enough_steps": enough,
@@ -419,10 +427,9 @@ def summary(results: list[dict], control: list[dict], caught: bool, args) -> dic
             "forced_pass": sum(r["pass"] for r in results),
             "free_running_text_equal": sum(r["free_running"]["text_parts_at"] is None for r in results),
             "free_running_frames_equal": sum(r["free_running"]["frames_equal"] for r in results),
-            "negative_control": {"break": f"attention scale x{args.break_scale}", "caught": caught,
-                                 "worst_ratio": [max(c[k].get("worst_ratio", 0) for k in ("thinker", "talker"))
-                                                 for c in control]},
-            "pass": enough and all(r["pass"] for r in results) and caught}
+            "negative_control": {"break": f"attention scale x{first}", **controls[first]} if controls else None,
+            "sensitivity": {f"attention scale x{k}": v for k, v in list(controls.items())[1:]},
+            "pass": enough and all(r["pass"] for r in results) and bool(controls) and controls[first]["caught"]}
 
 
 async def main_async(args) -> dict:
@@ -443,7 +450,8 @@ def main() -> None:
                   "--frames": (int, 64, "codec frames per reply (all 16 codebooks)"),
                   "--prompts": (int, 16, "prompts compared (at most 16)"),
                   "--control-prompts": (int, 2, "prompts of the negative control"),
-                  "--break-scale": (float, 2.0, "the negative control's attention scale"),
+                  "--break-scales": (str, "2.0 1.1 1.02", "attention scales of the broken path: the first is the "
+                                     "negative control, the others how small a break is caught"),
                   "--budget-s": (float, 1e9, "no new prompt after this many seconds from the start")}, main_async)
 
 

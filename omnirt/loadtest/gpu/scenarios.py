@@ -52,9 +52,14 @@ SCENARIOS: dict[str, Scenario] = {
                                 "graph-check", "-m omnirt.loadtest.gpu_check --num-requests 8 --thinker-tokens 32 "
                                 "--frames 16 -- {model_args}", "graph-check.json", variant="{variant}"),),
                             {"variant": "profile"}),
-    "hf-parity": Scenario("full size: the engine as served against transformers' generate() on the same weights",
-                          (check("hf-parity", "-m omnirt.loadtest.gpu.hf_parity -- {model_args}", "hf-parity.json",
-                                 240),)),
+    "test-gpu": Scenario("`make test-gpu`: the gpu-marked tests, the platform tests, then hf-parity, with pass/fail "
+                         "counts and a verdict (omnirt/loadtest/gpu/test_gpu.py)",
+                         (check("test-gpu", "-m omnirt.loadtest.gpu.test_gpu --out {out}", limit_s=590, show=12),)),
+    "hf-parity": Scenario("full size: the engine as served, teacher-forced on transformers' tokens, against "
+                          "transformers' logits with a bound stated in advance, and its negative control",
+                          (check("hf-parity", "-m omnirt.loadtest.gpu.hf_parity --budget-s {parity_budget} "
+                                 "{parity_args} -- {model_args}", "hf-parity.json", "{parity_limit}"),),
+                          {"parity_budget": "480", "parity_limit": "560", "parity_args": ""}),
     "moe-kernels": Scenario("both full-size MoE blocks at batch 1/16/64: every experts implementation captured and "
                             "replayed on new routing, against the fp32 block",
                             (check("moe-kernels", "-m omnirt.loadtest.gpu.moe_check {impls}", limit_s=240),),

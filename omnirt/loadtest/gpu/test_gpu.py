@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
             say(f"    {line}")
     par = result["parity"]
     say(f"hf-parity: {'pass' if par.get('pass') else 'FAIL'} ({par.get('prompts')} prompts, forced pass "
-        f"{par.get('forced_pass')}, negative control caught: {par.get('negative_control', {}).get('caught')})")
+        f"{par.get('forced_pass')}, negative control caught: {(par.get('negative_control') or {}).get('caught')})")
     say(f"test-gpu: {'PASS' if result['pass'] else 'FAIL'} in {time.monotonic() - started:.0f} s; files in {out}")
     sys.exit(0 if result["pass"] else 1)
 
