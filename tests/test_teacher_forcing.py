@@ -70,8 +70,12 @@ def test_the_check_passes_the_engine_and_fails_a_broken_attention(built):
     assert control["caught"] and min(control["worst_ratio"]) > 100  # far past the bound, not near it
     assert out["sensitivity"]["attention scale x1.02"]["caught"]  # in float32 even a 2% break is far past it
 
-    # the weights are back as they were: the same forced request passes again
+    # the weights are back as they were: the same forced request passes again; transformers' experts
+    # implementation, set for the reference, is the engine's again everywhere
+    configs = hf_parity.experts_configs(built.models.hf)
+    before = [c._experts_implementation_internal for c in configs]
     ref = hf_parity.reference(built.models, hf_parity.prompts()[0], 8, 8)
+    assert [c._experts_implementation_internal for c in configs] == before and len(configs) > 3
     again = asyncio.run(hf_parity.serve(built, hf_parity.Tap(built), "after-control", hf_parity.prompts()[0], 8, 8,
                                         ref))
     assert hf_parity.forced_result(again, ref, hf_parity.bounds(built.models, hf_parity.prompts()[0]))["pass"]

@@ -170,15 +170,26 @@ def reference(models, messages: list[dict], tokens: int, frames: int) -> Reply:
 
 @contextlib.contextmanager
 def experts(hf, name: str):
-    """transformers' experts implementation `name` for a while, the engine's back after."""
-    configs = [m.config for m in hf.modules() if hasattr(getattr(m, "config", None), "_experts_implementation")]
-    saved = [c._experts_implementation for c in configs]
+    """transformers' experts implementation `name` for a while; every config's own value back after (the engine's)."""
+    configs = experts_configs(hf)
+    saved = [c._experts_implementation_internal for c in configs]
     hf.set_experts_implementation(name)
     try:
         yield
     finally:
-        for c, s in zip(configs, saved):
-            c._experts_implementation = s
+        for c, value in zip(configs, saved):
+            c._experts_implementation_internal = value  # as set, not spread to its sub-configs
+
+
+def experts_configs(hf) -> list:
+    """Every config object of the model that holds an experts implementation: the modules' and their sub-configs."""
+    found, stack = {}, [m.config for m in hf.modules() if hasattr(getattr(m, "config", None), "sub_configs")]
+    while stack:
+        c = stack.pop()
+        if id(c) not in found:
+            found[id(c)] = c
+            stack += [sub for k in c.sub_configs if (sub := getattr(c, k, None)) is not None]
+    return [c for c in found.values() if hasattr(c, "_experts_implementation_internal")]
 
 
 class Tap:
