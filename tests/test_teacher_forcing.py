@@ -26,7 +26,9 @@ def built():
     from omnirt.app.cli import build_parser, engine_options
     from omnirt.pipeline.serving.core import build_engine
 
-    engine = build_engine(engine_options(build_parser().parse_args(["serve", *TINY])))
+    with hf_parity.pristine_code2wav() as kept:
+        engine = build_engine(engine_options(build_parser().parse_args(["serve", *TINY])))
+    engine.pristine = kept[0]  # transformers' own Code2Wav, before the engine re-expressed its convolutions
     yield engine
     engine.stop()
 
@@ -52,7 +54,7 @@ def test_forced_tokens_are_emitted_and_their_logits_are_transformers_on_that_pre
         logits = models.hf.thinker(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0]
     ref = list(logits[len(prompt.input_ids) - 1:].float())
     assert len(ours.thinker) == len(ref) == len(tokens)
-    result = hf_parity.compare(ours.thinker, ref, hf_parity.bounds(models, messages)["thinker"])
+    result = hf_parity.compare(ours.thinker, ref, hf_parity.bounds(models, messages, built.pristine)["thinker"])
     assert result["pass"] and result["top1_agree"] == 1.0, result
     assert len(ours.talker) == len(frames) + 1 and len(ours.codebooks) == len(frames)
     assert all(c.shape == (models.talker.num_groups - 1, codebook) for c in ours.codebooks)
@@ -60,7 +62,7 @@ def test_forced_tokens_are_emitted_and_their_logits_are_transformers_on_that_pre
 
 def test_the_check_passes_the_engine_and_fails_a_broken_attention(built):
     args = SimpleNamespace(prompts=3, tokens=8, frames=8, control_prompts=2, break_scales="2.0 1.02", budget_s=1e9)
-    out = asyncio.run(hf_parity.check(built, args))
+    out = asyncio.run(hf_parity.check(built, built.pristine, args))
     assert out["pass"] and out["prompts"] == 3 and out["forced_pass"] == 3 and out["enough_steps"]
     for stage in ("thinker", "talker", "code_predictor"):
         assert out[stage]["top1_agree"] == 1.0 and out[stage]["worst_ratio"] <= 1.0, (stage, out[stage])
@@ -78,7 +80,9 @@ def test_the_check_passes_the_engine_and_fails_a_broken_attention(built):
     assert [c._experts_implementation_internal for c in configs] == before and len(configs) > 3
     again = asyncio.run(hf_parity.serve(built, hf_parity.Tap(built), "after-control", hf_parity.prompts()[0], 8, 8,
                                         ref))
-    assert hf_parity.forced_result(again, ref, hf_parity.bounds(built.models, hf_parity.prompts()[0]))["pass"]
+    wavs = hf_parity.code2wav_references(built.pristine, built.models.code2wav, again)
+    assert hf_parity.forced_result(again, ref, hf_parity.bounds(built.models, hf_parity.prompts()[0], built.pristine),
+                                   wavs)["pass"]
 
 
 def test_the_bound_is_stated_from_the_dtype_and_the_layers():
@@ -91,12 +95,14 @@ def test_the_bound_is_stated_from_the_dtype_and_the_layers():
             talker_config=SimpleNamespace(
                 accept_hidden_layer=24, text_config=SimpleNamespace(num_hidden_layers=20, hidden_size=1024),
                 code_predictor_config=SimpleNamespace(num_hidden_layers=5, hidden_size=1024))),
-        code2wav=torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))))
-    text = hf_parity.bounds(models, [{"role": "user", "content": "hi"}])
+    ))
+    code2wav = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    text = hf_parity.bounds(models, [{"role": "user", "content": "hi"}], code2wav)
     assert text["thinker"].unit == 2 ** -8 + 2 ** -24 * 2048 ** 0.5 and text["thinker"].roundings == 6 * 48
     assert text["talker"].roundings == 6 * 44 and text["code_predictor"].roundings == 6 * 49
     assert text["code2wav"].roundings == 2
-    audio = hf_parity.bounds(models, [{"role": "user", "content": [{"type": "audio", "audio": np.zeros(1)}]}])
+    audio = hf_parity.bounds(models, [{"role": "user", "content": [{"type": "audio", "audio": np.zeros(1)}]}],
+                             code2wav)
     assert audio["thinker"].roundings == 6 * (48 + 33)
     assert text["thinker"].rel == pytest.approx(text["thinker"].unit * (6 * 48 + 1) ** 0.5)
 

@@ -120,12 +120,14 @@ class Code2WavModel:
             codes[i, : lengths[i]] = torch.tensor(w.codes)
         (wav,) = self.cuda_graphs.run(len(windows), width, {"codes": codes.transpose(1, 2).to(self.device)}, {})
         wav = wav.float().cpu().numpy()
-        out = []
-        for i, w in enumerate(windows):
-            end = lengths[i] * self.samples_per_frame - self.tail
-            start = 0 if w.is_first else w.num_context * self.samples_per_frame - self.tail
-            out.append(wav[i, start:end])
-        return out
+        return [self.new_samples(w, row) for w, row in zip(windows, wav)]
+
+    def new_samples(self, w: CodecWindow, wav: np.ndarray) -> np.ndarray:
+        """The samples of a window's decoded waveform that are new: after its left context, less the tail that
+        only the next window's frames complete."""
+        end = len(w.codes) * self.samples_per_frame - self.tail
+        start = 0 if w.is_first else w.num_context * self.samples_per_frame - self.tail
+        return wav[start:end]
 
     def decode_full(self, codes: list[list[int]]) -> np.ndarray:
         """One-shot decode of a whole utterance (the reference for streaming)."""
