@@ -55,7 +55,7 @@ serve: $(VENV)/.installed-serve
 	$(BIN)/omnirt serve --model tiny --host $(HOST) --port $(PORT)
 
 test: $(VENV)/.installed-test sysdeps
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+	$(BIN)/python -m pytest -q -rs -p no:cacheprovider tests
 
 # The edit loop's tier (under 3 minutes): unit, engine and parity tests; no server, browser or soak. The
 # framework tests are not even collected: importing pipecat, LiveKit and the Agents SDK alone adds ~4 s.
