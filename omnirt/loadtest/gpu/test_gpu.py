@@ -18,13 +18,16 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from omnirt.loadtest.gpu.__main__ import FULL_SIZE, environment, install_wheels
+from omnirt.loadtest.gpu.scenarios import PARITY_SETS
 from omnirt.loadtest.local_server import ROOT
 
+PARITY_MODEL = f"{FULL_SIZE} {PARITY_SETS}"
 MARKERS = ("mark.gpu", "on_cuda(")  # how a test module spells a GPU test
 # tests that once assumed no GPU: they must hold where CUDA is present too
 NO_GPU_ASSUMED = ("tests/test_platform.py", "tests/test_config.py::test_platform_detection_boundary")
@@ -100,9 +103,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "bench-results" / "test-gpu"))
     p.add_argument("--total-s", type=float, default=530, help="the whole run's time, start-up included")
     p.add_argument("--tests-s", type=float, default=200, help="the pytest parts' share of it at most")
-    p.add_argument("--model-args", default=FULL_SIZE, help="the parity check's model (the tiny one: a CPU try)")
+    p.add_argument("--model-args", default=PARITY_MODEL, help="the parity check's model (the tiny one: a CPU try)")
     p.add_argument("--parity-args", default="", help="more hf_parity options (e.g. --prompts 4)")
     p.add_argument("--no-wheels", action="store_true", help="use this environment's packages (a CPU try)")
+    p.add_argument("--serial", action="store_true", help="the tests before the parity check, not beside its start-up")
     args = p.parse_args(argv)
     started, out = time.monotonic(), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -111,14 +115,25 @@ def main(argv: list[str] | None = None) -> None:
     files = gpu_test_files()
     pytest = [py, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rA", "-o", "timeout=90",
               "--continue-on-collection-errors"]
-    rcs["gpu-tests"] = run("gpu-tests", [*pytest, "-m", "gpu", f"--junitxml={out / 'gpu-tests.xml'}", *files],
-                           args.tests_s - 40, out, env)
-    rcs["platform-tests"] = run("platform-tests", [*pytest, "-m", "not gpu", f"--junitxml={out / 'platform-tests.xml'}",
-                                                   *NO_GPU_ASSUMED], 40, out, env)
+
+    def tests() -> None:
+        rcs["gpu-tests"] = run("gpu-tests", [*pytest, "-m", "gpu", f"--junitxml={out / 'gpu-tests.xml'}", *files],
+                               args.tests_s - 40, out, env)
+        rcs["platform-tests"] = run("platform-tests", [*pytest, "-m", "not gpu",
+                                                       f"--junitxml={out / 'platform-tests.xml'}", *NO_GPU_ASSUMED],
+                                    40, out, env)
+
+    # by default the tests run while the parity check loads and compiles (minutes of host work; a few GiB of
+    # device memory beside it)
+    beside = threading.Thread(target=tests)
+    beside.start()
+    if args.serial:
+        beside.join()
     left = args.total_s - (time.monotonic() - started)
     # no new prompt within 75 s of the end: the last prompt, the negative control and the summary fit in that
     rcs["hf-parity"] = run("hf-parity", [py, "-m", "omnirt.loadtest.gpu.hf_parity", "--budget-s", f"{left - 75:.0f}",
                                          *args.parity_args.split(), "--", *args.model_args.split()], left, out, env)
+    beside.join()
     result = verdict(out, rcs)
     (out / "test-gpu.json").write_text(json.dumps(result, indent=1) + "\n")
     for name, t in result["tests"].items():
