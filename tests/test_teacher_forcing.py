@@ -167,3 +167,19 @@ def test_the_verdict_reads_a_parity_run_cut_short(tmp_path):
     assert parity_summary(path) == {"pass": False, "incomplete": True, "prompts": 2, "forced_pass": 1}
     path.write_text(path.read_text() + '{\n "prompts": 2,\n "pass": true\n}\n')
     assert parity_summary(path) == {"prompts": 2, "pass": True}
+
+
+def test_a_prompt_that_raises_is_a_failed_row_and_the_rest_go_on(built, monkeypatch):
+    reference = hf_parity.reference
+
+    def flaky(models, messages, tokens, frames):
+        if "about the sea" in str(messages):  # prompt 1
+            raise RuntimeError("out of memory (a test's)")
+        return reference(models, messages, tokens, frames)
+
+    monkeypatch.setattr(hf_parity, "reference", flaky)
+    args = SimpleNamespace(prompts=3, tokens=4, frames=4, control_prompts=2, break_scales="2.0", budget_s=1e9)
+    out = asyncio.run(hf_parity.check(built, built.pristine, args))
+    assert out["prompts"] == 3 and out["forced_pass"] == 2 and not out["pass"]
+    assert out["errors"] == ["prompt 1: RuntimeError: out of memory (a test's)"]
+    assert out["negative_control"]["caught"] and len(out["negative_control"]["worst_ratio"]) == 2

@@ -374,7 +374,7 @@ def compare_wav(engine: np.ndarray, ref: np.ndarray, bound: Bound) -> dict:
 def forced_result(ours: Reply, ref: Reply, b: dict[str, Bound], wavs: tuple[np.ndarray, np.ndarray]) -> dict:
     """The teacher-forced comparison of one prompt, stage by stage; `wavs`: transformers' Code2Wav of the
     engine's codes in the engine's windows, and whole (the second reported: the chunking's own effect)."""
-    out = {"bounds": {k: {"unit_roundoff": v.unit, "roundings": v.roundings, "rel_rms": v.rel, "z": Z}
+    out = {"bounds": {k: {"unit": v.unit, "roundings": v.roundings, "rel_rms": v.rel, "z": Z}
                       for k, v in b.items()},
            "thinker": compare(ours.thinker, ref.thinker, b["thinker"]),
            "talker": compare(ours.talker, ref.talker, b["talker"]),
@@ -428,45 +428,62 @@ def say(text: str) -> None:
 
 
 async def check(engine, pristine, args) -> dict:
-    """The whole check on a built engine: references, forced and free runs, the broken attention."""
-    models, started = engine.models, STARTED
-    tap = Tap(engine)
-    refs, results = [], []
+    """The whole check on a built engine: references, forced and free runs, the broken attention. A prompt that
+    raises is recorded as failed (with the error) and the rest go on."""
+    tap, refs, results = Tap(engine), {}, []
     for i, messages in enumerate(prompts()[: args.prompts]):
-        if time.monotonic() - started > args.budget_s:
+        if time.monotonic() - STARTED > args.budget_s:
             say(f"budget of {args.budget_s} s spent: {i} prompts")
             break
-        refs.append(reference(models, messages, args.tokens, args.frames))
-        ours = await serve(engine, tap, f"forced-{i}", messages, args.tokens, args.frames, refs[-1])
-        free = await serve(engine, tap, f"free-{i}", messages, args.tokens, args.frames)
-        row = {"prompt": i, "kind": _kind(messages),
-               **forced_result(ours, refs[-1], bounds(models, messages, pristine),
-                               code2wav_references(pristine, models.code2wav, ours)),
-               "free_running": free_result(free, refs[-1])}
+        try:
+            refs[i], row = await compare_prompt(engine, tap, pristine, i, messages, args)
+        except Exception as exc:  # noqa: BLE001 - the next prompts still tell something
+            row = {"prompt": i, "kind": _kind(messages), "error": f"{type(exc).__name__}: {exc}", "pass": False}
         results.append(row)
         print(json.dumps({"prompt_result": row}), flush=True)
-        say(f"prompt {i} ({row['kind']}): {'pass' if row['pass'] else 'FAIL'} "
-            f"({time.monotonic() - started:.0f} s)")
+        say(f"prompt {i} ({row['kind']}): {'pass' if row['pass'] else 'FAIL'} {row.get('error', '')}"
+            f"({time.monotonic() - STARTED:.0f} s)")
     controls = {}
     for scale in map(float, str(args.break_scales).split()):
-        rows = []
-        with broken_attention(models, scale):
-            for i, ref in enumerate(refs[: args.control_prompts]):
-                ours = await serve(engine, tap, f"broken-{scale}-{i}", prompts()[i], args.tokens, args.frames, ref)
-                rows.append(forced_result(ours, ref, bounds(models, prompts()[i], pristine),
-                                          code2wav_references(pristine, models.code2wav, ours)))
-        controls[scale] = {"caught": bool(rows) and not any(r["pass"] for r in rows),
-                           "worst_ratio": [max(r[k].get("worst_ratio", 0) for k in ("thinker", "talker"))
-                                           for r in rows]}
+        controls[scale] = await broken_run(engine, tap, pristine, scale, list(refs.items())[: args.control_prompts],
+                                           args)
         say(f"attention scale x{scale}: {'caught' if controls[scale]['caught'] else 'not caught'}")
     return summary(results, controls, args)
+
+
+async def compare_prompt(engine, tap: Tap, pristine, i: int, messages: list[dict], args) -> tuple[Reply, dict]:
+    """One prompt: transformers' reply, the engine forced on it, the engine's own; the comparison row."""
+    models = engine.models
+    ref = reference(models, messages, args.tokens, args.frames)
+    ours = await serve(engine, tap, f"forced-{i}", messages, args.tokens, args.frames, ref)
+    free = await serve(engine, tap, f"free-{i}", messages, args.tokens, args.frames)
+    return ref, {"prompt": i, "kind": _kind(messages),
+                 **forced_result(ours, ref, bounds(models, messages, pristine),
+                                 code2wav_references(pristine, models.code2wav, ours)),
+                 "free_running": free_result(free, ref)}
+
+
+async def broken_run(engine, tap: Tap, pristine, scale: float, refs: list[tuple[int, Reply]], args) -> dict:
+    """The forced requests again with the attention's scale broken: caught when every one fails the check."""
+    rows = []
+    try:
+        with broken_attention(engine.models, scale):
+            for i, ref in refs:
+                messages = prompts()[i]
+                ours = await serve(engine, tap, f"broken-{scale}-{i}", messages, args.tokens, args.frames, ref)
+                rows.append(forced_result(ours, ref, bounds(engine.models, messages, pristine),
+                                          code2wav_references(pristine, engine.models.code2wav, ours)))
+    except Exception as exc:  # noqa: BLE001 - reported: a control that did not run caught nothing
+        return {"caught": False, "error": f"{type(exc).__name__}: {exc}", "worst_ratio": []}
+    return {"caught": bool(rows) and not any(r["pass"] for r in rows),
+            "worst_ratio": [max(r[k].get("worst_ratio", 0) for k in ("thinker", "talker")) for r in rows]}
 
 
 def summary(results: list[dict], controls: dict[float, dict], args) -> dict:
     """The figures over all prompts; the first break scale is the negative control (it must fail the check), the
     others show how small a break still does."""
     def stage(name: str) -> dict:
-        rows = [r[name] for r in results if r[name].get("steps")]
+        rows = [r[name] for r in results if r.get(name, {}).get("steps")]
         if not rows:
             return {}
         return {"steps": sum(r["steps"] for r in rows), "max_abs": max(r["max_abs"] for r in rows),
@@ -474,21 +491,24 @@ def summary(results: list[dict], controls: dict[float, dict], args) -> dict:
                 "top1_agree": sum(r["top1_agree"] * r["steps"] for r in rows) / sum(r["steps"] for r in rows),
                 "worst_ratio": max(r["worst_ratio"] for r in rows), "failed_prompts": sum(not r["pass"] for r in rows)}
 
+    def wav(name: str) -> dict:
+        rows = [r[name] for r in results if name in r]
+        return {"min_snr_db": min((w.get("snr_db", -1e9) for w in rows), default=None),
+                "max_abs": max((w.get("max_abs", 0) for w in rows), default=None),
+                "failed_prompts": sum(not w["pass"] for w in rows)}
+
     first = next(iter(controls), None)
+    free = [r["free_running"] for r in results if "free_running" in r]
     enough = len(results) >= args.prompts and all(
-        r["thinker"]["steps"] >= args.tokens and r["talker"]["steps"] >= args.frames for r in results)
+        r.get("thinker", {}).get("steps", 0) >= args.tokens and r.get("talker", {}).get("steps", 0) >= args.frames
+        for r in results)
     return {"prompts": len(results), "tokens": args.tokens, "frames": args.frames, "enough_steps": enough,
+            "errors": [f"prompt {r['prompt']}: {r['error']}" for r in results if "error" in r],
             **{k: stage(k) for k in ("thinker", "talker", "code_predictor")},
-            "code2wav": {"min_snr_db": min((r["code2wav"].get("snr_db", -1e9) for r in results), default=None),
-                         "max_abs": max((r["code2wav"].get("max_abs", 0) for r in results), default=None),
-                         "failed_prompts": sum(not r["code2wav"]["pass"] for r in results)},
-            "code2wav_vs_whole": {"min_snr_db": min((r["code2wav_vs_whole"].get("snr_db", -1e9) for r in results),
-                                                    default=None),
-                                  "max_abs": max((r["code2wav_vs_whole"].get("max_abs", 0) for r in results),
-                                                 default=None)},
+            "code2wav": wav("code2wav"), "code2wav_vs_whole": wav("code2wav_vs_whole"),
             "forced_pass": sum(r["pass"] for r in results),
-            "free_running_text_equal": sum(r["free_running"]["text_parts_at"] is None for r in results),
-            "free_running_frames_equal": sum(r["free_running"]["frames_equal"] for r in results),
+            "free_running_text_equal": sum(f["text_parts_at"] is None for f in free),
+            "free_running_frames_equal": sum(f["frames_equal"] for f in free),
             "negative_control": {"break": f"attention scale x{first}", **controls[first]} if controls else None,
             "sensitivity": {f"attention scale x{k}": v for k, v in list(controls.items())[1:]},
             "pass": enough and all(r["pass"] for r in results) and bool(controls) and controls[first]["caught"]}
