@@ -54,6 +54,13 @@ VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "c2w-process": ("Code2Wav in a worker process of its own", _set("stages.code2wav.own_process=true")),
     "speech-processes": ("the Talker and Code2Wav in worker processes of their own",
                          _set("stages.talker.own_process=true", "stages.code2wav.own_process=true")),
+    # the parity check's server (`hf-parity`, `make test-gpu`): one request at a time through the same batch-1
+    # graphs, compiled layers and kernels; fits an 80 GB H100 beside transformers' activations and the GPU tests
+    # (the full profile's 64-request KV and Code2Wav graphs take 82 GiB) and starts sooner
+    "four-requests": ("room for 4 requests, KV for them only (no gpu_memory_utilization), a 4096-token Talker "
+                      "prefill graph", _set("gpu_memory_utilization=null", "stages.thinker.max_num_seqs=4",
+                                            "stages.talker.max_num_seqs=4", "stages.code2wav.max_num_seqs=4",
+                                            "stages.talker.prefill_graph_tokens=4096")),
     **{f"budget-{b}": (f"prefill budget {b} tokens a step (Thinker), {max(b, 8192)} (Talker)",
                        _set(f"stages.thinker.max_num_batched_tokens={b}",
                             f"stages.talker.max_num_batched_tokens={max(b, 8192)}"))

@@ -32,12 +32,7 @@ ABLATION = ForEach("variants", (Serve(
 ABLATION_PARAMS = {"concurrency": "64", "prompt": "160", "point_limit": "200", "log_level": "warning", "log_grep": ""}
 
 
-# the parity check's server: the 1-GPU profile with room for 4 requests. The check sends one at a time, through the
-# same graphs, compiled layers and kernels (the batch-1 buckets); it fits an 80 GB H100 beside transformers'
-# activations and the GPU tests (the full profile's 64-request KV and Code2Wav graphs take 82 GiB), and starts sooner
-PARITY_SETS = ("--set gpu_memory_utilization=null --set stages.thinker.max_num_seqs=4 "
-               "--set stages.talker.max_num_seqs=4 --set stages.code2wav.max_num_seqs=4 "
-               "--set stages.talker.prefill_graph_tokens=4096")
+PARITY_VARIANT = "four-requests"  # the parity check's server (omnirt/loadtest/variants.py)
 
 
 def check(name: str, argv: str, out: str = "", limit_s: int | str = 300, **more) -> Check:
@@ -66,9 +61,10 @@ SCENARIOS: dict[str, Scenario] = {
     "hf-parity": Scenario("full size: the engine as served, teacher-forced on transformers' tokens, against "
                           "transformers' logits with a bound stated in advance, and its negative control",
                           (check("hf-parity", "-m omnirt.loadtest.gpu.hf_parity --budget-s {parity_budget} "
-                                 "{parity_args} -- {model_args} {parity_sets}", "hf-parity.json", "{parity_limit}"),),
+                                 "{parity_args} -- {model_args}", "hf-parity.json", "{parity_limit}",
+                                 variant="{variant}"),),
                           {"parity_budget": "480", "parity_limit": "560", "parity_args": "",
-                           "parity_sets": PARITY_SETS}),
+                           "variant": PARITY_VARIANT}),
     "moe-kernels": Scenario("both full-size MoE blocks at batch 1/16/64: every experts implementation captured and "
                             "replayed on new routing, against the fp32 block",
                             (check("moe-kernels", "-m omnirt.loadtest.gpu.moe_check {impls}", limit_s=240),),

@@ -24,10 +24,11 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from omnirt.loadtest.gpu.__main__ import FULL_SIZE, environment, install_wheels
-from omnirt.loadtest.gpu.scenarios import PARITY_SETS
+from omnirt.loadtest.gpu.scenarios import PARITY_VARIANT
 from omnirt.loadtest.local_server import ROOT
+from omnirt.loadtest.variants import serve_args
 
-PARITY_MODEL = f"{FULL_SIZE} {PARITY_SETS}"
+PARITY_MODEL = " ".join([FULL_SIZE, *serve_args(PARITY_VARIANT)])
 MARKERS = ("mark.gpu", "on_cuda(")  # how a test module spells a GPU test
 # tests that once assumed no GPU: they must hold where CUDA is present too
 NO_GPU_ASSUMED = ("tests/test_platform.py", "tests/test_config.py::test_platform_detection_boundary")
