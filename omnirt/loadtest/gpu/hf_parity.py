@@ -47,6 +47,7 @@ import math
 import sys
 import time
 from dataclasses import dataclass, field
+from statistics import median
 
 import numpy as np
 import torch
@@ -354,7 +355,9 @@ def compare(engine: list[torch.Tensor], ref: list[torch.Tensor], bound: Bound) -
     ratio = torch.maximum(d.mean(-1) / scale, d.amax(-1) / (Z * scale))
     return {"steps": n, "lengths": [len(engine), len(ref)], "max_abs": float(d.max()), "mean_abs": float(d.mean()),
             "top1_agree": float((e.argmax(-1) == r.argmax(-1)).float().mean()), "worst_ratio": float(ratio.max()),
-            "worst_step": int(ratio.argmax()), "pass": bool(ratio.max() <= 1.0)}
+            "worst_step": int(ratio.argmax()), "median_ratio": float(ratio.median()),
+            "steps_over": int((ratio > 1.0).sum()),  # a few: a rare jump (an expert chosen on a near-tie); all: a bug
+            "pass": bool(ratio.max() <= 1.0)}
 
 
 def compare_wav(engine: np.ndarray, ref: np.ndarray, bound: Bound) -> dict:
@@ -489,7 +492,9 @@ def summary(results: list[dict], controls: dict[float, dict], args) -> dict:
         return {"steps": sum(r["steps"] for r in rows), "max_abs": max(r["max_abs"] for r in rows),
                 "mean_abs": sum(r["mean_abs"] * r["steps"] for r in rows) / sum(r["steps"] for r in rows),
                 "top1_agree": sum(r["top1_agree"] * r["steps"] for r in rows) / sum(r["steps"] for r in rows),
-                "worst_ratio": max(r["worst_ratio"] for r in rows), "failed_prompts": sum(not r["pass"] for r in rows)}
+                "worst_ratio": max(r["worst_ratio"] for r in rows),
+                "median_ratio": median(r["median_ratio"] for r in rows),
+                "steps_over": sum(r["steps_over"] for r in rows), "failed_prompts": sum(not r["pass"] for r in rows)}
 
     def wav(name: str) -> dict:
         rows = [r[name] for r in results if name in r]
