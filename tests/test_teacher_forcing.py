@@ -1,13 +1,10 @@
 """Teacher forcing through the served path, and the full-size parity check's own machinery on the tiny model
 (fp32): forced tokens are emitted as given, the logits the engine hands back are transformers' on the same
-prefix, the bound passes the engine and fails a broken one, and `pytest -m gpu` selects exactly the GPU tier."""
+prefix, the bound passes the engine and fails a broken one."""
 
 from __future__ import annotations
 
 import asyncio
-import re
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import numpy as np
@@ -15,8 +12,6 @@ import pytest
 import torch
 
 from omnirt.loadtest.gpu import hf_parity
-from omnirt.loadtest.gpu.test_gpu import gpu_test_files, parity_summary, pytest_counts
-from tests.conftest import ROOT
 
 TINY = ["--model", "tiny", "--dtype", "float32", "--threads", "1"]
 
@@ -124,49 +119,6 @@ def test_the_prompts_cover_text_audio_images_and_conversations():
     kinds = [hf_parity._kind(m) for m in hf_parity.prompts()]
     assert len(kinds) >= 16
     assert {"text", "text-turns", "audio", "audio-turns", "image", "image-turns"} <= set(kinds)
-
-
-def _collected(*args: str) -> list[str]:
-    out = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "--collect-only", *args],
-                         capture_output=True, text=True, cwd=ROOT, timeout=600)
-    return [line for line in out.stdout.splitlines() if "::" in line]
-
-
-def test_pytest_m_gpu_selects_exactly_the_gpu_tier():
-    """Five tests that need CUDA, and the bf16 parametrizations of the three kernels (attention 4, fused
-    experts 10, SnakeBeta convolution 11), which exist only there; `make test-gpu`'s files hold them all."""
-    everywhere = _collected("-m", "gpu", "tests")
-    assert sorted(everywhere) == sorted(_collected("-m", "gpu", *gpu_test_files()))
-    named = {i for i in everywhere if "[" not in i}
-    assert named == {"tests/test_attention.py::test_host_staging_reuses_its_pinned_regions_round_robin",
-                     "tests/test_cudagraph.py::test_cuda_graphs_match_eager_on_the_tiny_model",
-                     "tests/test_grammar.py::test_the_mask_replays_in_a_captured_graph",
-                     "tests/test_platform.py::test_cuda_platform_is_detected_and_runs_here",
-                     "tests/test_transport.py::test_device_tensors_cross_processes_on_the_device"}
-    kernels = [i for i in everywhere if "[" in i]
-    assert all(re.search(r"[\[-]bf16[\]-]", i) for i in kernels)
-    per_file = {f: sum(i.startswith(f"tests/{f}") for i in kernels) for f in ("test_attention", "test_moe",
-                                                                             "test_snake_conv")}
-    assert per_file == {"test_attention": 4, "test_moe": 10, "test_snake_conv": 11}
-    assert len(everywhere) == 30
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine they run (make test-gpu)")
-def test_on_the_cpu_the_gpu_tier_skips_each_test_with_its_reason(tmp_path):
-    xml = tmp_path / "gpu.xml"
-    subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-m", "gpu",
-                    f"--junitxml={xml}", *gpu_test_files()], capture_output=True, cwd=ROOT, timeout=600)
-    counts = pytest_counts(xml)
-    assert counts["skipped"] == 30 and counts["passed"] == counts["failed"] == counts["errors"] == 0
-    assert all(re.search(r"CUDA|GPU", s.split(": ", 1)[1]) for s in counts["skips"])
-
-
-def test_the_verdict_reads_a_parity_run_cut_short(tmp_path):
-    path = tmp_path / "hf-parity.txt"
-    path.write_text('{"prompt_result": {"prompt": 0, "pass": true}}\n{"prompt_result": {"prompt": 1, "pass": false}}\n')
-    assert parity_summary(path) == {"pass": False, "incomplete": True, "prompts": 2, "forced_pass": 1}
-    path.write_text(path.read_text() + '{\n "prompts": 2,\n "pass": true\n}\n')
-    assert parity_summary(path) == {"prompts": 2, "pass": True}
 
 
 def test_a_prompt_that_raises_is_a_failed_row_and_the_rest_go_on(built, monkeypatch):
