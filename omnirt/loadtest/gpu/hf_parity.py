@@ -33,7 +33,8 @@ SNR >= -20 log10(u' sqrt(N + 1)) dB and max |d| <= Z * u' * sqrt(N + 1) * rms(re
 A negative control shows the check can fail: the same forced requests with the attention's scale broken in the
 served path only (`broken_attention`: every Thinker and Talker layer's q_norm weight multiplied in place, which
 the captured graphs and compiled layers read), after the reference's logits are kept; the check must fail it at
-x2, and the summary says whether it also fails x1.1 and x1.02 (how small a break it sees).
+x2, and the summary says whether it also fails x1.1 and x1.02, and experts 0 and 1 trading weights in every MoE
+layer (`swapped_experts`: only the tokens routed to them go wrong), to show how small a break it sees.
 `python -m omnirt.loadtest.gpu.hf_parity -- --model qwen3-omni-30b-a3b --load-format dummy --deploy-config
 qwen3_omni_moe_1gpu`: one JSON line per prompt as it is compared, then the summary (`"pass"`).
 """
@@ -426,6 +427,36 @@ def broken_attention(models, factor: float):
                 w.div_(factor)
 
 
+@contextlib.contextmanager
+def swapped_experts(models):
+    """Another break: experts 0 and 1 trade weights in every MoE layer of the Thinker and the Talker (in place,
+    as the fused kernels read them), so only the tokens routed to either compute wrong."""
+    weights = [w for stack in (models.thinker.stack, models.talker.stack) for layer in stack.layers
+               if hasattr(layer.mlp, "experts") for w in (layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj)]
+
+    def swap():
+        with torch.inference_mode():
+            for w in weights:
+                first = w[0].clone()
+                w[0].copy_(w[1])
+                w[1].copy_(first)
+
+    swap()
+    try:
+        yield
+    finally:
+        swap()
+
+
+def breaks(models, args) -> dict[str, contextlib.AbstractContextManager]:
+    """The broken served paths, by name: the first is the negative control (the check must fail it), the others
+    show how small a break it sees."""
+    scales = map(float, args.break_scales.split())
+    out = {f"attention scale x{scale}": broken_attention(models, scale) for scale in scales}
+    out["experts 0 and 1 swapped"] = swapped_experts(models)
+    return out
+
+
 def say(text: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
 
@@ -446,11 +477,10 @@ async def check(engine, pristine, args) -> dict:
         print(json.dumps({"prompt_result": row}), flush=True)
         say(f"prompt {i} ({row['kind']}): {'pass' if row['pass'] else 'FAIL'} {row.get('error', '')}"
             f"({time.monotonic() - STARTED:.0f} s)")
-    controls = {}
-    for scale in map(float, str(args.break_scales).split()):
-        controls[scale] = await broken_run(engine, tap, pristine, scale, list(refs.items())[: args.control_prompts],
-                                           args)
-        say(f"attention scale x{scale}: {'caught' if controls[scale]['caught'] else 'not caught'}")
+    controls, kept = {}, list(refs.items())[: args.control_prompts]
+    for name, broken in breaks(engine.models, args).items():
+        controls[name] = await broken_run(engine, tap, pristine, name, broken, kept, args)
+        say(f"{name}: {'caught' if controls[name]['caught'] else 'not caught'}")
     return summary(results, controls, args)
 
 
@@ -466,14 +496,15 @@ async def compare_prompt(engine, tap: Tap, pristine, i: int, messages: list[dict
                  "free_running": free_result(free, ref)}
 
 
-async def broken_run(engine, tap: Tap, pristine, scale: float, refs: list[tuple[int, Reply]], args) -> dict:
-    """The forced requests again with the attention's scale broken: caught when every one fails the check."""
+async def broken_run(engine, tap: Tap, pristine, name: str, broken, refs: list[tuple[int, Reply]], args) -> dict:
+    """The forced requests again with the served path `broken`: caught when every one fails the check."""
     rows = []
     try:
-        with broken_attention(engine.models, scale):
+        with broken:
             for i, ref in refs:
                 messages = prompts()[i]
-                ours = await serve(engine, tap, f"broken-{scale}-{i}", messages, args.tokens, args.frames, ref)
+                rid = f"broken-{name.replace(' ', '-')}-{i}"
+                ours = await serve(engine, tap, rid, messages, args.tokens, args.frames, ref)
                 rows.append(forced_result(ours, ref, bounds(engine.models, messages, pristine),
                                           code2wav_references(pristine, engine.models.code2wav, ours)))
     except Exception as exc:  # noqa: BLE001 - reported: a control that did not run caught nothing
@@ -482,7 +513,7 @@ async def broken_run(engine, tap: Tap, pristine, scale: float, refs: list[tuple[
             "worst_ratio": [max(r[k].get("worst_ratio", 0) for k in ("thinker", "talker")) for r in rows]}
 
 
-def summary(results: list[dict], controls: dict[float, dict], args) -> dict:
+def summary(results: list[dict], controls: dict[str, dict], args) -> dict:
     """The figures over all prompts; the first break scale is the negative control (it must fail the check), the
     others show how small a break still does."""
     def stage(name: str) -> dict:
@@ -514,8 +545,8 @@ def summary(results: list[dict], controls: dict[float, dict], args) -> dict:
             "forced_pass": sum(r["pass"] for r in results),
             "free_running_text_equal": sum(f["text_parts_at"] is None for f in free),
             "free_running_frames_equal": sum(f["frames_equal"] for f in free),
-            "negative_control": {"break": f"attention scale x{first}", **controls[first]} if controls else None,
-            "sensitivity": {f"attention scale x{k}": v for k, v in list(controls.items())[1:]},
+            "negative_control": {"break": first, **controls[first]} if controls else None,
+            "sensitivity": dict(list(controls.items())[1:]),
             "pass": enough and all(r["pass"] for r in results) and bool(controls) and controls[first]["caught"]}
 
 
