@@ -68,8 +68,8 @@ def test_the_check_passes_the_engine_and_fails_a_broken_attention(built):
     assert out["sensitivity"]["attention scale x1.02"]["caught"]  # in float32 even a 2% break is far past it
     assert out["sensitivity"]["experts 0 and 1 swapped"]["caught"]
 
-    # the weights are back as they were (every break undone): the same forced request passes again; transformers' experts
-    # implementation, set for the reference, is the engine's again everywhere
+    # the weights are back as they were (every break undone): the same forced request passes again;
+    # transformers' experts implementation, set for the reference, is the engine's again everywhere
     configs = hf_parity.experts_configs(built.models.hf)
     before = [c._experts_implementation_internal for c in configs]
     ref = hf_parity.reference(built.models, hf_parity.prompts()[0], 8, 8)
