@@ -103,7 +103,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python3 -m omnirt.loadtest.gpu.test_gpu", description=__doc__.split("\n")[0])
     p.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "bench-results" / "test-gpu"))
     p.add_argument("--total-s", type=float, default=530, help="the whole run's time, start-up included")
-    p.add_argument("--tests-s", type=float, default=200, help="the pytest parts' share of it at most")
+    p.add_argument("--tests-s", type=float, default=280, help="the pytest parts' time at most (beside the parity "
+                   "check's start-up, unless --serial)")
     p.add_argument("--model-args", default=PARITY_MODEL, help="the parity check's model (the tiny one: a CPU try)")
     p.add_argument("--parity-args", default="", help="more hf_parity options (e.g. --prompts 4)")
     p.add_argument("--no-wheels", action="store_true", help="use this environment's packages (a CPU try)")
@@ -114,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     env = environment([] if args.no_wheels else install_wheels())
     py, rcs = sys.executable, {}
     files = gpu_test_files()
-    pytest = [py, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rA", "-o", "timeout=90",
+    pytest = [py, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rA", "-o", "timeout=150",
               "--continue-on-collection-errors"]
 
     def tests() -> None:
