@@ -136,3 +136,26 @@ def test_a_prompt_that_raises_is_a_failed_row_and_the_rest_go_on(built, monkeypa
     assert out["prompts"] == 3 and out["forced_pass"] == 2 and not out["pass"]
     assert out["errors"] == ["prompt 1: RuntimeError: out of memory (a test's)"]
     assert out["negative_control"]["caught"] and len(out["negative_control"]["worst_ratio"]) == 2
+
+
+def test_a_free_running_parting_is_told_with_both_sides_margins_there():
+    def rows(*values: dict[int, float]) -> list[torch.Tensor]:  # one row of logits per step
+        out = []
+        for v in values:
+            row = torch.zeros(6)
+            row[list(v)] = torch.tensor(list(v.values()), dtype=torch.float32)
+            out.append(row)
+        return out
+
+    # transformers chose 4 at step 2 (by 0.5 over 3); the engine, fed the same prefix, favours 3 by 0.25
+    ref = hf_parity.Reply([1, 2, 4], [[0] * 16, [5] * 16], rows({1: 1}, {2: 1}, {4: 1.5, 3: 1.0}),
+                          rows({0: 1}, {5: 1.0, 3: 0.75}), [])
+    forced = hf_parity.Reply([1, 2, 4], [], rows({1: 1}, {2: 1}, {3: 1.25, 4: 1.0}), rows({0: 1}, {3: 1.0, 5: 0.5}),
+                             [])
+    free = hf_parity.Reply([1, 2, 3], [[0] * 16, [3] * 16], [], [], [])
+    out = hf_parity.free_result(free, ref, forced)
+    assert out["text_parts_at"] == 2 and out["text_margins"] == {"engine": 0.25, "reference": 0.5}
+    assert out["first_code_parts_at"] == 1 and out["first_code_margins"] == {"engine": 0.5, "reference": 0.25}
+    assert not out["frames_equal"]
+    same = hf_parity.free_result(ref, ref, forced)
+    assert same["text_parts_at"] is None and same["text_margins"] is None and same["frames_equal"]

@@ -397,17 +397,28 @@ def parting(ours: list, theirs: list) -> int | None:
     return k if k is not None or len(ours) == len(theirs) else min(len(ours), len(theirs))
 
 
-def free_result(free: Reply, ref: Reply) -> dict:
-    """Where the engine's own greedy reply parts from transformers', and the reference's top-2 margin there
-    (a small one: a near-tie that rounding decided)."""
+def free_result(free: Reply, ref: Reply, forced: Reply) -> dict:
+    """Where the engine's own greedy reply parts from transformers', and why: up to there both saw the same prefix,
+    so the forced run's logits at that step are the engine's own there. Each side's margin between its choice and
+    the other's (a small one is a near-tie that rounding decided; the Talker's are raw, before the repetition
+    penalty)."""
     text = parting(free.tokens, ref.tokens)
     frame = parting([f[0] for f in free.frames], [f[0] for f in ref.frames])
-    margin = None
-    if text is not None and text < len(ref.thinker):
-        v = torch.topk(ref.thinker[text], 2).values
-        margin = round(float(v[0] - v[1]), 4)
-    return {"text_parts_at": text, "reference_margin_there": margin, "first_code_parts_at": frame,
+    return {"text_parts_at": text, "text_margins": margins(text, free.tokens, ref.tokens, forced.thinker, ref.thinker),
+            "first_code_parts_at": frame,
+            "first_code_margins": margins(frame, [f[0] for f in free.frames], [f[0] for f in ref.frames],
+                                          forced.talker, ref.talker),
             "frames_equal": free.frames == ref.frames[:len(free.frames)] and len(free.frames) == len(ref.frames)}
+
+
+def margins(k: int | None, ours: list[int], theirs: list[int], engine: list[torch.Tensor],
+            reference: list[torch.Tensor]) -> dict | None:
+    """At step k: the engine's logit of its choice minus that of transformers' choice, and the reverse."""
+    if k is None or k >= min(len(ours), len(theirs), len(engine), len(reference)):
+        return None
+    a, b = ours[k], theirs[k]
+    return {"engine": round(float(engine[k][a] - engine[k][b]), 4),
+            "reference": round(float(reference[k][b] - reference[k][a]), 4)}
 
 
 @contextlib.contextmanager
@@ -493,7 +504,7 @@ async def compare_prompt(engine, tap: Tap, pristine, i: int, messages: list[dict
     return ref, {"prompt": i, "kind": _kind(messages),
                  **forced_result(ours, ref, bounds(models, messages, pristine),
                                  code2wav_references(pristine, models.code2wav, ours)),
-                 "free_running": free_result(free, ref)}
+                 "free_running": free_result(free, ref, ours)}
 
 
 async def broken_run(engine, tap: Tap, pristine, name: str, broken, refs: list[tuple[int, Reply]], args) -> dict:
