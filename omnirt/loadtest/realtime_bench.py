@@ -45,9 +45,11 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from omnirt.app.audio.pcm import float_to_pcm16
+from omnirt.app.audio.playback import PlaybackClock
 from omnirt.app.audio.wire import PCM16
-from omnirt.loadtest import plot, server_metrics
-from omnirt.loadtest.bench import _underruns, say_plan, server_args, server_platform, write_report
+from omnirt.loadtest import capacity, plot, server_metrics
+from omnirt.loadtest.bench import say_plan, server_args, server_platform, write_report
+from omnirt.loadtest.gpu_use import GpuUse
 from omnirt.loadtest.local_server import serving
 from omnirt.loadtest.stats import NOTE, cell, summary
 
@@ -55,6 +57,11 @@ RATE = PCM16.sample_rate
 CHUNK_S = 0.02
 SILENCE_MS = 500  # the VAD's silence_duration_ms
 TRANSCRIPTION = "conversation.item.input_audio_transcription"
+FRAMES_PER_S = 12.5  # codec frames a second of reply speech
+REPLY_GUESS_S = 4.0  # an unpinned reply's length, for the default --spread-s
+TURN_LOG = ("session", "index", "speech_start", "speech_end", "speech_stopped", "first_audio", "played_until",
+            "think_s", "audio_s", "underruns")  # each turn's times (perf_counter) in the JSON, warm-up turns too
+DIAGNOSTIC = ("cancel", "no-responses")  # modes that are not how people converse: labelled so in every report
 
 
 @dataclass(slots=True)
@@ -62,6 +69,7 @@ class Turn:
     session: int
     index: int
     speech_end: float  # perf_counter of the chunk that ended the speech
+    speech_start: float = 0.0  # perf_counter of the utterance's first chunk
     wait_ms: float = SILENCE_MS  # the silence the turn detection waits for at least
     cut_ins: int = 0  # speech_stopped while the utterance was still being sent
     speech_stopped: float | None = None
@@ -73,6 +81,8 @@ class Turn:
     cached_tokens: int | None = None  # of it, reused from a resident KV prefix
     transcript_at: float | None = None  # perf_counter of the user transcript's `.completed`
     transcript_failed: bool = False
+    played_until: float | None = None  # converse: perf_counter at which the reply finished playing
+    think_s: float = 0.0  # the pause after it (after the turn's end in the diagnostic modes) before speaking again
 
     @property
     def vad_lag_ms(self) -> float | None:
@@ -124,9 +134,14 @@ def utterance(wav: str | None, synthetic: bool = False) -> tuple[np.ndarray, flo
 
 
 def utterances(args: argparse.Namespace) -> list[np.ndarray]:
-    """The utterances sessions say in turn: the one of `utterance`, or (`--speech paused`) sentences with a
+    """The utterances sessions say in turn: the shipped set (`omnirt/loadtest/utterances.py`; at most
+    `--max-utterance-s` long), the one of `utterance` (`--speech plain`), or (`--speech paused`) sentences with a
     600-900 ms pause mid-sentence (`omnirt/loadtest/speech.py`)."""
-    if args.speech == "plain":
+    if args.speech == "set" and not args.wav:
+        from omnirt.loadtest.utterances import load
+
+        return list(load(RATE, args.max_utterance_s))
+    if args.speech in ("plain", "set"):
         return [utterance(args.wav)[0]]
     from omnirt.loadtest.speech import paused_speech
 
@@ -142,6 +157,27 @@ def wait_ms(args: argparse.Namespace) -> float:
     return SemanticVadConfig(eagerness=args.eagerness).candidate_pause_ms
 
 
+def spread_s(args: argparse.Namespace) -> float:
+    """Seconds over which the sessions' starts spread: `--spread-s`, else one turn's expected length (the mean
+    utterance, the VAD's silence, the reply: pinned, or REPLY_GUESS_S, and the mean think time)."""
+    if args.spread_s is not None:
+        return args.spread_s
+    speech = float(np.mean([len(a) / RATE for a in utterances(args)]))
+    reply = args.reply_frames / FRAMES_PER_S if args.reply_frames else REPLY_GUESS_S
+    return speech + SILENCE_MS / 1000 + reply + sum(args.think_s) / 2
+
+
+def noise(rng: np.random.Generator, num_samples: int, db: float | None) -> np.ndarray:
+    """A microphone's noise floor: white noise at `db` dBFS RMS (None: digital zero)."""
+    if db is None:
+        return np.zeros(num_samples, np.float32)
+    return (rng.standard_normal(num_samples) * 10 ** (db / 20)).astype(np.float32)
+
+
+def noise_db(text: str) -> float | None:
+    return None if text == "off" else float(text)
+
+
 def _chunks(audio: np.ndarray, chunk_s: float = CHUNK_S) -> list[str]:
     pcm = (np.clip(audio, -1, 1) * 32767).astype("<i2").tobytes()
     step = int(RATE * chunk_s) * 2
@@ -150,36 +186,57 @@ def _chunks(audio: np.ndarray, chunk_s: float = CHUNK_S) -> list[str]:
 
 class Mic:
     """One microphone's turns: speech, then silence until the turn is over (its reply, or in `no-responses`
-    mode `speech_stopped`), then a gap; a transport subclass sends the audio and feeds `on_event`."""
+    mode `speech_stopped`); in converse mode until the reply has also played to its end at real time; then a
+    think time. In converse mode a session that has done its measured turns goes on conversing, unmeasured,
+    until the client stops it (when every session has done them: the load stays steady). A transport subclass
+    sends the audio and feeds `on_event`."""
 
     def __init__(self, index: int, args: argparse.Namespace, result: ClientResult):
         self.index, self.args, self.result = index, args, result
         self.turn: Turn | None = None
         self.is_speaking, self._cut_ins = False, 0
         self.turn_over = asyncio.Event()
-        self._arrivals: list[tuple[float, float]] = []  # (arrival, seconds of audio) per delta
+        self.on_measured = lambda: None  # called once the session's measured turns are done
+        self._clock = PlaybackClock()  # the reply's playback, on the server's own clock (perf_counter)
         self._playback: dict | None = None  # the server's own playback report (WebRTC)
-        self._gaps = random.Random(index)  # each session's own gaps, the same in every run
+        self._played = asyncio.Event()  # WebRTC: the server's track stopped playing the reply
+        self._think = random.Random(index)  # each session's own think times, the same in every run
 
     async def run(self, start_at: float) -> None:
         await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
-        for t in range(self.args.warmup_turns + self.args.turns):
-            self.is_speaking, self._cut_ins = True, 0
-            speech_end = await self.speak(t)
-            self.is_speaking = False
-            self.turn = Turn(self.index, t, speech_end, wait_ms(self.args), self._cut_ins)
-            self.turn_over.clear()
-            if not await self.silence_until(self.turn_over, self.args.turn_timeout):
-                self.result.errors.append(f"session {self.index} turn {t}: no end within "
-                                          f"{self.args.turn_timeout:.0f} s")
-            self._finish_turn()
-            await self.silence_until(None, self.gap())
+        num_measured, t = self.args.warmup_turns + self.args.turns, 0
+        while t < num_measured or self.args.mode == "converse":
+            if t == num_measured:
+                self.on_measured()
+            await self._one_turn(t)
+            t += 1
+        self.on_measured()
 
-    def gap(self) -> float:
-        """Seconds of silence before the next utterance: `--gap`, give or take `--gap-jitter` (uniform). People
-        answer after their own pause; a fixed one would keep sessions whose replies came together speaking
+    async def _one_turn(self, t: int) -> None:
+        self.is_speaking, self._cut_ins = True, 0
+        speech_start = time.perf_counter()
+        speech_end = await self.speak(t)
+        self.is_speaking = False
+        self.turn = turn = Turn(self.index, t, speech_end, speech_start=speech_start,
+                                     wait_ms=wait_ms(self.args), cut_ins=self._cut_ins)
+        self.turn_over.clear()
+        if not await self.silence_until(self.turn_over, self.args.turn_timeout):
+            self.result.errors.append(f"session {self.index} turn {t}: no end within {self.args.turn_timeout:.0f} s")
+        if self.args.mode == "converse":
+            turn.played_until = await self.until_played()
+        turn.think_s = self.think()
+        self._finish_turn()
+        await self.silence_until(None, turn.think_s)
+
+    def think(self) -> float:
+        """Seconds before the next utterance: uniform within `--think-s`, per session (seeded: the same every run).
+        People answer after their own pause; a fixed one would keep sessions whose replies came together speaking
         together for the rest of the point, every turn a burst."""
-        return max(0.0, self.args.gap + self._gaps.uniform(-self.args.gap_jitter, self.args.gap_jitter))
+        return self._think.uniform(*self.args.think_s)
+
+    async def until_played(self) -> float:
+        """Wait (the microphone going on) until the reply has played to its end; the perf_counter of that end."""
+        raise NotImplementedError
 
     async def speak(self, t: int) -> float:
         """Send the utterance in real time; the perf_counter at which its last sample went out."""
@@ -211,9 +268,10 @@ class Mic:
                 if self.args.mode == "cancel":
                     await self.cancel()
             if "delta" in ev:
-                self._arrivals.append((now, len(base64.b64decode(ev["delta"])) / 2 / RATE))
+                self._clock.on_packet(now, len(base64.b64decode(ev["delta"])) / 2 / RATE)
         elif kind == "output_audio_buffer.stopped":
             self._playback = ev.get("omnirt_playback")
+            self._played.set()
         elif kind == "response.done":
             turn.status = ev["response"]["status"]
             usage = ev["response"].get("usage") or {}
@@ -239,10 +297,11 @@ class Mic:
         turn, self.turn = self.turn, None
         if self._playback is not None:  # WebRTC: the server's track counted what it played
             turn.audio_s, turn.underruns = self._playback["audio_ms"] / 1000, self._playback["num_underruns"]
-        elif self._arrivals:
-            turn.audio_s = sum(d for _, d in self._arrivals)
-            turn.underruns = _underruns([(t - self._arrivals[0][0], d) for t, d in self._arrivals])
-        self._arrivals, self._playback = [], None
+        elif self._clock.num_packets:
+            turn.audio_s, turn.underruns = self._clock.audio_s, self._clock.num_underruns
+        self._clock, self._playback = PlaybackClock(), None
+        if turn.index >= self.args.warmup_turns + self.args.turns:
+            return  # conversing on while other sessions finish: load, not measured
         self.result.turns.append({**asdict(turn), "vad_lag_ms": turn.vad_lag_ms, "turn_end_ms": turn.turn_end_ms,
                                   "response_ms": turn.response_ms,
                                   "voice_to_voice_ms": turn.voice_to_voice_ms, "transcript_ms": turn.transcript_ms})
@@ -251,10 +310,12 @@ class Mic:
 class WebSocketMic(Mic):
     """Paced 20 ms `input_audio_buffer.append` events; a reader task notes what comes back."""
 
-    def __init__(self, ws, index: int, speech: list[list[str]], args: argparse.Namespace, result: ClientResult):
+    def __init__(self, ws, index: int, speech: list[np.ndarray], args: argparse.Namespace, result: ClientResult):
         super().__init__(index, args, result)
         self.ws, self.speech = ws, speech
-        self.silence = _chunks(np.zeros(int(RATE * CHUNK_S), np.float32))[0]
+        self._noise = np.random.default_rng(index)  # each session's own noise floor
+        self._silences = _chunks(noise(self._noise, RATE, noise_db(args.noise_db)))  # a second of it, in turn
+        self._num_silent = 0
         self.clock = 0.0
 
     async def run(self, start_at: float) -> None:
@@ -266,17 +327,24 @@ class WebSocketMic(Mic):
             reader.cancel()
 
     async def speak(self, t: int) -> float:
-        for chunk in self.speech[(self.index + t) % len(self.speech)]:
+        audio = self.speech[(self.index + t) % len(self.speech)]
+        for chunk in _chunks(audio + noise(self._noise, len(audio), noise_db(self.args.noise_db))):
             await self._send(chunk)
         return time.perf_counter()
 
     async def silence_until(self, event: asyncio.Event | None, timeout: float) -> bool:
         deadline = time.perf_counter() + timeout
-        while event is None or not event.is_set():  # a microphone goes on sending silence
+        while event is None or not event.is_set():  # a microphone goes on sending its noise floor
             if time.perf_counter() >= deadline:
                 return False
-            await self._send(self.silence)
+            self._num_silent += 1
+            await self._send(self._silences[self._num_silent % len(self._silences)])
         return True
+
+    async def until_played(self) -> float:
+        end = max(self._clock.played_until, time.perf_counter()) if self._clock.num_packets else time.perf_counter()
+        await self.silence_until(None, end - time.perf_counter())
+        return end
 
     async def cancel(self) -> None:
         await self.ws.send(json.dumps({"type": "response.cancel"}))
@@ -331,6 +399,14 @@ class WebRtcMic(Mic):
     async def cancel(self) -> None:
         self.call.send({"type": "response.cancel"})
 
+    async def until_played(self) -> float:
+        """The server's track plays the reply at real time and says when it stopped."""
+        if self.turn.first_audio is not None and self._playback is None:
+            self._played.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._played.wait(), self.args.turn_timeout)
+        return time.perf_counter()
+
     def _channel_event(self, ev: dict) -> None:
         task = asyncio.get_running_loop().create_task(self.on_event(ev, time.perf_counter()))
         self._handling.add(task)  # held until done: the loop keeps only weak references to tasks
@@ -360,20 +436,35 @@ def _session_update(args: argparse.Namespace, index: int) -> dict:
         **({"talker_sampling": {"max_tokens": args.reply_frames}} if args.reply_frames else {})}}
 
 
-async def _client(index: int, sessions: list[int], args: argparse.Namespace, start_at: float) -> ClientResult:
+async def _client(index: int, sessions: list[int], args: argparse.Namespace, start_at: float,
+                  measured) -> ClientResult:
+    """This process's sessions; in converse mode they are stopped once `measured` (shared by the processes)
+    counts every session of the point."""
     import websockets
 
     result = ClientResult()
     audios = utterances(args)
-    speech, pcm16 = [_chunks(a) for a in audios], [float_to_pcm16(a) for a in audios]
+    pcm16 = [float_to_pcm16(a) for a in audios]
     url = args.url.replace("http", "ws", 1) + f"/v1/realtime?model={args.model}"
+    spread, counted = spread_s(args), set()
+
+    def starts_at(i: int) -> float:
+        return start_at + i * spread / args.num_sessions  # out of step from the first turn on
+
+    def count(i: int) -> None:
+        if i not in counted:
+            counted.add(i)
+            with measured.get_lock():
+                measured.value += 1
 
     async def over_websocket(i: int) -> None:
         async with websockets.connect(url, max_size=None, open_timeout=60,
                                       additional_headers={"OpenAI-Beta": "realtime=v1"}) as ws:
             json.loads(await ws.recv())  # session.created
             await ws.send(json.dumps(_session_update(args, i)))
-            await WebSocketMic(ws, i, speech, args, result).run(start_at + i * args.stagger)
+            mic = WebSocketMic(ws, i, audios, args, result)
+            mic.on_measured = lambda: count(i)
+            await mic.run(starts_at(i))
 
     async def over_webrtc(i: int) -> None:
         mic = WebRtcMic(i, pcm16, args, result)
@@ -381,7 +472,8 @@ async def _client(index: int, sessions: list[int], args: argparse.Namespace, sta
         try:
             await mic.call.wait_for(lambda e: e["type"] == "session.created", 60)
             mic.call.send(_session_update(args, i))
-            await mic.run(start_at + i * args.stagger)
+            mic.on_measured = lambda: count(i)
+            await mic.run(starts_at(i))
         finally:
             await mic.call.close()
 
@@ -391,13 +483,20 @@ async def _client(index: int, sessions: list[int], args: argparse.Namespace, sta
         except Exception as exc:  # a refused or dropped session is a result, not a crash
             result.errors.append(f"session {i}: {type(exc).__name__}: {exc}")
 
-    await asyncio.gather(*(one(i) for i in sessions))
+    tasks = [asyncio.create_task(one(i)) for i in sessions]
+    while not all(t.done() for t in tasks):
+        await asyncio.sleep(0.1)
+        if measured.value >= args.num_sessions:
+            for t in tasks:
+                t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
     result.cpu_s = time.process_time()
     return result
 
 
-def _client_main(index: int, sessions: list[int], args: argparse.Namespace, start_at: float, outbox) -> None:
-    outbox.put(asdict(asyncio.run(_client(index, sessions, args, start_at))))
+def _client_main(index: int, sessions: list[int], args: argparse.Namespace, start_at: float, measured,
+                 outbox) -> None:
+    outbox.put(asdict(asyncio.run(_client(index, sessions, args, start_at, measured))))
 
 
 # ---- abusive sessions (--abusive N) --------------------------------------------------------------------
@@ -501,25 +600,27 @@ def _abusers_main(n: int, args: argparse.Namespace, stop, outbox) -> None:
 def run_point(args: argparse.Namespace, n: int, abusive: int = 0, transcribe: bool = False) -> dict:
     """N sessions spread over the client processes (and `abusive` abusers in a process of their own, from
     before the first session starts until the last one ends), asking for transcripts or not; the row."""
-    args = argparse.Namespace(**{**vars(args), "transcribe": transcribe})
+    args = argparse.Namespace(**{**vars(args), "transcribe": transcribe, "num_sessions": n})
     clients = max(1, min(args.clients, n))
     ctx = multiprocessing.get_context("spawn")
-    inbox, abuse_box, stop = ctx.Queue(), ctx.Queue(), ctx.Event()
+    inbox, abuse_box, stop, measured = ctx.Queue(), ctx.Queue(), ctx.Event(), ctx.Value("i", 0)
     abusers = ctx.Process(target=_abusers_main, args=(abusive, args, stop, abuse_box)) if abusive else None
     if abusers is not None:
         abusers.start()
     before, t0 = server_metrics.settled_scrape(args.url), time.time()
     start_at = time.perf_counter() + 3.0  # perf_counter is one clock for every process of this host
-    procs = [ctx.Process(target=_client_main, args=(c, list(range(c, n, clients)), args, start_at, inbox))
+    procs = [ctx.Process(target=_client_main, args=(c, list(range(c, n, clients)), args, start_at, measured, inbox))
              for c in range(clients)]
     for p in procs:
         p.start()
-    results = _gather(procs, inbox)
+    with GpuUse() as gpu:
+        results = _gather(procs, inbox)
     wall, cpu1 = time.time() - t0, server_metrics.cpu_seconds(server_metrics.scrape(args.url))
     cpu0, after = server_metrics.cpu_seconds(before), server_metrics.settled_scrape(args.url)
     stop.set()
     records = _gather([abusers], abuse_box)[0] if abusers is not None else []
-    turns = [t for r in results for t in r["turns"] if t["index"] >= args.warmup_turns]  # warm-up turns not counted
+    every = sorted((t for r in results for t in r["turns"]), key=lambda t: (t["session"], t["index"]))
+    turns = [t for t in every if t["index"] >= args.warmup_turns]  # warm-up turns not counted
     row = summarize(n, turns, [e for r in results for e in r["errors"]], args,
                     server_cpu=(cpu1 - cpu0) / wall if cpu0 is not None and cpu1 is not None else None,
                     client_cpu=sum(r["cpu_s"] for r in results) / wall)
@@ -528,7 +629,9 @@ def run_point(args: argparse.Namespace, n: int, abusive: int = 0, transcribe: bo
                                                    server_metrics.prefill_tokens(before)),
             "first_output_ms": server_metrics.first_output_ms(server_metrics.first_outputs(after),
                                                               server_metrics.first_outputs(before)),
-            "engine": server_metrics.engine_counters(after, before)}
+            "engine": server_metrics.engine_counters(after, before),
+            "rows_per_step": server_metrics.batch_sizes(after, before), "gpu_pct": gpu.mean_pct(),
+            "turn_log": [{k: t[k] for k in TURN_LOG} for t in every]}
 
 
 def _abuse_summary(records: list[dict]) -> dict:
@@ -557,10 +660,22 @@ def _gather(procs: list, inbox) -> list[dict]:
     return results
 
 
+def replies(args: argparse.Namespace) -> str:
+    """Whether the replies were pinned, as the report says it."""
+    if getattr(args, "reply_frames", None):
+        return f"pinned at {args.reply_frames} frames ({args.reply_frames / FRAMES_PER_S:.1f} s)"
+    return "unpinned (the model's own length, up to the server's limit)"
+
+
+def mode_label(mode: str) -> str:
+    return f"{mode} (diagnostic)" if mode in DIAGNOSTIC else mode
+
+
 def summarize(n: int, turns: list[dict], errors: list[str], args: argparse.Namespace, server_cpu: float | None,
               client_cpu: float) -> dict:
-    wants_audio = args.mode != "no-responses"
-    return {"sessions": n, "mode": args.mode, "transcription": args.transcribe, "turns": len(turns),
+    wants_audio, plays = args.mode != "no-responses", args.mode not in DIAGNOSTIC
+    return {"sessions": n, "mode": args.mode, "replies": replies(args), "transcription": args.transcribe,
+            "turns": len(turns),
             "expected_turns": n * args.turns, "front_end": front_end(args),
             "vad_lag_ms": summary([t["vad_lag_ms"] for t in turns]),
             "turn_end_ms": summary([t["turn_end_ms"] for t in turns]),
@@ -571,8 +686,9 @@ def summarize(n: int, turns: list[dict], errors: list[str], args: argparse.Names
             "transcripts_failed": sum(t["transcript_failed"] for t in turns),
             "turns_without_audio": sum(t["first_audio"] is None for t in turns) if wants_audio else 0,
             "turns_without_speech_stopped": sum(t["speech_stopped"] is None for t in turns),
-            "underruns": sum(t["underruns"] for t in turns) if args.mode == "full" else None,
-            "reply_audio_s": summary([t["audio_s"] for t in turns]) if args.mode == "full" else None,
+            "underruns": sum(t["underruns"] for t in turns) if plays else None,
+            "underruns_per_reply": sum(t["underruns"] for t in turns) / len(turns) if plays and turns else None,
+            "reply_audio_s": summary([t["audio_s"] for t in turns]) if plays else None,
             "errors": len(errors), "error_samples": errors[:5],
             "server_cpu_per_session": server_cpu / n if server_cpu is not None else None,
             "client_cpu": client_cpu, "by_turn": _by_turn(turns)}
@@ -612,8 +728,22 @@ def markdown(rows: list[dict], title: str) -> str:
             + "---|" * 17 + "\n")
     abuse = "".join(f"\n- {r['sessions']} sessions, {r['abusive']} abusive: {kind}: {a['connections']} connections, "
                     f"closed {a['closes']}, errors {a['errors']}" for r in rows for kind, a in r["abuse"].items())
-    return (f"### {title}\n\n{head}" + "".join(_row(r) for r in rows) + abuse + "\n" + _turns_markdown(rows)
-            + f"\n{NOTE}\n")
+    return (f"### {title}\n\n{head}" + "".join(_row(r) for r in rows) + abuse + "\n" + _point_lines(rows)
+            + _turns_markdown(rows) + f"\n{NOTE}\n")
+
+
+def _point_lines(rows: list[dict]) -> str:
+    """Per point: the replies (pinned or not), underruns per reply, rows a step per stage from the engine's own
+    counters (mean / p90), and the GPU's use."""
+    out = []
+    for r in rows:
+        per_reply = r.get("underruns_per_reply")
+        gpu = r.get("gpu_pct")
+        out.append(f"- {r['sessions']} sessions, {mode_label(r['mode'])}: replies {r.get('replies', '-')}; "
+                   f"underruns per reply {'-' if per_reply is None else f'{per_reply:.2f}'}; rows a step per stage "
+                   f"(mean / p90): {server_metrics.batch_cell(r.get('rows_per_step', {}))}; GPU "
+                   f"{'- (no nvidia-smi)' if gpu is None else f'{gpu:.0f}%'}\n")
+    return "".join(out)
 
 
 def _turns_markdown(rows: list[dict]) -> str:
@@ -642,7 +772,8 @@ def _row(r: dict) -> str:
     underruns = "-" if r["underruns"] is None else r["underruns"]
     transcripts = f"on ({r['transcripts_failed']} failed)" if r.get("transcription") else "off"
     cut = f"{r['cut_ins']} ({r['turns_cut']})" if "cut_ins" in r else "-"
-    return (f"| {r['sessions']} | {r['abusive']} | {r['mode']} | {r.get('front_end', 'server_vad')} | {transcripts} | "
+    return (f"| {r['sessions']} | {r['abusive']} | {mode_label(r['mode'])} | {r.get('front_end', 'server_vad')} | "
+            f"{transcripts} | "
             f"{r['turns']}/{r['expected_turns']} | {cell(r['vad_lag_ms'])} | "
             f"{cell(r['turn_end_ms']) if 'turn_end_ms' in r else '-'} | {cut} | {cell(r['response_ms'])} | "
             f"{cell(r['voice_to_voice_ms'])} | "
@@ -662,12 +793,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sessions", type=int, nargs="+", default=None, help="session counts to run, in turn (default: "
                    f"{' '.join(map(str, SESSIONS['gpu']))} on an accelerator, {' '.join(map(str, SESSIONS['cpu']))} "
                    "on a CPU server)")
-    p.add_argument("--turns", type=int, default=3, help="turns per session that are measured")
+    p.add_argument("--turns", type=int, default=5, help="turns per session that are measured")
     p.add_argument("--warmup-turns", type=int, default=1, help="turns per session before those, not counted "
                    "(a fresh server's first turns pay for one-time work)")
-    p.add_argument("--mode", choices=("cancel", "full", "no-responses"), default="cancel",
-                   help="cancel: each reply is cancelled at its first audio; full: whole replies; no-responses: "
-                        "the VAD alone")
+    p.add_argument("--mode", choices=("converse", "cancel", "no-responses"), default="converse",
+                   help="converse: each session plays every reply to its end at real time, thinks, speaks again (the "
+                        "headline); diagnostics: cancel (each reply cancelled at its first audio), no-responses (the "
+                        "VAD alone)")
     p.add_argument("--reply-tokens", type=int, help="each reply's text at most this many tokens "
                    "(max_response_output_tokens; default: the server's limit)")
     p.add_argument("--reply-frames", type=int, help="each reply's speech at most this many codec frames (omnirt's "
@@ -675,15 +807,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--transport", choices=("websocket", "webrtc"), default="websocket",
                    help="webrtc: each session is an aiortc call whose microphone track carries the speech")
     p.add_argument("--clients", type=int, default=4, help="client processes the sessions are spread over")
-    p.add_argument("--stagger", type=float, default=0.1, help="seconds between session starts")
-    p.add_argument("--gap", type=float, default=1.0, help="mean seconds of silence between a turn's end (its "
-                   "response.done) and the next utterance")
-    p.add_argument("--gap-jitter", type=float, default=0.5, help="each gap drawn uniformly within --gap +- this, "
-                   "per session (seeded: the same every run); 0: every gap --gap, and sessions whose turns ended "
-                   "together stay in step")
+    p.add_argument("--spread-s", type=float, help="seconds over which the sessions' starts spread, evenly (default: "
+                   "one turn's expected length, so that they are out of step from the first turn)")
+    p.add_argument("--think-s", type=float, nargs=2, default=(0.5, 3.0), metavar=("MIN", "MAX"),
+                   help="seconds a session thinks after the reply played (after the turn's end in the diagnostic "
+                        "modes) before speaking again: uniform, seeded per session")
+    p.add_argument("--noise-db", default="-55", help="the microphones' noise floor, dBFS RMS, laid over all they send "
+                   "(seeded per session; WebSocket only); off: digital zero between utterances")
     p.add_argument("--wav", help="the utterance (any rate, mono or not) (default: an espeak-ng phrase)")
-    p.add_argument("--speech", choices=("plain", "paused"), default="plain", help="paused: sentences with a 600-900 "
-                   "ms pause mid-sentence (espeak-ng), for turn end and false cut-ins; plain: the one utterance")
+    p.add_argument("--speech", choices=("set", "plain", "paused"), default="set", help="set: the 26 shipped "
+                   "utterances of 1.4-7.7 s, each session starting at its own; plain: the one espeak-ng phrase; "
+                   "paused: sentences with a 600-900 ms pause mid-sentence, for turn end and false cut-ins")
+    p.add_argument("--max-utterance-s", type=float, help="say only the set's utterances of at most this many seconds")
     p.add_argument("--turn-detection", choices=("server_vad", "semantic_vad"), default="server_vad",
                    help=f"the sessions' turn detection (server_vad: {SILENCE_MS} ms of silence ends a turn)")
     p.add_argument("--eagerness", choices=("low", "medium", "high", "auto"), default="auto",
@@ -699,6 +834,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--transcription", choices=("off", "on", "both"), default="off",
                    help="on: the sessions ask for transcripts of the user (input_audio_transcription); both: each "
                         "point without, then with them")
+    p.add_argument("--capacity", action="store_true", help="search the most sessions that pass: doubling from the "
+                   "first --sessions, then bisecting (omnirt/loadtest/capacity.py)")
+    p.add_argument("--latency-bound", type=float, default=800.0, help="--capacity: a point passes with p90 response "
+                   "latency within this many ms, and no underrun, lost turn or error")
+    p.add_argument("--max-sessions", type=int, default=512, help="--capacity: the most sessions it tries")
     p.add_argument("--name", default="realtime", help="the report's name")
     return p
 
@@ -715,7 +855,10 @@ def run_sessions(args: argparse.Namespace) -> None:
     say_plan(args, f"{platform} server at {args.url}: {args.sessions} {args.transport} sessions x "
              f"({args.warmup_turns} + {args.turns}) turns, mode {args.mode}, {front_end(args)}, transcripts "
              f"{args.transcription}"
-             f"{f', each point again beside {args.abusive} abusive' if args.abusive else ''} (--sessions to change)")
+             f"{f', each point again beside {args.abusive} abusive' if args.abusive else ''}, replies {replies(args)}"
+             f"{', capacity search' if args.capacity else ''} (--sessions to change)")
+    if args.capacity:
+        return _capacity(args)
     rows = []
     transcribing = {"off": (False,), "on": (True,), "both": (False, True)}[args.transcription]
     for n in args.sessions:
@@ -725,6 +868,20 @@ def run_sessions(args: argparse.Namespace) -> None:
                 print(markdown(rows[-1:], f"{args.name}: {n} sessions, {abusive} abusive, transcripts "
                                           f"{'on' if transcribe else 'off'}"), flush=True)
     write_report(args, rows, markdown, plot.voice)
+
+
+def _capacity(args: argparse.Namespace) -> None:
+    """`--capacity`: the search's points, each printed as it ends, then the report with the last passing count."""
+
+    def point(n: int) -> dict:
+        row = run_point(args, n)
+        print(markdown([row], f"{args.name}: {n} sessions"), flush=True)
+        return row
+
+    rows, last = capacity.search(point, args.sessions[0], args.max_sessions, args.latency_bound)
+    write_report(args, rows, lambda rs, title: markdown(rs, title) + "\n" + capacity.markdown(rs, last,
+                                                                                          args.latency_bound),
+                 plot.voice)
 
 
 if __name__ == "__main__":

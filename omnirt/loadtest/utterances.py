@@ -25,13 +25,15 @@ VOICES = (("en-us", 165, 50), ("en-gb+f3", 150, 60), ("en-us+m3", 180, 40), ("en
           ("en-gb-scotland", 170, 45), ("en-029+m1", 155, 35), ("en-us+f4", 175, 70), ("en-gb+m7", 145, 30))
 PAUSES_S = (0.22, 0.28, 0.34)  # inside an utterance; a server_vad turn ends after 0.5 s
 SENTENCES: tuple[tuple[str, ...], ...] = (
-    ("Hello, can you hear me?",), ("What time is it over there?",), ("Thanks, that helps.",), ("Tell me a joke about penguins.",),
+    ("Hello, can you hear me?",), ("What time is it over there?",), ("Thanks, that helps.",),
+    ("Tell me a joke about penguins.",),
     ("Is it going to rain this afternoon?",), ("What is the weather like in Paris today?",),
     ("Can you recommend a good book", "for a long train ride?"),
     ("I need to set an alarm", "for six thirty tomorrow morning."), ("How many cups are in a litre?",),
     ("Remind me to call my sister", "when I get home."), ("What's the capital of Australia?",),
     ("Play something relaxing, please.",), ("How do I say good morning in Japanese?",),
-    ("So I was thinking,", "maybe we could try a new recipe tonight,", "something with lots of vegetables,", "and not too spicy."),
+    ("So I was thinking,", "maybe we could try a new recipe tonight,", "something with lots of vegetables,",
+     "and not too spicy."),
     ("My flight lands at nine,", "and I need a taxi from the airport", "to the hotel in the city centre."),
     ("Could you explain how a heat pump works,", "and whether it makes sense for a small flat?"),
     ("I'm planning a trip to Lisbon in May.", "What should I see,", "and how many days do I need?"),
