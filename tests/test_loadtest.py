@@ -80,7 +80,8 @@ def test_bench_writes_into_an_untracked_run_folder_by_default(server, tmp_path):
 def test_think_times_are_each_session_s_own_and_the_same_every_run():
     """--think-s: a session's pauses before it speaks again vary within the bounds, differ between sessions and come
     the same in every run (seeded by the session)."""
-    from omnirt.loadtest.realtime_bench import Mic, build_parser
+    from omnirt.loadtest.realtime_bench import build_parser
+    from omnirt.loadtest.realtime_mic import Mic
 
     args = build_parser().parse_args(["--think-s", "0.5", "3"])
     runs = [[Mic(i, args, None) for i in range(3)] for _ in range(2)]
@@ -210,7 +211,7 @@ def test_vad_lag_ends_every_turn_and_the_gate_none_later(capsys):
     """`python -m omnirt.loadtest.vad_lag`: at each alignment of the bench's utterance to the window grid the turn ends,
     no later with the level gate than with the probability alone; the report has a row for each."""
     from omnirt.app.audio.vad import QUIET_DB, SileroBatch
-    from omnirt.loadtest.realtime_bench import utterance
+    from omnirt.loadtest.realtime_mic import utterance
     from omnirt.loadtest.vad_lag import lag_ms, main
 
     speech, model = utterance(None)[0], SileroBatch()

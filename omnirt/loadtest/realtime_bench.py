@@ -1,10 +1,12 @@
-"""`omnirt bench realtime`: N concurrent voice sessions over the Realtime WebSocket, as microphones.
+"""`omnirt bench realtime`: N concurrent voice sessions over the Realtime WebSocket (or WebRTC calls), as microphones.
 
-Each session streams a spoken utterance in real time in 20 ms PCM16 chunks with server VAD, keeps
-sending silence between turns as a microphone does, and does T measured turns after a warm-up turn;
-sessions start staggered. The sessions are spread over several client processes so that the client is
-not the bottleneck (its own CPU is reported). Per session count N it reports p50/p90/p99 (nearest rank; where
-the point has too few turns for a p90 or p99, the maximum, labelled so: `omnirt/loadtest/stats.py`) of
+In `--mode converse` (the default, the headline) each session behaves as a person does: it says one of the shipped
+utterances in real time in 20 ms PCM16 chunks over its noise floor, waits for server VAD, plays the whole reply at
+real time on the server's playback clock (counting underruns), thinks, and speaks again; sessions start spread over
+a turn's length, warm-up turns are not counted, and those done with their measured turns converse on until all are
+(`omnirt/loadtest/realtime_mic.py`). The sessions are spread over client processes so that the client is not the
+bottleneck (its own CPU is reported). Per session count N it reports p50/p90/p99 (nearest rank; where the point has
+too few turns for a p90 or p99, the maximum, labelled so: `omnirt/loadtest/stats.py`) of
 
 - VAD lag: end of speech (the last speech chunk sent) -> `speech_stopped`, less the silence the turn detection
   must wait for (server_vad: its 500 ms; semantic_vad: the pause at which it asks its end-of-turn model);
@@ -13,148 +15,50 @@ the point has too few turns for a p90 or p99, the maximum, labelled so: `omnirt/
 - response latency: `speech_stopped` -> first audio delta;
 - voice-to-voice: end of speech -> first audio delta;
 
-plus underruns while playing the reply (full mode), turns that never got audio, `error` events, and
-the API process's CPU per session (from its /metrics). Per turn of the conversation (the same utterance
-each turn, so the history grows) it reports response latency and the prompt tokens of the turn's
-response, those whose KV was reused (`cached_tokens` in `response.done`'s usage) and those prefilled; per
-point the server's prefill token counters (`omnirt_stage_prefill_tokens`, computed vs cached, per stage) and
-the engine's mean time from a request's submission to each stage's first output
-(`omnirt_stage_first_output_seconds`: `omnirt/loadtest/server_metrics.py`). Modes: `cancel` (each reply is cancelled
-at its first audio: turn latency alone), `full` (whole replies), `no-responses` (VAD only: the front end
-alone). With `--transcription on` the sessions ask for transcripts of the user (`input_audio_transcription`),
-a turn lasts until its transcript came too, and the point also reports the transcript latency
-(`speech_stopped` -> `.completed`); `both` runs each point without, then with them, so that the reply's
-latency compares in one run. `--turn-detection semantic_vad` (`--eagerness`) and `--noise-reduction` set the
-sessions' front end. JSON, markdown and a plot per run.
+plus underruns per reply, turns that never got audio, `error` events, each stage's rows a step (mean and p90, from
+the engine's counters), the GPU's use and the API process's CPU per session (from its /metrics), and whether
+replies were pinned (`--reply-frames`); per turn of the conversation, response latency and the prompt tokens of the
+turn's response, reused and prefilled; the server's prefill and first-output counters
+(`omnirt/loadtest/server_metrics.py`); tables in `omnirt/loadtest/realtime_report.py`. Diagnostic modes: `cancel`
+(each reply cancelled at its first audio) and `no-responses` (the front end alone). `--capacity` searches the most
+sessions that pass (`omnirt/loadtest/capacity.py`); `--abusive` adds abusive sessions
+(`omnirt/loadtest/realtime_abuse.py`). `--transcription on|both` asks for transcripts of the user and reports
+their latency. JSON, markdown and a plot per run.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
-import contextlib
 import json
 import multiprocessing
 import queue
-import random
 import time
-from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 
 import numpy as np
 
 from omnirt.app.audio.pcm import float_to_pcm16
-from omnirt.app.audio.playback import PlaybackClock
-from omnirt.app.audio.wire import PCM16
 from omnirt.loadtest import capacity, plot, server_metrics
 from omnirt.loadtest.bench import say_plan, server_args, server_platform, write_report
 from omnirt.loadtest.gpu_use import GpuUse
 from omnirt.loadtest.local_server import serving
-from omnirt.loadtest.stats import NOTE, cell, summary
+from omnirt.loadtest.realtime_abuse import abuse_summary, abusers_main
+from omnirt.loadtest.realtime_mic import (
+    FRAMES_PER_S,
+    RATE,
+    SILENCE_MS,
+    ClientResult,
+    WebRtcMic,
+    WebSocketMic,
+    session_update,
+    utterances,
+)
+from omnirt.loadtest.realtime_report import front_end, markdown, replies, summarize
 
-RATE = PCM16.sample_rate
-CHUNK_S = 0.02
-SILENCE_MS = 500  # the VAD's silence_duration_ms
-TRANSCRIPTION = "conversation.item.input_audio_transcription"
-FRAMES_PER_S = 12.5  # codec frames a second of reply speech
 REPLY_GUESS_S = 4.0  # an unpinned reply's length, for the default --spread-s
 TURN_LOG = ("session", "index", "speech_start", "speech_end", "speech_stopped", "first_audio", "played_until",
             "think_s", "audio_s", "underruns")  # each turn's times (perf_counter) in the JSON, warm-up turns too
-DIAGNOSTIC = ("cancel", "no-responses")  # modes that are not how people converse: labelled so in every report
-
-
-@dataclass(slots=True)
-class Turn:
-    session: int
-    index: int
-    speech_end: float  # perf_counter of the chunk that ended the speech
-    speech_start: float = 0.0  # perf_counter of the utterance's first chunk
-    wait_ms: float = SILENCE_MS  # the silence the turn detection waits for at least
-    cut_ins: int = 0  # speech_stopped while the utterance was still being sent
-    speech_stopped: float | None = None
-    first_audio: float | None = None
-    audio_s: float = 0.0
-    underruns: int = 0
-    status: str | None = None  # response.done status
-    input_tokens: int | None = None  # response.done usage: the prompt
-    cached_tokens: int | None = None  # of it, reused from a resident KV prefix
-    transcript_at: float | None = None  # perf_counter of the user transcript's `.completed`
-    transcript_failed: bool = False
-    played_until: float | None = None  # converse: perf_counter at which the reply finished playing
-    think_s: float = 0.0  # the pause after it (after the turn's end in the diagnostic modes) before speaking again
-
-    @property
-    def vad_lag_ms(self) -> float | None:
-        return None if self.turn_end_ms is None else self.turn_end_ms - self.wait_ms
-
-    @property
-    def turn_end_ms(self) -> float | None:
-        return None if self.speech_stopped is None else (self.speech_stopped - self.speech_end) * 1000
-
-    @property
-    def response_ms(self) -> float | None:
-        ok = self.first_audio is not None and self.speech_stopped is not None
-        return (self.first_audio - self.speech_stopped) * 1000 if ok else None
-
-    @property
-    def voice_to_voice_ms(self) -> float | None:
-        return None if self.first_audio is None else (self.first_audio - self.speech_end) * 1000
-
-    @property
-    def transcript_ms(self) -> float | None:
-        ok = self.transcript_at is not None and self.speech_stopped is not None
-        return (self.transcript_at - self.speech_stopped) * 1000 if ok else None
-
-
-@dataclass(slots=True)
-class ClientResult:
-    turns: list[dict] = field(default_factory=list)
-    errors: list[str] = field(default_factory=list)
-    cpu_s: float = 0.0
-
-
-def utterance(wav: str | None, synthetic: bool = False) -> tuple[np.ndarray, float]:
-    """(24 kHz float32 samples, seconds of speech in them): `wav`, else an espeak-ng phrase made now (or the
-    synthetic signal, where espeak-ng is missing or `synthetic`)."""
-    if wav:
-        import soundfile
-        import soxr
-
-        audio, rate = soundfile.read(wav, dtype="float32")
-        audio = audio if audio.ndim == 1 else audio.mean(1)
-        audio = soxr.resample(audio, rate, RATE) if rate != RATE else audio
-    else:
-        from omnirt.loadtest.speech import speech
-
-        audio = speech(RATE, synthetic)
-    loud = np.flatnonzero(np.abs(audio) > 0.02)
-    audio = audio[loud[0]:loud[-1] + 1] if loud.size else audio  # speech from its first to its last sample
-    return audio.astype(np.float32), len(audio) / RATE
-
-
-def utterances(args: argparse.Namespace) -> list[np.ndarray]:
-    """The utterances sessions say in turn: the shipped set (`omnirt/loadtest/utterances.py`; at most
-    `--max-utterance-s` long), the one of `utterance` (`--speech plain`), or (`--speech paused`) sentences with a
-    600-900 ms pause mid-sentence (`omnirt/loadtest/speech.py`)."""
-    if args.speech == "set" and not args.wav:
-        from omnirt.loadtest.utterances import load
-
-        return list(load(RATE, args.max_utterance_s))
-    if args.speech in ("plain", "set"):
-        return [utterance(args.wav)[0]]
-    from omnirt.loadtest.speech import paused_speech
-
-    return [audio for audio, _, _ in paused_speech(RATE)]
-
-
-def wait_ms(args: argparse.Namespace) -> float:
-    """The least silence after speech that the sessions' turn detection waits for before a turn may end."""
-    if args.turn_detection == "server_vad":
-        return SILENCE_MS
-    from omnirt.app.audio.turn_end import SemanticVadConfig
-
-    return SemanticVadConfig(eagerness=args.eagerness).candidate_pause_ms
 
 
 def spread_s(args: argparse.Namespace) -> float:
@@ -166,274 +70,6 @@ def spread_s(args: argparse.Namespace) -> float:
     reply = args.reply_frames / FRAMES_PER_S if args.reply_frames else REPLY_GUESS_S
     return speech + SILENCE_MS / 1000 + reply + sum(args.think_s) / 2
 
-
-def noise(rng: np.random.Generator, num_samples: int, db: float | None) -> np.ndarray:
-    """A microphone's noise floor: white noise at `db` dBFS RMS (None: digital zero)."""
-    if db is None:
-        return np.zeros(num_samples, np.float32)
-    return (rng.standard_normal(num_samples) * 10 ** (db / 20)).astype(np.float32)
-
-
-def noise_db(text: str) -> float | None:
-    return None if text == "off" else float(text)
-
-
-def _chunks(audio: np.ndarray, chunk_s: float = CHUNK_S) -> list[str]:
-    pcm = (np.clip(audio, -1, 1) * 32767).astype("<i2").tobytes()
-    step = int(RATE * chunk_s) * 2
-    return [base64.b64encode(pcm[i:i + step]).decode() for i in range(0, len(pcm), step)]
-
-
-class Mic:
-    """One microphone's turns: speech, then silence until the turn is over (its reply, or in `no-responses`
-    mode `speech_stopped`); in converse mode until the reply has also played to its end at real time; then a
-    think time. In converse mode a session that has done its measured turns goes on conversing, unmeasured,
-    until the client stops it (when every session has done them: the load stays steady). A transport subclass
-    sends the audio and feeds `on_event`."""
-
-    def __init__(self, index: int, args: argparse.Namespace, result: ClientResult):
-        self.index, self.args, self.result = index, args, result
-        self.turn: Turn | None = None
-        self.is_speaking, self._cut_ins = False, 0
-        self.turn_over = asyncio.Event()
-        self.on_measured = lambda: None  # called once the session's measured turns are done
-        self._clock = PlaybackClock()  # the reply's playback, on the server's own clock (perf_counter)
-        self._playback: dict | None = None  # the server's own playback report (WebRTC)
-        self._played = asyncio.Event()  # WebRTC: the server's track stopped playing the reply
-        self._think = random.Random(index)  # each session's own think times, the same in every run
-
-    async def run(self, start_at: float) -> None:
-        await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
-        num_measured, t = self.args.warmup_turns + self.args.turns, 0
-        while t < num_measured or self.args.mode == "converse":
-            if t == num_measured:
-                self.on_measured()
-            await self._one_turn(t)
-            t += 1
-        self.on_measured()
-
-    async def _one_turn(self, t: int) -> None:
-        self.is_speaking, self._cut_ins = True, 0
-        speech_start = time.perf_counter()
-        speech_end = await self.speak(t)
-        self.is_speaking = False
-        self.turn = turn = Turn(self.index, t, speech_end, speech_start=speech_start,
-                                     wait_ms=wait_ms(self.args), cut_ins=self._cut_ins)
-        self.turn_over.clear()
-        if not await self.silence_until(self.turn_over, self.args.turn_timeout):
-            self.result.errors.append(f"session {self.index} turn {t}: no end within {self.args.turn_timeout:.0f} s")
-        if self.args.mode == "converse":
-            turn.played_until = await self.until_played()
-        turn.think_s = self.think()
-        self._finish_turn()
-        await self.silence_until(None, turn.think_s)
-
-    def think(self) -> float:
-        """Seconds before the next utterance: uniform within `--think-s`, per session (seeded: the same every run).
-        People answer after their own pause; a fixed one would keep sessions whose replies came together speaking
-        together for the rest of the point, every turn a burst."""
-        return self._think.uniform(*self.args.think_s)
-
-    async def until_played(self) -> float:
-        """Wait (the microphone going on) until the reply has played to its end; the perf_counter of that end."""
-        raise NotImplementedError
-
-    async def speak(self, t: int) -> float:
-        """Send the utterance in real time; the perf_counter at which its last sample went out."""
-        raise NotImplementedError
-
-    async def silence_until(self, event: asyncio.Event | None, timeout: float) -> bool:
-        """Send silence until `event` is set (True) or `timeout` seconds passed (False)."""
-        raise NotImplementedError
-
-    async def cancel(self) -> None:
-        raise NotImplementedError
-
-    async def on_event(self, ev: dict, now: float) -> None:
-        kind, turn = ev["type"], self.turn
-        if kind == "error":
-            self.result.errors.append(f"session {self.index}: {ev['error'].get('message')}")
-        if kind == "input_audio_buffer.speech_stopped" and self.is_speaking:
-            self._cut_ins += 1
-        if turn is None:
-            return
-        if kind == "input_audio_buffer.speech_stopped" and turn.speech_stopped is None:
-            turn.speech_stopped = now
-            if self.args.mode == "no-responses":
-                turn.status = "none"
-                self._may_end_turn()
-        elif kind in ("response.output_audio.delta", "response.audio.delta", "output_audio_buffer.started"):
-            if turn.first_audio is None:  # a delta (WebSocket), or the first frame sent on the track (WebRTC)
-                turn.first_audio = now
-                if self.args.mode == "cancel":
-                    await self.cancel()
-            if "delta" in ev:
-                self._clock.on_packet(now, len(base64.b64decode(ev["delta"])) / 2 / RATE)
-        elif kind == "output_audio_buffer.stopped":
-            self._playback = ev.get("omnirt_playback")
-            self._played.set()
-        elif kind == "response.done":
-            turn.status = ev["response"]["status"]
-            usage = ev["response"].get("usage") or {}
-            turn.input_tokens = usage.get("input_tokens")
-            turn.cached_tokens = (usage.get("input_token_details") or {}).get("cached_tokens")
-            self._may_end_turn()
-        elif kind == f"{TRANSCRIPTION}.completed":
-            turn.transcript_at = now
-            self._may_end_turn()
-        elif kind == f"{TRANSCRIPTION}.failed":
-            turn.transcript_failed = True
-            self.result.errors.append(f"session {self.index}: transcription failed: {ev['error'].get('message')}")
-            self._may_end_turn()
-
-    def _may_end_turn(self) -> None:
-        """A turn is over once its reply is (or its speech stopped, without replies) and, when the session
-        asks for transcripts, its transcript came."""
-        turn = self.turn
-        if turn.status is not None and (not self.args.transcribe or turn.transcript_at or turn.transcript_failed):
-            self.turn_over.set()
-
-    def _finish_turn(self) -> None:
-        turn, self.turn = self.turn, None
-        if self._playback is not None:  # WebRTC: the server's track counted what it played
-            turn.audio_s, turn.underruns = self._playback["audio_ms"] / 1000, self._playback["num_underruns"]
-        elif self._clock.num_packets:
-            turn.audio_s, turn.underruns = self._clock.audio_s, self._clock.num_underruns
-        self._clock, self._playback = PlaybackClock(), None
-        if turn.index >= self.args.warmup_turns + self.args.turns:
-            return  # conversing on while other sessions finish: load, not measured
-        self.result.turns.append({**asdict(turn), "vad_lag_ms": turn.vad_lag_ms, "turn_end_ms": turn.turn_end_ms,
-                                  "response_ms": turn.response_ms,
-                                  "voice_to_voice_ms": turn.voice_to_voice_ms, "transcript_ms": turn.transcript_ms})
-
-
-class WebSocketMic(Mic):
-    """Paced 20 ms `input_audio_buffer.append` events; a reader task notes what comes back."""
-
-    def __init__(self, ws, index: int, speech: list[np.ndarray], args: argparse.Namespace, result: ClientResult):
-        super().__init__(index, args, result)
-        self.ws, self.speech = ws, speech
-        self._noise = np.random.default_rng(index)  # each session's own noise floor
-        self._silences = _chunks(noise(self._noise, RATE, noise_db(args.noise_db)))  # a second of it, in turn
-        self._num_silent = 0
-        self.clock = 0.0
-
-    async def run(self, start_at: float) -> None:
-        reader = asyncio.create_task(self._read())
-        self.clock = start_at
-        try:
-            await super().run(start_at)
-        finally:
-            reader.cancel()
-
-    async def speak(self, t: int) -> float:
-        audio = self.speech[(self.index + t) % len(self.speech)]
-        for chunk in _chunks(audio + noise(self._noise, len(audio), noise_db(self.args.noise_db))):
-            await self._send(chunk)
-        return time.perf_counter()
-
-    async def silence_until(self, event: asyncio.Event | None, timeout: float) -> bool:
-        deadline = time.perf_counter() + timeout
-        while event is None or not event.is_set():  # a microphone goes on sending its noise floor
-            if time.perf_counter() >= deadline:
-                return False
-            self._num_silent += 1
-            await self._send(self._silences[self._num_silent % len(self._silences)])
-        return True
-
-    async def until_played(self) -> float:
-        end = max(self._clock.played_until, time.perf_counter()) if self._clock.num_packets else time.perf_counter()
-        await self.silence_until(None, end - time.perf_counter())
-        return end
-
-    async def cancel(self) -> None:
-        await self.ws.send(json.dumps({"type": "response.cancel"}))
-
-    async def _send(self, chunk: str) -> None:
-        """Paced on an absolute schedule, so that a late chunk does not push all later ones."""
-        await self.ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": chunk}))
-        self.clock += CHUNK_S
-        await asyncio.sleep(max(0.0, self.clock - time.perf_counter()))
-
-    async def _read(self) -> None:
-        async for raw in self.ws:
-            await self.on_event(json.loads(raw), time.perf_counter())
-
-
-class WebRtcMic(Mic):
-    """The utterance goes out on the call's paced microphone track (silence flows whenever nothing is
-    written); events come on the data channel; first audio is the server's `output_audio_buffer.started`
-    (the reply's first frame left on its track), underruns are its track's own count."""
-
-    def __init__(self, index: int, pcm16: list[bytes], args: argparse.Namespace, result: ClientResult):
-        super().__init__(index, args, result)
-        self.pcm16, self.call = pcm16, None
-        self._spoken: dict[str, float] = {}
-        self._sent = asyncio.Event()
-        self._handling: set[asyncio.Task] = set()
-
-    async def connect(self, url: str) -> None:
-        from omnirt.loadtest.webrtc_client import connect
-
-        self.call = await connect(url, f"/v1/realtime?model={self.args.model}", on_event=self._channel_event,
-                                  on_mic_event=self._mic_event)
-
-    async def speak(self, t: int) -> float:
-        name = f"utterance-{t}"
-        self._sent.clear()
-        await self.call.mic.write(name, name, self.pcm16[(self.index + t) % len(self.pcm16)])
-        self.call.mic.response_done(name)
-        await self._sent.wait()
-        return self._spoken.pop(name)
-
-    async def silence_until(self, event: asyncio.Event | None, timeout: float) -> bool:
-        if event is None:
-            await asyncio.sleep(timeout)
-            return False
-        try:
-            await asyncio.wait_for(event.wait(), timeout)
-            return True
-        except TimeoutError:
-            return False
-
-    async def cancel(self) -> None:
-        self.call.send({"type": "response.cancel"})
-
-    async def until_played(self) -> float:
-        """The server's track plays the reply at real time and says when it stopped."""
-        if self.turn.first_audio is not None and self._playback is None:
-            self._played.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._played.wait(), self.args.turn_timeout)
-        return time.perf_counter()
-
-    def _channel_event(self, ev: dict) -> None:
-        task = asyncio.get_running_loop().create_task(self.on_event(ev, time.perf_counter()))
-        self._handling.add(task)  # held until done: the loop keeps only weak references to tasks
-        task.add_done_callback(self._handling.discard)
-
-    def _mic_event(self, ev: dict) -> None:
-        if ev["type"] == "output_audio_buffer.stopped":  # the utterance's last frame went out
-            self._spoken[ev["response_id"]] = time.perf_counter()
-            self._sent.set()
-
-
-def _session_update(args: argparse.Namespace, index: int) -> dict:
-    """Session `index`'s settings. Its instructions are its own: sessions say the same utterance every turn,
-    and would otherwise share their whole history (a prefix cache would serve one session's turns from
-    another's)."""
-    return {"type": "session.update", "session": {
-        "instructions": f"You are voice assistant number {index}. Be brief.",
-        "turn_detection": {**({"type": "server_vad", "silence_duration_ms": SILENCE_MS}
-                              if args.turn_detection == "server_vad" else
-                              {"type": "semantic_vad", "eagerness": args.eagerness}),
-                           "create_response": args.mode != "no-responses"},
-        "input_audio_noise_reduction": None if args.noise_reduction == "off" else {"type": args.noise_reduction},
-        "input_audio_format": "pcm16", "output_audio_format": "pcm16", "voice": args.voice,
-        "modalities": ["text", "audio"],
-        "input_audio_transcription": {"model": args.model} if args.transcribe else None,
-        **({"max_response_output_tokens": args.reply_tokens} if args.reply_tokens else {}),
-        **({"talker_sampling": {"max_tokens": args.reply_frames}} if args.reply_frames else {})}}
 
 
 async def _client(index: int, sessions: list[int], args: argparse.Namespace, start_at: float,
@@ -461,7 +97,7 @@ async def _client(index: int, sessions: list[int], args: argparse.Namespace, sta
         async with websockets.connect(url, max_size=None, open_timeout=60,
                                       additional_headers={"OpenAI-Beta": "realtime=v1"}) as ws:
             json.loads(await ws.recv())  # session.created
-            await ws.send(json.dumps(_session_update(args, i)))
+            await ws.send(json.dumps(session_update(args, i)))
             mic = WebSocketMic(ws, i, audios, args, result)
             mic.on_measured = lambda: count(i)
             await mic.run(starts_at(i))
@@ -471,7 +107,7 @@ async def _client(index: int, sessions: list[int], args: argparse.Namespace, sta
         await mic.connect(args.url)
         try:
             await mic.call.wait_for(lambda e: e["type"] == "session.created", 60)
-            mic.call.send(_session_update(args, i))
+            mic.call.send(session_update(args, i))
             mic.on_measured = lambda: count(i)
             await mic.run(starts_at(i))
         finally:
@@ -499,103 +135,6 @@ def _client_main(index: int, sessions: list[int], args: argparse.Namespace, star
     outbox.put(asdict(asyncio.run(_client(index, sessions, args, start_at, measured))))
 
 
-# ---- abusive sessions (--abusive N) --------------------------------------------------------------------
-
-ABUSE_KINDS = ("flood", "garbage", "deaf")
-FLOOD_CHUNK_S = 0.5  # audio per append of a flood: the server's cost per event does not pace it
-
-
-async def _abuse_once(kind: str, url: str, speech: list[str], stop: asyncio.Event, args: argparse.Namespace) -> dict:
-    """One abusive connection: `flood` sends speech as fast as the socket takes it, `garbage` sends
-    malformed events and audio in a wrong format, `deaf` asks for a long reply and reads nothing. What
-    the server answered: its error codes and how it closed the connection."""
-    import socket
-
-    import websockets
-
-    record = {"kind": kind, "errors": [], "close_code": None, "close_reason": None}
-    host, port = url.split("://", 1)[1].split("/", 1)[0].rsplit(":", 1)
-    sock = socket.socket()
-    if kind == "deaf":  # a small receive window (set before connecting), so the server's writes back up soon
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.connect((host, int(port)))
-    try:
-        async with websockets.connect(url, sock=sock, max_size=None, max_queue=1 if kind == "deaf" else 16,
-                                      open_timeout=60) as ws:
-            await ws.send(json.dumps(_session_update(args, -1)))
-            if kind == "flood":
-                reader = asyncio.create_task(_errors(ws, record))
-                with contextlib.suppress(websockets.ConnectionClosed):
-                    while not stop.is_set():
-                        for chunk in speech:
-                            await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": chunk}))
-                            await asyncio.sleep(0)  # a send that does not wait on the socket yields nothing
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(reader, 30)
-            elif kind == "garbage":
-                for raw in _GARBAGE:
-                    await ws.send(raw)
-                await asyncio.wait_for(_errors(ws, record, until=len(_GARBAGE)), 30)
-            else:
-                await ws.send(json.dumps({"type": "conversation.item.create", "item": {
-                    "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Talk."}]}}))
-                await ws.send(json.dumps({"type": "response.create", "response": {
-                    "talker_sampling": {"min_tokens": 8000, "max_tokens": 8000}}}))
-                await asyncio.sleep(args.deaf_s)  # read nothing (past `stop` too); the server should give up
-                await asyncio.wait_for(_errors(ws, record), 30)
-    except websockets.ConnectionClosed as exc:
-        record["close_code"], record["close_reason"] = (exc.rcvd.code, exc.rcvd.reason) if exc.rcvd else (None, None)
-    except Exception as exc:  # noqa: BLE001 - a refused or dropped connection is a result
-        record["errors"].append(type(exc).__name__)
-    return record
-
-
-_GARBAGE = ("not json", json.dumps({"type": "no.such.event"}),
-            json.dumps({"type": "input_audio_buffer.append", "audio": "***"}),
-            json.dumps({"type": "input_audio_buffer.append", "audio": base64.b64encode(b"\x01\x02\x03").decode()}),
-            json.dumps({"type": "session.update", "session": {"voice": "no-such-voice"}}))
-
-
-async def _errors(ws, record: dict, until: int | None = None) -> None:
-    """Read events, noting `error` codes, until the connection closes (or `until` errors arrived)."""
-    import websockets
-
-    try:
-        async for raw in ws:
-            ev = json.loads(raw)
-            if ev["type"] == "error":
-                record["errors"].append(ev["error"].get("code"))
-                if until is not None and len(record["errors"]) >= until:
-                    return
-    except websockets.ConnectionClosed as exc:
-        if exc.rcvd:
-            record["close_code"], record["close_reason"] = exc.rcvd.code, exc.rcvd.reason
-        raise
-
-
-def _abusers_main(n: int, args: argparse.Namespace, stop, outbox) -> None:
-    """N abusive sessions, each going through the kinds in turn (a new connection each time) until `stop`."""
-
-    async def run() -> list[dict]:
-        speech, done, records = _chunks(utterance(args.wav)[0], FLOOD_CHUNK_S), asyncio.Event(), []
-        url = args.url.replace("http", "ws", 1) + f"/v1/realtime?model={args.model}"
-
-        async def one(i: int) -> None:
-            k = i
-            while not done.is_set():
-                records.append(await _abuse_once(ABUSE_KINDS[k % len(ABUSE_KINDS)], url, speech, done, args))
-                k += 1
-
-        async def watch() -> None:
-            while not stop.is_set():
-                await asyncio.sleep(0.2)
-            done.set()
-
-        await asyncio.gather(watch(), *(one(i) for i in range(n)))
-        return records
-
-    outbox.put(asyncio.run(run()))
-
 
 def run_point(args: argparse.Namespace, n: int, abusive: int = 0, transcribe: bool = False) -> dict:
     """N sessions spread over the client processes (and `abusive` abusers in a process of their own, from
@@ -604,7 +143,7 @@ def run_point(args: argparse.Namespace, n: int, abusive: int = 0, transcribe: bo
     clients = max(1, min(args.clients, n))
     ctx = multiprocessing.get_context("spawn")
     inbox, abuse_box, stop, measured = ctx.Queue(), ctx.Queue(), ctx.Event(), ctx.Value("i", 0)
-    abusers = ctx.Process(target=_abusers_main, args=(abusive, args, stop, abuse_box)) if abusive else None
+    abusers = ctx.Process(target=abusers_main, args=(abusive, args, stop, abuse_box)) if abusive else None
     if abusers is not None:
         abusers.start()
     before, t0 = server_metrics.settled_scrape(args.url), time.time()
@@ -624,7 +163,7 @@ def run_point(args: argparse.Namespace, n: int, abusive: int = 0, transcribe: bo
     row = summarize(n, turns, [e for r in results for e in r["errors"]], args,
                     server_cpu=(cpu1 - cpu0) / wall if cpu0 is not None and cpu1 is not None else None,
                     client_cpu=sum(r["cpu_s"] for r in results) / wall)
-    return {**row, "abusive": abusive, "abuse": _abuse_summary(records),
+    return {**row, "abusive": abusive, "abuse": abuse_summary(records),
             "prefill_tokens": server_metrics.delta(server_metrics.prefill_tokens(after),
                                                    server_metrics.prefill_tokens(before)),
             "first_output_ms": server_metrics.first_output_ms(server_metrics.first_outputs(after),
@@ -633,16 +172,6 @@ def run_point(args: argparse.Namespace, n: int, abusive: int = 0, transcribe: bo
             "rows_per_step": server_metrics.batch_sizes(after, before), "gpu_pct": gpu.mean_pct(),
             "turn_log": [{k: t[k] for k in TURN_LOG} for t in every]}
 
-
-def _abuse_summary(records: list[dict]) -> dict:
-    """Per abuse kind: connections, how the server closed them, and the error codes it sent."""
-    out: dict[str, dict] = {}
-    for r in records:
-        k = out.setdefault(r["kind"], {"connections": 0, "closes": Counter(), "errors": Counter()})
-        k["connections"] += 1
-        k["closes"][f"{r['close_code']} {r['close_reason'] or ''}".strip()] += 1
-        k["errors"].update(str(e) for e in r["errors"])
-    return {kind: {**v, "closes": dict(v["closes"]), "errors": dict(v["errors"])} for kind, v in out.items()}
 
 
 def _gather(procs: list, inbox) -> list[dict]:
@@ -659,126 +188,6 @@ def _gather(procs: list, inbox) -> list[dict]:
         p.join()
     return results
 
-
-def replies(args: argparse.Namespace) -> str:
-    """Whether the replies were pinned, as the report says it."""
-    if getattr(args, "reply_frames", None):
-        return f"pinned at {args.reply_frames} frames ({args.reply_frames / FRAMES_PER_S:.1f} s)"
-    return "unpinned (the model's own length, up to the server's limit)"
-
-
-def mode_label(mode: str) -> str:
-    return f"{mode} (diagnostic)" if mode in DIAGNOSTIC else mode
-
-
-def summarize(n: int, turns: list[dict], errors: list[str], args: argparse.Namespace, server_cpu: float | None,
-              client_cpu: float) -> dict:
-    wants_audio, plays = args.mode != "no-responses", args.mode not in DIAGNOSTIC
-    return {"sessions": n, "mode": args.mode, "replies": replies(args), "transcription": args.transcribe,
-            "turns": len(turns),
-            "expected_turns": n * args.turns, "front_end": front_end(args),
-            "vad_lag_ms": summary([t["vad_lag_ms"] for t in turns]),
-            "turn_end_ms": summary([t["turn_end_ms"] for t in turns]),
-            "cut_ins": sum(t["cut_ins"] for t in turns), "turns_cut": sum(t["cut_ins"] > 0 for t in turns),
-            "response_ms": summary([t["response_ms"] for t in turns]),
-            "voice_to_voice_ms": summary([t["voice_to_voice_ms"] for t in turns]),
-            "transcript_ms": summary([t["transcript_ms"] for t in turns]),
-            "transcripts_failed": sum(t["transcript_failed"] for t in turns),
-            "turns_without_audio": sum(t["first_audio"] is None for t in turns) if wants_audio else 0,
-            "turns_without_speech_stopped": sum(t["speech_stopped"] is None for t in turns),
-            "underruns": sum(t["underruns"] for t in turns) if plays else None,
-            "underruns_per_reply": sum(t["underruns"] for t in turns) / len(turns) if plays and turns else None,
-            "reply_audio_s": summary([t["audio_s"] for t in turns]) if plays else None,
-            "errors": len(errors), "error_samples": errors[:5],
-            "server_cpu_per_session": server_cpu / n if server_cpu is not None else None,
-            "client_cpu": client_cpu, "by_turn": _by_turn(turns)}
-
-
-def front_end(args: argparse.Namespace) -> str:
-    """The sessions' turn detection, noise reduction and speech, as the report names them."""
-    td = "server_vad" if args.turn_detection == "server_vad" else f"semantic_vad ({args.eagerness})"
-    noise = "" if args.noise_reduction == "off" else f", {args.noise_reduction}"
-    return f"{td}{noise}{', paused speech' if args.speech == 'paused' else ''}"
-
-
-def _mean(values: list) -> float | None:
-    xs = [v for v in values if v is not None]
-    return sum(xs) / len(xs) if xs else None
-
-
-def _by_turn(turns: list[dict]) -> list[dict]:
-    """Per turn of the conversation (1-based, warm-up turns counted): latency percentiles over the
-    sessions, and the mean prompt, reused and prefilled tokens of the turn's response."""
-    rows = []
-    for index in sorted({t["index"] for t in turns}):
-        at = [t for t in turns if t["index"] == index]
-        prompt, cached = _mean([t["input_tokens"] for t in at]), _mean([t["cached_tokens"] for t in at])
-        rows.append({"turn": index + 1, "vad_lag_ms": summary([t["vad_lag_ms"] for t in at]),
-                     "response_ms": summary([t["response_ms"] for t in at]),
-                     "voice_to_voice_ms": summary([t["voice_to_voice_ms"] for t in at]), "input_tokens": prompt,
-                     "cached_tokens": cached,
-                     "prefilled_tokens": None if prompt is None or cached is None else prompt - cached})
-    return rows
-
-
-def markdown(rows: list[dict], title: str) -> str:
-    head = ("| sessions | abusive | mode | front end | transcripts | turns | VAD lag ms p50/p90/p99 | turn end ms "
-            "p50/p90/p99 | false cut-ins (turns) | response ms p50/p90/p99 | voice-to-voice ms p50/p90/p99 | "
-            "transcript ms p50/p90/p99 | no audio | underruns | errors | server CPU per session | client CPU |\n|"
-            + "---|" * 17 + "\n")
-    abuse = "".join(f"\n- {r['sessions']} sessions, {r['abusive']} abusive: {kind}: {a['connections']} connections, "
-                    f"closed {a['closes']}, errors {a['errors']}" for r in rows for kind, a in r["abuse"].items())
-    return (f"### {title}\n\n{head}" + "".join(_row(r) for r in rows) + abuse + "\n" + _point_lines(rows)
-            + _turns_markdown(rows) + f"\n{NOTE}\n")
-
-
-def _point_lines(rows: list[dict]) -> str:
-    """Per point: the replies (pinned or not), underruns per reply, rows a step per stage from the engine's own
-    counters (mean / p90), and the GPU's use."""
-    out = []
-    for r in rows:
-        per_reply = r.get("underruns_per_reply")
-        gpu = r.get("gpu_pct")
-        out.append(f"- {r['sessions']} sessions, {mode_label(r['mode'])}: replies {r.get('replies', '-')}; "
-                   f"underruns per reply {'-' if per_reply is None else f'{per_reply:.2f}'}; rows a step per stage "
-                   f"(mean / p90): {server_metrics.batch_cell(r.get('rows_per_step', {}))}; GPU "
-                   f"{'- (no nvidia-smi)' if gpu is None else f'{gpu:.0f}%'}\n")
-    return "".join(out)
-
-
-def _turns_markdown(rows: list[dict]) -> str:
-    """Per session count, a row per turn; and the server's prefill counters over the point."""
-    rows = [r for r in rows if r.get("by_turn") and r["mode"] != "no-responses"]
-    if not rows:
-        return ""
-    num = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731
-    out = ["\n| turn | sessions | response ms p50 / p90 | voice-to-voice ms p50 | prompt tokens | reused | "
-           "prefilled |\n|---|---|---|---|---|---|---|\n"]
-    for r in rows:
-        out += [f"| turn {t['turn']} | {r['sessions']} | {cell(t['response_ms'], ('p50', 'p90'))} | "
-                f"{cell(t['voice_to_voice_ms'], ('p50',))} | {num(t['input_tokens'])} | "
-                f"{num(t['cached_tokens'])} | {num(t['prefilled_tokens'])} |\n" for t in r["by_turn"]]
-    out += [f"\n- {r['sessions']} sessions, server prompt tokens over the point: "
-            + "; ".join(f"{stage} {c.get('computed', 0):.0f} computed, {c.get('cached', 0):.0f} reused"
-                        for stage, c in r.get("prefill_tokens", {}).items())
-            + f"; engine, submission to each stage's first output, mean ms: "
-              f"{server_metrics.first_output_cell(r.get('first_output_ms', {}))}; engine steps over the point: "
-              f"{server_metrics.engine_cell(r.get('engine', {}))}" for r in rows]
-    return "".join(out) + "\n"
-
-
-def _row(r: dict) -> str:
-    server_cpu = "-" if r["server_cpu_per_session"] is None else f"{r['server_cpu_per_session']:.3f}"
-    underruns = "-" if r["underruns"] is None else r["underruns"]
-    transcripts = f"on ({r['transcripts_failed']} failed)" if r.get("transcription") else "off"
-    cut = f"{r['cut_ins']} ({r['turns_cut']})" if "cut_ins" in r else "-"
-    return (f"| {r['sessions']} | {r['abusive']} | {mode_label(r['mode'])} | {r.get('front_end', 'server_vad')} | "
-            f"{transcripts} | "
-            f"{r['turns']}/{r['expected_turns']} | {cell(r['vad_lag_ms'])} | "
-            f"{cell(r['turn_end_ms']) if 'turn_end_ms' in r else '-'} | {cut} | {cell(r['response_ms'])} | "
-            f"{cell(r['voice_to_voice_ms'])} | "
-            f"{cell(r['transcript_ms']) if 'transcript_ms' in r else '-'} | "
-            f"{r['turns_without_audio']} | {underruns} | {r['errors']} | {server_cpu} | {r['client_cpu']:.2f} |\n")
 
 
 SESSIONS = {"cpu": [1, 4], "gpu": [1, 8, 16]}  # session counts when none are given
