@@ -77,18 +77,17 @@ def test_bench_writes_into_an_untracked_run_folder_by_default(server, tmp_path):
     assert ignored.returncode == 0  # in a checkout, that folder is one git ignores
 
 
-def test_turn_gaps_are_each_session_s_own_and_the_same_every_run():
-    """--gap-jitter: a session's pauses between turns vary within the bound, differ between sessions and come
-    the same in every run (seeded by the session); 0 gives every pause --gap."""
-    from omnirt.loadtest.realtime_bench import Mic, build_parser
+def test_think_times_are_each_session_s_own_and_the_same_every_run():
+    """--think-s: a session's pauses before it speaks again vary within the bounds, differ between sessions and come
+    the same in every run (seeded by the session)."""
+    from omnirt.loadtest.realtime_bench import build_parser
+    from omnirt.loadtest.realtime_mic import Mic
 
-    args = build_parser().parse_args(["--gap", "1.0", "--gap-jitter", "0.5"])
+    args = build_parser().parse_args(["--think-s", "0.5", "3"])
     runs = [[Mic(i, args, None) for i in range(3)] for _ in range(2)]
-    series = [[[m.gap() for _ in range(20)] for m in run] for run in runs]
+    series = [[[m.think() for _ in range(20)] for m in run] for run in runs]
     assert series[0] == series[1] and series[0][0] != series[0][1]
-    assert all(0.5 <= g <= 1.5 for s in series[0] for g in s) and max(series[0][0]) - min(series[0][0]) > 0.5
-    fixed = build_parser().parse_args(["--gap", "0.7", "--gap-jitter", "0"])
-    assert {Mic(i, fixed, None).gap() for i in range(4)} == {0.7}
+    assert all(0.5 <= g <= 3.0 for s in series[0] for g in s) and max(series[0][0]) - min(series[0][0]) > 1.0
 
 
 def test_distinct_prompts_differ_from_their_first_word_on():
@@ -106,15 +105,15 @@ def test_distinct_prompts_differ_from_their_first_word_on():
 
 
 @pytest.mark.parametrize(("mode", "transport"), [("cancel", "websocket"), ("no-responses", "websocket"),
-                                               ("cancel", "webrtc"), ("full", "websocket")])
+                                               ("cancel", "webrtc"), ("converse", "websocket")])
 def test_bench_realtime_short_run(server, tmp_path, mode, transport):
     """`omnirt bench realtime`: 2 spoken sessions x (1 warm-up + 1 measured turn) over 2 client processes,
     over the WebSocket or as WebRTC calls; every turn is detected (and, with responses, answered with
-    audio), nothing fails, only measured turns count, and the report has its figures. Full replies are capped
-    (`--reply-frames`): none is longer than its frames' audio."""
+    audio), nothing fails, only measured turns count, and the report has its figures. Replies played whole
+    (converse) are capped (`--reply-frames`): none is longer than its frames' audio."""
     run = subprocess.run([*OMNIRT, "bench", "realtime", "--url", server.url, "--sessions", "2",
                           "--turns", "1", "--clients", "2", "--mode", mode, "--transport", transport, "--name", "rt",
-                          "--out", str(tmp_path), *(["--reply-frames", "6", "--reply-tokens", "8"] if mode == "full"
+                          "--out", str(tmp_path), *(["--reply-frames", "6", "--reply-tokens", "8"] if mode == "converse"
                                                     else [])],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
@@ -128,7 +127,7 @@ def test_bench_realtime_short_run(server, tmp_path, mode, transport):
         assert row["prefill_tokens"]["thinker"]["cached"] > 0 and row["prefill_tokens"]["thinker"]["computed"] > 0
         assert set(row["first_output_ms"]) == {"thinker", "talker", "code2wav", "api"}, row["first_output_ms"]
         assert row["engine"]["steps"]["thinker"]["first_steps"] == 4  # every turn's response took its first step
-    elif mode == "full":
+    elif mode == "converse":
         assert row["turns_without_audio"] == 0 and row["underruns"] is not None
         assert row["reply_audio_s"]["n"] == 2 and 0 < row["reply_audio_s"]["max"] <= 6 * 0.08 + 1e-6, row
     else:
@@ -212,7 +211,7 @@ def test_vad_lag_ends_every_turn_and_the_gate_none_later(capsys):
     """`python -m omnirt.loadtest.vad_lag`: at each alignment of the bench's utterance to the window grid the turn ends,
     no later with the level gate than with the probability alone; the report has a row for each."""
     from omnirt.app.audio.vad import QUIET_DB, SileroBatch
-    from omnirt.loadtest.realtime_bench import utterance
+    from omnirt.loadtest.realtime_mic import utterance
     from omnirt.loadtest.vad_lag import lag_ms, main
 
     speech, model = utterance(None)[0], SileroBatch()

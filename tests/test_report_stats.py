@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from omnirt.loadtest.bench import Sample, markdown, summarize
-from omnirt.loadtest.realtime_bench import markdown as realtime_markdown
-from omnirt.loadtest.realtime_bench import summarize as realtime_summarize
+from omnirt.loadtest.realtime_report import markdown as realtime_markdown
+from omnirt.loadtest.realtime_report import summarize as realtime_summarize
 from omnirt.loadtest.stats import cell, percentile, summary
 
 

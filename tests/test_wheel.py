@@ -21,7 +21,8 @@ from tests.conftest import ROOT, free_port
 SHIPPED = ("omnirt/web/index.html", "omnirt/web/app.js", "omnirt/deploy/tiny.yaml",
            "omnirt/deploy/qwen3_omni_moe_1gpu.yaml", "omnirt/deploy/docker/entrypoint.sh",
            "omnirt/app/audio/data/smart-turn-v3.2-cpu.onnx",
-           "omnirt/pipeline/models/qwen3_omni/chat_template.jinja")
+           "omnirt/pipeline/models/qwen3_omni/chat_template.jinja", "omnirt/loadtest/data/utterances/manifest.json",
+           "omnirt/loadtest/data/utterances/25.flac")
 
 
 @pytest.fixture(scope="module")

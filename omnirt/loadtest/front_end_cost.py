@@ -20,7 +20,7 @@ import numpy as np
 from omnirt.app.audio.denoise import Denoiser
 from omnirt.app.audio.turn_end import SmartTurn
 from omnirt.app.audio.vad import WINDOW, SileroBatch, VadStream
-from omnirt.loadtest.realtime_bench import CHUNK_S, RATE, utterance
+from omnirt.loadtest.realtime_mic import CHUNK_S, RATE, utterance
 
 
 def _median_s(fn, repeats: int) -> float:

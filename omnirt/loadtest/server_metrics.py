@@ -151,3 +151,33 @@ def rows_per_step(counters: dict, stage: str) -> float | None:
 def _per_step_ms(counts: dict[str, float], kind: str) -> str:
     n = counts.get(kind + "_steps", 0)
     return f"{counts.get(kind + '_s', 0) / n * 1000:.1f}" if n else "-"
+
+
+def batch_histogram(lines: list[str]) -> dict[str, dict[float, float]]:
+    """{stage: {batch size bound: steps of at most that many rows}} of `omnirt_stage_batch_size`."""
+    out: dict[str, dict[float, float]] = {}
+    for tags, value in _labelled(lines, "omnirt_stage_batch_size_bucket"):
+        out.setdefault(tags["stage"], {})[float(tags["le"])] = value
+    return out
+
+
+def batch_sizes(after: list[str], before: list[str]) -> dict[str, dict[str, float]]:
+    """Per stage, rows per step between two scrapes, from the engine's own counters: {"steps", "mean", "p90"} (p90:
+    the least size that at least 90% of the steps did not exceed). Stages that made no step are left out."""
+    hist0, out = batch_histogram(before), {}
+    for stage, buckets in batch_histogram(after).items():
+        counts = {le: n - hist0.get(stage, {}).get(le, 0.0) for le, n in sorted(buckets.items())}
+        steps = counts.pop(float("inf"), 0.0)
+        if steps <= 0:
+            continue
+        below, rows = 0.0, 0.0  # the cumulative counts per bound, back to steps per size
+        for size, n in counts.items():
+            rows, below = rows + size * (n - below), n
+        p90 = next((size for size, n in counts.items() if n >= 0.9 * steps), max(counts, default=0.0))
+        out[stage] = {"steps": steps, "mean": rows / steps, "p90": p90}
+    return out
+
+
+def batch_cell(sizes: dict[str, dict[str, float]]) -> str:
+    """"thinker 3.2 / 5, talker 4.0 / 6, ..." (mean / p90 rows a step)."""
+    return ", ".join(f"{stage} {s['mean']:.1f} / {s['p90']:.0f}" for stage, s in sizes.items()) or "-"

@@ -54,13 +54,14 @@ def pcm16(audio: np.ndarray) -> bytes:
     return (np.clip(audio, -1, 1) * 32767).astype("<i2").tobytes()
 
 
-def _espeak(text: str) -> tuple[np.ndarray, int] | None:
+def _espeak(text: str, voice: list[str] = ()) -> tuple[np.ndarray, int] | None:
+    """espeak-ng saying `text` (`voice`: its -v/-s/-p options); None where espeak-ng is missing."""
     if shutil.which("espeak-ng") is None:
         return None
     import soundfile
 
     with tempfile.NamedTemporaryFile(suffix=".wav") as f:
-        subprocess.run(["espeak-ng", "-w", f.name, text], check=True, capture_output=True, timeout=30)
+        subprocess.run(["espeak-ng", *voice, "-w", f.name, text], check=True, capture_output=True, timeout=30)
         audio, rate = soundfile.read(f.name, dtype="float32")
     return (audio if audio.ndim == 1 else audio.mean(1)), rate
 

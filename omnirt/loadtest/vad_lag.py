@@ -17,7 +17,7 @@ import numpy as np
 
 from omnirt.app.audio.resample import StreamResampler
 from omnirt.app.audio.vad import QUIET_DB, SileroBatch, SpeechStopped, TurnDetector, VadConfig, VadStream
-from omnirt.loadtest.realtime_bench import CHUNK_S, RATE, SILENCE_MS, utterance
+from omnirt.loadtest.realtime_mic import CHUNK_S, RATE, SILENCE_MS, utterance
 from omnirt.loadtest.stats import cell, summary
 
 LEAD_S = 0.4  # silence before the speech

@@ -138,11 +138,12 @@ class EngineCollector:
 
 
 def _batch_histogram(stages: list[StageStats]) -> HistogramMetricFamily:
+    """A bucket per batch size (1..max_num_seqs), so that a bench's p90 rows a step is exact, not a bucket's bound."""
     h = HistogramMetricFamily("omnirt_stage_batch_size", "Requests per step, by stage", labels=["stage"])
     for stage in stages:
         counts = stage.batch_size_counts
-        bounds = [2**i for i in range(len(counts).bit_length()) if 2**i < len(counts) - 1] + [len(counts) - 1]
-        buckets = [(str(float(b)), sum(counts[:b + 1])) for b in bounds] + [("+Inf", sum(counts))]
+        running = list(itertools.accumulate(counts))
+        buckets = [(str(float(b)), running[b]) for b in range(1, len(counts))] + [("+Inf", running[-1])]
         h.add_metric([stage.name], buckets, sum_value=sum(size * n for size, n in enumerate(counts)))
     return h
 

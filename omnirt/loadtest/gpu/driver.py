@@ -10,8 +10,8 @@ client). A client is a verb and its arguments:
     voice ARGS    omnirt bench realtime against it, over 8 client processes, {voice_args} last
     run ARGV      any program ({url} the server)
     metrics P...  the server's /metrics lines that start with one of P, into NAME.txt
-    points W...   one bench per word: N (N sessions cancelled at first audio), fullN (N sessions of whole replies
-                  capped at 50 frames), cN (chat at concurrency N); each point's span is printed ("W from T",
+    points W...   one bench per word: N (N sessions cancelled at first audio), convN (N conversing sessions,
+                  replies capped at 50 frames), cN (chat at concurrency N); each point's span is printed ("W from T",
                   "W until T": `python -m omnirt.loadtest.step_log --spans`), then what the compilers wrote during it
 
 Output: each program's stdout in OUT (a check's in NAME.txt with its stderr in NAME.log, a bench's reports as
@@ -234,8 +234,8 @@ class Runner:
         if word.startswith("c"):
             spec = f"chat --prompt-lens 160 --concurrency {word[1:]} --requests-per-point 2 --rounds 1 --warmup 2"
         else:
-            n = word.removeprefix("full")
-            mode = "--mode full --reply-frames 50 --reply-tokens 40" if word.startswith("full") else "--mode cancel"
+            n = word.removeprefix("conv")
+            mode = "--mode converse --reply-frames 50 --reply-tokens 40" if word.startswith("conv") else "--mode cancel"
             spec = f"voice --sessions {n} --turns 3 --turn-timeout 30 {mode}"
         mark = time.time()
         print(f"{word} from {mark:.6f}", flush=True)

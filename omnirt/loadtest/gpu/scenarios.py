@@ -16,10 +16,10 @@ NVIDIA_SMI = "run nvidia-smi --query-gpu=memory.used,memory.free,memory.total --
 
 SWEEP = ("sweep", f"chat --prompt-lens {{prompts}} --concurrency {{concurrency}} {WAVE}", "{sweep_limit}")
 DISTINCT = ("distinct", f"chat --prompt-lens 160 --concurrency 64 --distinct-prompts {WAVE}", 120)
-VOICE = ("voice", "voice --sessions {sessions} --turns 3 --mode cancel", "{voice_limit}")
-VOICE_FULL = ("voice-full", "voice --sessions {full_sessions} --turns 1 --mode full --reply-frames {reply_frames} "
-              "--reply-tokens 40", "{voice_limit}")
-VOICE_PARAMS = {"sessions": "1 32 64", "full_sessions": "32", "reply_frames": "50", "voice_limit": "200"}
+VOICE = ("voice", "voice --sessions {sessions} --turns 3 --mode cancel", "{voice_limit}")  # diagnostic
+VOICE_CONVERSE = ("voice-converse", "voice --sessions {converse_sessions} --turns 5 --mode converse --reply-frames "
+                  "{reply_frames} --reply-tokens 40", "{voice_limit}")
+VOICE_PARAMS = {"sessions": "1 32 64", "converse_sessions": "32", "reply_frames": "50", "voice_limit": "200"}
 SWEEP_PARAMS = {"prompts": "10 160 320 640", "concurrency": "1 16 32 64", "sweep_limit": "330"}
 
 # semantic_vad and noise reduction at the front end's points (`front-end`): name, bench flags
@@ -97,11 +97,20 @@ SCENARIOS: dict[str, Scenario] = {
                       (Serve("{variant}", (SWEEP,), VOICE_SERVER),), {"variant": "profile", **SWEEP_PARAMS}),
     "distinct": Scenario("c=64 with prompts the server has not seen (each begins with its own serial)",
                          (Serve("{variant}", (DISTINCT,), VOICE_SERVER),), {"variant": "profile"}),
-    "voice": Scenario("voice sessions, each reply cancelled at its first audio (a warm-up turn, then 3), then "
-                      "whole replies capped at reply_frames", (Serve("{variant}", (VOICE, VOICE_FULL), VOICE_SERVER),),
+    "converse": Scenario("the headline: conversing sessions (distinct utterances, replies played whole and unpinned, "
+                         "think times, out of step; a warm-up turn, then 5), then the capacity search at the bound",
+                         (Serve("{variant}", (("converse", "voice --sessions {sessions}", "{converse_limit}"),
+                                              ("capacity", "voice --capacity --sessions {capacity_from} "
+                                                           "--latency-bound {bound_ms}", "{capacity_limit}")),
+                                VOICE_SERVER),),
+                         {"variant": "profile", "sessions": "1 16 32", "converse_limit": "300", "capacity_from": "8",
+                          "bound_ms": "800", "capacity_limit": "590"}),
+    "voice": Scenario("voice sessions, each reply cancelled at its first audio (diagnostic: a warm-up turn, then 3), "
+                      "then conversing sessions with replies capped at reply_frames",
+                      (Serve("{variant}", (VOICE, VOICE_CONVERSE), VOICE_SERVER),),
                       {"variant": "profile", **VOICE_PARAMS}),
     "full-picture": Scenario("the sweep, unseen prompts at c=64 and voice sessions, on one server",
-                             (Serve("{variant}", (SWEEP, DISTINCT, VOICE, VOICE_FULL), VOICE_SERVER),),
+                             (Serve("{variant}", (SWEEP, DISTINCT, VOICE, VOICE_CONVERSE), VOICE_SERVER),),
                              {"variant": "profile", **SWEEP_PARAMS, **VOICE_PARAMS}),
     "ablation": Scenario("a server per variant, one chat point each (the profile row first, for the ratios)",
                          (ABLATION,), {"variants": "profile no-graphs no-async-chunk no-async-output compile-off "
@@ -126,11 +135,11 @@ SCENARIOS: dict[str, Scenario] = {
                               VOICE_SERVER, src="{each_value}", name="{each_key}"),)),),
                           {"builds": "new=. base=build/base", "variant": "profile", "concurrency": "1 16 64",
                            "sessions": "1 32"}),
-    "points": Scenario("one server, one bench run per point (N sessions cancelled at first audio, fullN whole "
-                       "replies, cN chat), each point's span printed for --step-log, compiles counted",
+    "points": Scenario("one server, one bench run per point (N sessions cancelled at first audio, convN conversing "
+                       "sessions, cN chat), each point's span printed for --step-log, compiles counted",
                        (Serve("{variant}", (("point", "points {points}", "{point_limit}"),), VOICE_SERVER,
                               log_grep="100%|engine ready|Traceback"),),
-                       {"variant": "profile", "points": "32 64 1 full32", "point_limit": "150"}),
+                       {"variant": "profile", "points": "32 64 1 conv32", "point_limit": "150"}),
     "first-packet": Scenario("a server per variant, chat at concurrency past max_num_seqs, then each server's "
                              "first-step waits and batch sizes from /metrics",
                              (ForEach("variants", (Serve("{each}", (
@@ -166,8 +175,8 @@ SCENARIOS: dict[str, Scenario] = {
                                               "--model {model} --concurrency {concurrency}", 300),
                             ("transcripts-cancel", "voice --sessions {sessions} --turns 3 --mode cancel "
                                                    "--transcription both", 300),
-                            ("transcripts-full", "voice --sessions {sessions} --turns 3 --mode full "
-                                                 "--transcription both", 300)), VOICE_SERVER)),
+                            ("transcripts-converse", "voice --sessions {sessions} --turns 3 --mode converse "
+                                                     "--transcription both", 300)), VOICE_SERVER)),
                         {"variant": "profile", "concurrency": "64", "sessions": "1 32"}),
     "abusive": Scenario("chat TTFP of the voice bench's utterance as input_audio, one session of 6 turns, then "
                         "sessions beside one abusive session (flood, garbage, deaf)",

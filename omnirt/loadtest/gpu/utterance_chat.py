@@ -11,7 +11,7 @@ import time
 import httpx
 
 from omnirt.app.audio.pcm import encode_wav, float_to_pcm16
-from omnirt.loadtest.realtime_bench import RATE, utterance
+from omnirt.loadtest.realtime_mic import RATE, utterance
 
 
 def ttfp_ms(url: str, model: str, content) -> float | None:
