@@ -47,7 +47,8 @@ import numpy as np
 from omnirt.app.audio.pcm import float_to_pcm16
 from omnirt.app.audio.wire import PCM16
 from omnirt.loadtest import plot, server_metrics
-from omnirt.loadtest.bench import _underruns, say_plan, server_args, server_platform, write_report
+from omnirt.loadtest.bench import say_plan, server_args, server_platform, write_report
+from omnirt.loadtest.chat_requests import underruns as _underruns
 from omnirt.loadtest.local_server import serving
 from omnirt.loadtest.stats import NOTE, cell, summary
 
