@@ -53,6 +53,15 @@ async def test_the_window_goes_on_until_every_worker_has_its_requests():
     assert min(w.per_worker()) >= 6 and w.length_s >= 6 * 0.04
 
 
+async def test_a_worker_that_fails_ends_the_point_with_its_error():
+    async def send():
+        await asyncio.sleep(0.01)
+        raise RuntimeError("the client broke")
+
+    with pytest.raises(RuntimeError, match="the client broke"):
+        await asyncio.wait_for(steady(send, concurrency=2, warmup_s=0.0, window_s=0.05, min_requests=2), 60)
+
+
 async def test_a_wave_sends_its_requests_over_its_workers_and_ends():
     send, peak = _sender(0.01, 0.03)
     w = await wave(send, concurrency=3, num_requests=7)

@@ -240,8 +240,9 @@ def test_bench_serves_a_named_variant_itself(tmp_path):
     from omnirt.loadtest.local_server import health
 
     run = subprocess.run([*OMNIRT, "bench", "--serve", "reference", "--serve-args",
-                          "--threads 1", "--prompt-lens", "10", "--concurrency", "1", "--requests-per-point", "1",
-                          "--rounds", "1", "--warmup", "0", "--thinker-tokens", "4", "--talker-frames", "6",
+                          "--threads 1", "--prompt-lens", "10", "--concurrency", "1", "--wave",
+                          "--requests-per-point", "1", "--rounds", "1", "--warmup", "0", "--thinker-tokens", "4",
+                          "--talker-frames", "6",
                           "--name", "ref", "--out", str(tmp_path)], cwd=tmp_path, capture_output=True, text=True,
                          timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]

@@ -85,7 +85,7 @@ async def steady(send: Send, concurrency: int, warmup_s: float, window_s: float,
         opening = await edge() if edge else None
         await asyncio.sleep(max(0.0, t0 + start_s + window_s - loop.time()))
         if not has_enough(loop.time() - t0):
-            await enough.wait()
+            await _until(enough, tasks)
         end_s = loop.time() - t0
         closing = await edge() if edge else None
     finally:
@@ -93,6 +93,15 @@ async def steady(send: Send, concurrency: int, warmup_s: float, window_s: float,
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
     return Window([r for r in records if r.end_s <= end_s], start_s, end_s, (opening, closing), concurrency)
+
+
+async def _until(event: asyncio.Event, workers: list[asyncio.Task]) -> None:
+    """Wait for `event`; a worker that failed meanwhile raises its error instead of leaving the window open."""
+    waiter = asyncio.create_task(event.wait())
+    done, _ = await asyncio.wait([waiter, *workers], return_when=asyncio.FIRST_COMPLETED)
+    waiter.cancel()
+    for task in done - {waiter}:
+        task.result()
 
 
 async def wave(send: Send, concurrency: int, num_requests: int, edge: Edge | None = None) -> Window:
