@@ -97,7 +97,7 @@ async def sweep(args: argparse.Namespace) -> list[dict]:
 
 def _sender(client: aiohttp.ClientSession, args: argparse.Namespace, prompts: Prompts, lengths: tuple[int, int]):
     """A point's requests: each with a prompt of its own, or with --repeat-prompt all with the point's one."""
-    repeated = prompts.next(lengths)
+    repeated = prompts.next(lengths) if args.repeat_prompt else None
 
     async def send():
         text = repeated if args.repeat_prompt else prompts.next(lengths)
