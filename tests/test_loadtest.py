@@ -47,7 +47,7 @@ def test_locust_headless_short_run(server, tmp_path):
 
 def test_bench_picks_a_sweep_that_fits_the_server_and_says_so(server, tmp_path):
     """Against the CPU server, without a sweep given: the small CPU sweep, announced (--dry-run: only that)."""
-    for cmd, plan in ((["bench"], "prompt lengths [10, 160] x concurrency [1, 2, 4]"),
+    for cmd, plan in ((["bench"], "prompt lengths 16-160 tokens x concurrency 1 2 4"),
                       (["bench", "realtime"], "[1, 4] websocket sessions x (1 + 3) turns, mode cancel")):
         run = subprocess.run([*OMNIRT, *cmd, "--url", server.url, "--dry-run"], cwd=tmp_path,
                              capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -57,7 +57,7 @@ def test_bench_picks_a_sweep_that_fits_the_server_and_says_so(server, tmp_path):
 
 def test_bench_writes_into_an_untracked_run_folder_by_default(server, tmp_path):
     run = subprocess.run([*OMNIRT, "bench", "--url", server.url, "--prompt-lens", "10",
-                          "--concurrency", "1", "--requests-per-point", "2", "--rounds", "1", "--warmup", "1",
+                          "--concurrency", "1", "--wave", "--requests-per-point", "2", "--rounds", "1", "--warmup", "1",
                           "--thinker-tokens", "4", "--talker-frames", "6"], cwd=tmp_path, capture_output=True,
                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
@@ -65,14 +65,14 @@ def test_bench_writes_into_an_untracked_run_folder_by_default(server, tmp_path):
     assert folder.name.startswith("bench-") and {f.name for f in folder.iterdir()} == {"bench.json", "bench.md",
                                                                                      "bench.png"}
     row = json.loads((folder / "bench.json").read_text())["results"][0]
-    assert (row["prompt_len"], row["concurrency"], row["ok"], row["failed"]) == (10, 1, 2, 0), row
+    assert (row["prompt_len"], row["concurrency"], row["ok"], row["failed"]) == ("10", 1, 2, 0), row
     firsts = row["first_output_ms"]  # from the server's /metrics (tests/test_first_packet.py checks their order)
     assert list(firsts) == ["thinker", "talker", "code2wav", "api"] and all(v > 0 for v in firsts.values()), firsts
     steps = row["engine"]["steps"]  # the point's steps: each request took a prefill and decode steps in each stage
     assert set(steps) == {"thinker", "talker", "code2wav"} and steps["thinker"]["prefill_steps"] >= 1, steps
     assert steps["thinker"]["decode_steps"] >= 2 and steps["thinker"]["rows"] >= steps["thinker"]["decode_steps"]
     assert row["engine"]["allocator"] == {}  # the CPU has no device allocator
-    assert "engine steps over the point: thinker: " in (folder / "bench.md").read_text()
+    assert "engine steps over the window: thinker: " in (folder / "bench.md").read_text()
     ignored = subprocess.run(["git", "check-ignore", "-q", "bench-results/bench-x/bench.json"], cwd=ROOT)
     assert ignored.returncode == 0  # in a checkout, that folder is one git ignores
 
@@ -88,20 +88,6 @@ def test_think_times_are_each_session_s_own_and_the_same_every_run():
     series = [[[m.think() for _ in range(20)] for m in run] for run in runs]
     assert series[0] == series[1] and series[0][0] != series[0][1]
     assert all(0.5 <= g <= 3.0 for s in series[0] for g in s) and max(series[0][0]) - min(series[0][0]) > 1.0
-
-
-def test_distinct_prompts_differ_from_their_first_word_on():
-    """--distinct-prompts: each request's prompt begins with its own serial (no whole prompt to reuse), at the
-    same word count; without it a point's prompts are all the same."""
-    from omnirt.loadtest.bench import build_parser, request_body, serial_numbers
-
-    same, distinct = build_parser().parse_args([]), build_parser().parse_args(["--distinct-prompts"])
-    a, b = (request_body(distinct, 5, i)["messages"][0]["content"].split() for i in (3, 4))
-    assert a[0] != b[0] and a[1:] == b[1:] and len(a) == len(b) == 5
-    assert request_body(same, 5, 3) == request_body(same, 5, 4)
-    runs = [serial_numbers() for _ in range(2)]  # two runs against one server share no prompt
-    first = [[next(run) for _ in range(3)] for run in runs]
-    assert all(b - a == 1 for a, b in zip(first[0], first[0][1:])) and not set(first[0]) & set(first[1])
 
 
 @pytest.mark.parametrize(("mode", "transport"), [("cancel", "websocket"), ("no-responses", "websocket"),
@@ -253,8 +239,9 @@ def test_bench_serves_a_named_variant_itself(tmp_path):
     from omnirt.loadtest.local_server import health
 
     run = subprocess.run([*OMNIRT, "bench", "--serve", "reference", "--serve-args",
-                          "--threads 1", "--prompt-lens", "10", "--concurrency", "1", "--requests-per-point", "1",
-                          "--rounds", "1", "--warmup", "0", "--thinker-tokens", "4", "--talker-frames", "6",
+                          "--threads 1", "--prompt-lens", "10", "--concurrency", "1", "--wave",
+                          "--requests-per-point", "1", "--rounds", "1", "--warmup", "0", "--thinker-tokens", "4",
+                          "--talker-frames", "6",
                           "--name", "ref", "--out", str(tmp_path)], cwd=tmp_path, capture_output=True, text=True,
                          timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from omnirt.loadtest.bench import Sample, markdown, summarize
+from omnirt.loadtest.bench import markdown, summarize
+from omnirt.loadtest.chat_requests import Sample
+from omnirt.loadtest.closed_loop import Timed, Window
 from omnirt.loadtest.realtime_report import markdown as realtime_markdown
 from omnirt.loadtest.realtime_report import summarize as realtime_summarize
 from omnirt.loadtest.stats import cell, percentile, summary
@@ -30,8 +32,13 @@ def _samples(n: int) -> list[Sample]:
             for i in range(n)]
 
 
+def _point(n: int, c: int) -> dict:
+    window = Window([Timed(i % c, 0.0, 1.0, s) for i, s in enumerate(_samples(n))], 0.0, 1.0, concurrency=c)
+    return summarize(window, {"prompt_len": "10", "concurrency": c})
+
+
 def test_chat_bench_rows_label_a_p99_of_few_requests_as_the_maximum():
-    few, many = summarize(_samples(8), 1.0, 10, 1), summarize(_samples(150), 1.0, 10, 16)
+    few, many = _point(8, 1), _point(150, 16)
     assert (few["ttfp_p99_ms"], few["ttfp_max_ms"], few["num_gaps"]) == (None, 8.0, 16)
     assert (many["ttfp_p99_ms"], many["gap_p99_ms"], many["num_gaps"]) == (149.0, 200.0, 300)
     table = markdown([few, many], "t").splitlines()

@@ -1,186 +1,109 @@
-"""`omnirt bench`: drive a live server over HTTP exactly like a client and report TTFP, RTF, req/s.
+"""`omnirt bench`: drive a live server over HTTP exactly like a client and report req/s, TTFP, RTF, underruns.
 
-Each request is a streaming chat completion with `modalities ["text", "audio"]`. A sweep point is a
-closed loop at concurrency c (c workers, each sending its next request when the last one ends),
-after warm-up requests. StageOutput lengths can be pinned (`min_tokens` = `max_tokens` for the Thinker and
-the Talker) so that runs compare even with random weights. Definitions (docs/benchmarks.md):
-TTFP = send -> first audio delta; RTF = (last audio delta - send) / audio seconds; underrun = the
-listener's buffer, filled from the first packet on, runs dry for >= 100 ms while audio is still owed.
-Each point also reads from the server's /metrics where its first packets' time went: the engine's mean
-time from a request's submission to each stage's first output (first token, frame, PCM).
+Each request is a streaming chat completion with `modalities ["text", "audio"]`. A point is c workers, each a
+closed loop (`omnirt/loadtest/closed_loop.py`): after a warm-up, a measured window of steady state. Prompts are
+distinct random text whose lengths follow a stated distribution (`omnirt/loadtest/chat_requests.py`), the Thinker
+samples (temperature 0.7, top-p 0.8, top-k 20) so that rows spread over the experts as real traffic does. `--wave`
+(one wave of requests a point), `--repeat-prompt` (one prompt for all of a point) and greedy sampling are the older
+shapes, kept as diagnostics and labelled so in every table, JSON row and plot. Reply lengths can be pinned
+(`min_tokens` = `max_tokens` for the Thinker and the Talker) so that runs compare even with random weights.
+Definitions (docs/benchmarks.md): TTFP = send -> first audio delta; RTF = (last audio delta - send) / audio
+seconds; underrun = the listener's buffer, filled from the first packet on, runs dry for >= 100 ms while audio is
+still owed. Each point also reads from the server's /metrics, over its window, the rows each stage's steps held
+and where first packets' time went (each stage's mean time from submission to its first output).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
-import itertools
 import json
 import secrets
 import statistics
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
 import httpx
 
-from omnirt.app.audio.playback import PlaybackClock, pcm16_seconds
-from omnirt.app.audio.wire import PCM16
 from omnirt.loadtest import local_server, plot, server_metrics
+from omnirt.loadtest.chat_requests import Prompts, calibrate, one_request, parse_lengths, request_body, words_for
+from omnirt.loadtest.closed_loop import Plan, Window
 from omnirt.loadtest.stats import NOTE, summary
 
-
-@dataclass(slots=True)
-class Sample:
-    ok: bool = False
-    ttft_s: float | None = None
-    ttfp_s: float | None = None
-    latency_s: float = 0.0
-    audio_s: float = 0.0
-    rtf: float | None = None
-    max_gap_s: float = 0.0
-    gaps_s: list[float] = field(default_factory=list)
-    underruns: int = 0
-    prompt_tokens: int = 0
-    error: str | None = None
+STAGES = ("thinker", "talker", "code2wav")
 
 
-def _underruns(arrivals: list[tuple[float, float]]) -> int:
-    """arrivals: (time since send, seconds of audio in the packet), through the server's own playback clock."""
-    clock = PlaybackClock()
-    for t, dur in arrivals:
-        clock.on_packet(t, dur)
-    return clock.num_underruns
+def labels(args: argparse.Namespace) -> dict:
+    """How a point's load was shaped, each diagnostic shape labelled so; and the list of those."""
+    out = {"load": "wave (diagnostic)" if args.wave else "steady",
+           "prompts": "repeated (diagnostic)" if args.repeat_prompt else "distinct",
+           "sampling": "greedy (diagnostic)" if args.temperature == 0 else
+                       f"T {args.temperature:g}, top-p {args.top_p:g}, top-k {args.top_k}"}
+    names = {"load": "wave", "prompts": "repeated prompt", "sampling": "greedy"}
+    return {**out, "diagnostic": [names[k] for k, v in out.items() if "diagnostic" in v]}
 
 
-async def one_request(client: aiohttp.ClientSession, url: str, body: dict) -> Sample:
-    s, arrivals, t0 = Sample(), [], time.perf_counter()
-    try:
-        async with client.post(f"{url}/v1/chat/completions", json=body) as r:
-            if r.status != 200:
-                s.error = f"HTTP {r.status}: {(await r.read())[:200]!r}"
-                return s
-            async for raw in r.content:  # line by line
-                line = raw.decode().rstrip("\r\n")
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                now = time.perf_counter() - t0
-                if chunk.get("usage"):
-                    s.prompt_tokens = chunk["usage"]["prompt_tokens"]
-                for choice in chunk.get("choices", []):
-                    audio = choice["delta"].get("audio") or {}
-                    has_text = audio.get("transcript") is not None or choice["delta"].get("content") is not None
-                    if has_text and s.ttft_s is None and choice["delta"].get("role") is None:
-                        s.ttft_s = now
-                    if audio.get("data"):
-                        dur = pcm16_seconds(base64.b64decode(audio["data"]), PCM16.sample_rate)
-                        arrivals.append((now, dur))
-    except (TimeoutError, aiohttp.ClientError, json.JSONDecodeError, ValueError) as exc:
-        s.error = f"{type(exc).__name__}: {exc}"
-        return s
-    s.latency_s = time.perf_counter() - t0
-    if arrivals:
-        s.ttfp_s = arrivals[0][0]
-        s.audio_s = sum(d for _, d in arrivals)
-        s.rtf = arrivals[-1][0] / s.audio_s
-        s.gaps_s = [b[0] - a[0] for a, b in zip(arrivals, arrivals[1:])]
-        s.max_gap_s = max(s.gaps_s, default=0.0)
-        s.underruns = _underruns(arrivals)
-    s.ok = s.error is None
-    return s
-
-
-def serial_numbers() -> Iterator[int]:
-    """A run's request serials (--distinct-prompts), from a random start: the prompts of a later run on the same
-    server are not those of this one, which it would find resident and reuse (an earlier run's serials from 0 made
-    a second run's c=64 point reuse 141 of each prompt's 142 tokens: 320 ms to the first packet against 710)."""
-    return itertools.count(secrets.randbelow(10**9) * 10**3)
-
-
-def request_body(args: argparse.Namespace, words: int, serial: int = 0) -> dict:
-    """A streaming chat request of `words` words; with --distinct-prompts its first word is `serial`, so that no two
-    requests of a run share more than the system prompt (prefix reuse then finds no whole prompt to reuse)."""
-    text = [str(serial)] + ["hello"] * max(words - 1, 1) if args.distinct_prompts else ["hello"] * max(words, 1)
-    body = {"model": args.model, "stream": True, "stream_options": {"include_usage": True},
-            "modalities": ["text", "audio"], "audio": {"voice": args.voice, "format": "pcm16"},
-            "messages": [{"role": "user", "content": " ".join(text)}],
-            "max_tokens": args.thinker_tokens, "temperature": 0.0}
-    if args.fixed_lengths:
-        body["min_tokens"] = args.thinker_tokens
-        body["talker_sampling"] = {"max_tokens": args.talker_frames + 1, "min_tokens": args.talker_frames + 1}
-    return body
-
-
-async def calibrate(client: aiohttp.ClientSession, url: str, model: str, target: int) -> int:
-    """How many prompt words give `target` prompt tokens on this server (system prompt included)."""
-    async def count(words: int) -> int:
-        async with client.post(f"{url}/v1/chat/completions", raise_for_status=True, json={
-                "model": model, "max_tokens": 1,
-                "messages": [{"role": "user", "content": " ".join(["hello"] * words)}]}) as r:
-            return (await r.json())["usage"]["prompt_tokens"]
-
-    base, per = await count(1), (await count(101) - await count(1)) / 100
-    return max(1, round(1 + (target - base) / max(per, 1e-6)))
-
-
-async def run_point(client, args, words: int, concurrency: int, num_requests: int,
-                    serials: Iterator[int]) -> tuple[list[Sample], float]:
-    queue: asyncio.Queue[int] = asyncio.Queue()
-    for i in range(num_requests):
-        queue.put_nowait(i)
-    samples: list[Sample] = []
-
-    async def worker():
-        while not queue.empty():
-            queue.get_nowait()
-            samples.append(await one_request(client, args.url, request_body(args, words, next(serials))))
-
-    t0 = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return samples, time.perf_counter() - t0
-
-
-def summarize(samples: list[Sample], wall_s: float, prompt_len: int, concurrency: int) -> dict:
+def summarize(window: Window, point: dict) -> dict:
+    """A point's row: throughput over the window, latencies of the replies measured in it."""
+    done = [r.sample for r in window.completed()]
+    samples = [r.sample for r in window.measured()]
     ok = [s for s in samples if s.ok and s.ttfp_s is not None]
-    ttfp = summary(s.ttfp_s * 1000 for s in ok)
-    gaps = summary(g * 1000 for s in ok for g in s.gaps_s)
-    return {"prompt_len": prompt_len, "concurrency": concurrency, "requests": len(samples), "ok": len(ok),
-            "failed": len(samples) - len(ok), "req_per_s": len(ok) / wall_s if wall_s else 0.0,
+    ttfp, gaps = summary(s.ttfp_s * 1000 for s in ok), summary(g * 1000 for s in ok for g in s.gaps_s)
+    tokens = summary(s.prompt_tokens for s in ok)
+    per_worker = window.per_worker()
+    return {**point, "window_s": window.length_s, "requests": len(samples), "ok": len(ok),
+            "failed": len(samples) - len(ok), "per_worker_min": min(per_worker, default=0),
+            "req_per_s": sum(s.ok for s in done) / window.length_s if window.length_s else 0.0,
             "ttfp_mean_ms": statistics.fmean(s.ttfp_s * 1000 for s in ok) if ok else None,
-            "ttfp_p50_ms": ttfp["p50"], "ttfp_p99_ms": ttfp["p99"], "ttfp_max_ms": ttfp["max"],
+            **{f"ttfp_{k}_ms": ttfp[k] for k in ("p50", "p90", "p99", "max")},
             "rtf_mean": statistics.fmean(s.rtf for s in ok) if ok else None,
             "ttft_mean_ms": statistics.fmean(s.ttft_s * 1000 for s in ok if s.ttft_s) if ok else None,
             "gap_p99_ms": gaps["p99"], "gap_max_ms": gaps["max"], "num_gaps": gaps["n"],
-            "underruns": sum(s.underruns for s in ok),
+            "underruns": sum(s.underruns for s in ok), "underrun_requests": sum(s.underruns > 0 for s in ok),
             "audio_s_mean": statistics.fmean(s.audio_s for s in ok) if ok else None,
-            "prompt_tokens": ok[0].prompt_tokens if ok else None,
+            "prompt_tokens": {"p50": tokens["p50"], "min": min((s.prompt_tokens for s in ok), default=None),
+                              "max": tokens["max"]},
             "errors": sorted({s.error for s in samples if s.error})[:3]}
 
 
+def engine_row(window: Window) -> dict:
+    """What the server's /metrics say of the window: first outputs per stage, steps, rows a step per stage."""
+    before, after = window.edges
+    engine = server_metrics.engine_counters(after, before)
+    return {"first_output_ms": server_metrics.first_output_ms(server_metrics.first_outputs(after),
+                                                              server_metrics.first_outputs(before)),
+            "engine": engine, "rows_per_step": {s: server_metrics.rows_per_step(engine, s) for s in STAGES}}
+
+
 async def sweep(args: argparse.Namespace) -> list[dict]:
-    results = []
+    results, shape, load = [], labels(args), load_plan(args)
     points, t0 = [(p, c) for p in args.prompt_lens for c in args.concurrency], time.perf_counter()
-    serials = serial_numbers()  # of every request of the run (--distinct-prompts)
+    scrape = server_metrics.settled_scrape if args.wave else server_metrics.scrape  # steady: the load goes on
     async with _session(max(args.concurrency) + 8, args.timeout) as client:
-        for prompt_len in args.prompt_lens:
-            words = await calibrate(client, args.url, args.model, prompt_len)
+        prompts = Prompts(args.seed, words_for(*await calibrate(client, args.url, args.model)))
+        for spec in args.prompt_lens:
+            lengths = parse_lengths(spec)
             for c in args.concurrency:
-                await run_point(client, args, words, min(c, args.warmup), args.warmup, serials)
-                n = max(args.requests_per_point, c * args.rounds)
-                before = await asyncio.to_thread(server_metrics.settled_scrape, args.url)
-                samples, wall = await run_point(client, args, words, c, n, serials)
-                after = await asyncio.to_thread(server_metrics.settled_scrape, args.url)
-                row = {**summarize(samples, wall, prompt_len, c), "first_output_ms": server_metrics.first_output_ms(
-                    server_metrics.first_outputs(after), server_metrics.first_outputs(before)),
-                    "engine": server_metrics.engine_counters(after, before)}
+                send = _sender(client, args, prompts, lengths)
+                window = await load.run(send, c, lambda: asyncio.to_thread(scrape, args.url))
+                row = {**summarize(window, {"prompt_len": spec, "concurrency": c, **shape, "seed": args.seed}),
+                       **engine_row(window)}
                 results.append(row)
                 print(format_row(row), flush=True)
                 _progress(len(results), len(points), time.perf_counter() - t0)
     return results
+
+
+def _sender(client: aiohttp.ClientSession, args: argparse.Namespace, prompts: Prompts, lengths: tuple[int, int]):
+    """A point's requests: each with a prompt of its own, or with --repeat-prompt all with the point's one."""
+    repeated = prompts.next(lengths) if args.repeat_prompt else None
+
+    async def send():
+        text = repeated if args.repeat_prompt else prompts.next(lengths)
+        return await one_request(client, args.url, request_body(args, text))
+
+    return send
 
 
 def _session(max_connections: int, timeout_s: float) -> aiohttp.ClientSession:
@@ -199,16 +122,27 @@ def _progress(done: int, total: int, elapsed_s: float) -> None:
 
 
 # (key, title, format[, the key shown as "max X" where the sample is too small for the percentile])
-COLUMNS = [("prompt_len", "prompt", "{}"), ("concurrency", "c", "{}"), ("ok", "ok", "{}"),
-           ("req_per_s", "req/s", "{:.2f}"), ("ttfp_mean_ms", "TTFP mean ms", "{:.0f}"),
-           ("ttfp_p50_ms", "TTFP p50", "{:.0f}"), ("ttfp_p99_ms", "TTFP p99", "{:.0f}", "ttfp_max_ms"),
-           ("rtf_mean", "RTF", "{:.3f}"), ("ttft_mean_ms", "TTFT ms", "{:.0f}"),
-           ("gap_p99_ms", "gap p99 ms", "{:.0f}", "gap_max_ms"), ("num_gaps", "gaps", "{}"),
-           ("underruns", "underruns", "{}"), ("audio_s_mean", "audio s", "{:.1f}"),
+COLUMNS = [("prompt_len", "prompt tokens", "{}"), ("prompts", "prompts", "{}"), ("concurrency", "c", "{}"),
+           ("load", "load", "{}"), ("sampling", "sampling", "{}"), ("window_s", "window s", "{:.1f}"),
+           ("ok", "ok", "{}"), ("req_per_s", "req/s", "{:.2f}"), ("ttfp_p50_ms", "TTFP p50 ms", "{:.0f}"),
+           ("ttfp_p90_ms", "TTFP p90", "{:.0f}", "ttfp_max_ms"), ("ttfp_p99_ms", "TTFP p99", "{:.0f}", "ttfp_max_ms"),
+           ("rtf_mean", "RTF", "{:.3f}"), ("underruns", "underruns", "{}"),
+           ("rows_per_step", "rows a step: thinker / talker / code2wav", lambda v: _rows_cell(v)),
+           ("ttft_mean_ms", "TTFT ms", "{:.0f}"), ("gap_p99_ms", "gap p99 ms", "{:.0f}", "gap_max_ms"),
+           ("audio_s_mean", "audio s", "{:.1f}"), ("prompt_tokens", "prompt tokens sent: p50 (min-max)",
+                                                   lambda v: _tokens_cell(v)),
            ("first_output_ms", "engine: first output per stage, mean ms", server_metrics.first_output_cell)]
 
 
-def _value(row: dict, key: str, fmt: str, fallback: str | None = None) -> str:
+def _rows_cell(rows: dict) -> str:
+    return " / ".join("-" if rows.get(s) is None else f"{rows[s]:.1f}" for s in STAGES)
+
+
+def _tokens_cell(t: dict) -> str:
+    return "-" if t.get("p50") is None else f"{t['p50']} ({t['min']}-{t['max']})"
+
+
+def _value(row: dict, key: str, fmt, fallback: str | None = None) -> str:
     """A cell: the value; a percentile with too few samples as the maximum, labelled so; '-' for none."""
     if row.get(key) is not None:
         return fmt(row[key]) if callable(fmt) else fmt.format(row[key])
@@ -224,9 +158,14 @@ def format_row(row: dict) -> str:
 def markdown(rows: list[dict], title: str) -> str:
     head = "| " + " | ".join(col[1] for col in COLUMNS) + " |\n|" + "---|" * len(COLUMNS) + "\n"
     body = "".join("| " + " | ".join(_value(r, col[0], *col[2:]) for col in COLUMNS) + " |\n" for r in rows)
-    engine = "".join(f"- prompt {r['prompt_len']}, c={r['concurrency']}, engine steps over the point: "
+    engine = "".join(f"- prompt {r['prompt_len']}, c={r['concurrency']}, engine steps over the window: "
                      f"{server_metrics.engine_cell(r['engine'])}\n" for r in rows if r.get("engine"))
-    return f"### {title}\n\n{head}{body}\n{engine}\n{NOTE}\n"
+    diagnostic = sorted({d for r in rows for d in r.get("diagnostic", [])})
+    caveat = (f"**Diagnostic** ({', '.join(diagnostic)}): not the steady state of distinct, sampled traffic; "
+              "for comparison with older figures only.\n\n" if diagnostic else "")
+    seeds = sorted({r["seed"] for r in rows if r.get("seed") is not None})
+    drawn = f"Prompts drawn with seed {', '.join(map(str, seeds))} (`--seed` draws them again).\n" if seeds else ""
+    return f"### {title}\n\n{caveat}{head}{body}\n{engine}\n{drawn}{NOTE}\n"
 
 
 def server_args(p: argparse.ArgumentParser) -> None:
@@ -260,8 +199,10 @@ def write_report(args: argparse.Namespace, rows: list[dict], markdown, plot) -> 
     print(f"report: {out}/{args.name}.md (.json, .png)")
 
 
-# The sweep when none is given: the full one on an accelerator, a small one a CPU finishes in minutes.
-SWEEPS = {"cpu": ([10, 160], [1, 2, 4]), "gpu": ([10, 160, 320, 640], [1, 16, 32, 64])}
+# The points when none are given: on an accelerator, a spread of prompt lengths at three concurrencies; on a CPU,
+# a small one that finishes in minutes. Prompt lengths in whole-prompt tokens: N, or LO-HI (log-uniform).
+SWEEPS = {"cpu": (["16-160"], [1, 2, 4]), "gpu": (["16-640"], [1, 16, 64])}
+WAVE_ONLY = {"requests_per_point": 8, "rounds": 2, "warmup": 4}  # --wave's flags, and their defaults
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -270,34 +211,68 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="omnirt bench", description=__doc__.split("\n")[0], formatter_class=HelpFormatter)
     server_args(p)
     cpu, gpu = SWEEPS["cpu"], SWEEPS["gpu"]
-    p.add_argument("--prompt-lens", type=int, nargs="+", default=None, help="prompt lengths in tokens (default: "
-                   f"{' '.join(map(str, gpu[0]))} on an accelerator, {' '.join(map(str, cpu[0]))} on a CPU server)")
-    p.add_argument("--concurrency", type=int, nargs="+", default=None, help="concurrent clients per point (default: "
+    p.add_argument("--prompt-lens", nargs="+", default=None, help="prompt lengths in tokens, system prompt included: "
+                   "N (each about N), or LO-HI (log-uniform between them); one sweep point each (default: "
+                   f"{' '.join(gpu[0])} on an accelerator, {' '.join(cpu[0])} on a CPU server)")
+    p.add_argument("--concurrency", type=int, nargs="+", default=None, help="closed-loop workers per point (default: "
                    f"{' '.join(map(str, gpu[1]))} on an accelerator, {' '.join(map(str, cpu[1]))} on a CPU server)")
+    p.add_argument("--warmup-s", type=float, default=20, help="seconds of load before each window, not measured")
+    p.add_argument("--window-s", type=float, default=60, help="the measured window's least length in seconds")
+    p.add_argument("--min-requests", type=int, default=8,
+                   help="the window goes on until each worker completed this many requests started in it")
+    p.add_argument("--seed", type=int, default=None, help="draws the prompts (default: a new one, in the report)")
+    p.add_argument("--temperature", type=float, default=0.7, help="the Thinker's sampling temperature (0: greedy, "
+                   "a diagnostic: every reply takes the same experts)")
+    p.add_argument("--top-p", type=float, default=0.8, help="the Thinker's top-p (unless greedy)")
+    p.add_argument("--top-k", type=int, default=20, help="the Thinker's top-k (unless greedy)")
+    p.add_argument("--greedy", dest="temperature", action="store_const", const=0.0, help="--temperature 0")
     p.add_argument("--thinker-tokens", type=int, default=40, help="text tokens per reply")
     p.add_argument("--talker-frames", type=int, default=145, help="codec frames per reply (80 ms each)")
     p.add_argument("--fixed-lengths", action=argparse.BooleanOptionalAction, default=True,
                    help="pin reply lengths (min_tokens = max_tokens) so that runs compare, even with random weights")
-    p.add_argument("--distinct-prompts", action="store_true",
-                   help="no two requests share more than the system prompt (by default all of a point's prompts are "
-                        "the same, and the server reuses their prefixes)")
-    p.add_argument("--requests-per-point", type=int, default=8, help="at least this many requests per point")
-    p.add_argument("--rounds", type=int, default=2, help="requests per worker at each point")
-    p.add_argument("--warmup", type=int, default=4, help="requests before each point, not counted")
+    p.add_argument("--repeat-prompt", action="store_true", help="diagnostic: every request of a point sends the "
+                   "same prompt (the server reuses its prefix)")
+    p.add_argument("--wave", action="store_true", help="diagnostic: instead of a steady window, warm-up requests "
+                   "and then one wave of requests a point (--requests-per-point, --rounds, --warmup)")
+    p.add_argument("--requests-per-point", type=int, help=f"--wave: at least this many requests per point "
+                   f"(default {WAVE_ONLY['requests_per_point']})")
+    p.add_argument("--rounds", type=int, help=f"--wave: requests per worker (default {WAVE_ONLY['rounds']})")
+    p.add_argument("--warmup", type=int, help=f"--wave: requests before each point, not counted "
+                   f"(default {WAVE_ONLY['warmup']})")
     p.add_argument("--timeout", type=float, default=600, help="seconds one request may take")
     p.add_argument("--name", default="bench", help="the report's name")
     return p
 
 
+def load_plan(args: argparse.Namespace) -> Plan:
+    return Plan(args.wave, args.warmup_s, args.window_s, args.min_requests, args.warmup, args.requests_per_point,
+                args.rounds)
+
+
 def plan(args: argparse.Namespace) -> argparse.Namespace:
-    """Fill in the sweep for the server's platform, and say what will run."""
+    """Check the flags, fill in the sweep for the server's platform and the seed, and say what will run."""
+    if given := [f"--{k.replace('_', '-')}" for k in WAVE_ONLY if getattr(args, k) is not None and not args.wave]:
+        raise SystemExit(f"omnirt bench: {', '.join(given)}: only with --wave; without it each point is a steady "
+                         "window (--warmup-s, --window-s, --min-requests)")
+    for k, default in WAVE_ONLY.items():
+        setattr(args, k, default if getattr(args, k) is None else getattr(args, k))
+    for spec in args.prompt_lens or ():
+        parse_lengths(spec)
     platform = server_platform(args.url)
     lens, conc = SWEEPS["cpu" if platform == "cpu" else "gpu"]
     args.prompt_lens, args.concurrency = args.prompt_lens or lens, args.concurrency or conc
-    num = sum(args.warmup + max(args.requests_per_point, c * args.rounds) for c in args.concurrency)
-    say_plan(args, f"{platform} server at {args.url}: prompt lengths {args.prompt_lens} x concurrency "
-             f"{args.concurrency}, {num * len(args.prompt_lens)} requests of {args.thinker_tokens} tokens and "
-             f"{args.talker_frames * 0.08:.1f} s of speech each (--prompt-lens, --concurrency to change)")
+    args.seed = secrets.randbelow(2**31) if args.seed is None else args.seed
+    shape = labels(args)
+    if args.wave:
+        num = sum(args.warmup + max(args.requests_per_point, c * args.rounds) for c in args.concurrency)
+        load = f"one wave a point, {num * len(args.prompt_lens)} requests in all"
+    else:
+        load = (f"a closed loop a worker: {args.warmup_s:g} s of warm-up, then a window of >= {args.window_s:g} s "
+                f"and >= {args.min_requests} requests a worker, at each point")
+    points = f"prompt lengths {' '.join(args.prompt_lens)} tokens x concurrency {' '.join(map(str, args.concurrency))}"
+    say_plan(args, f"{platform} server at {args.url}: {points} (--prompt-lens, --concurrency to change); {load}; "
+             f"prompts {shape['prompts']}, seed {args.seed}; sampling {shape['sampling']}; replies of "
+             f"{args.thinker_tokens} tokens and {args.talker_frames * 0.08:.1f} s of speech")
     return args
 
 

@@ -4,7 +4,8 @@
 #   VARIANTS="profile reference" bash omnirt/loadtest/compare.sh [realtime] [bench args...]
 # VARIANTS: names of omnirt/loadtest/variants.py (`python -m omnirt.loadtest.variants` lists them); VARIANT@DIR serves it from the
 # checkout in DIR (e.g. `git worktree add /tmp/before REV`), to compare builds. Without bench args, the chat bench
-# runs prompt 160 at c 1/4/8 (16 tokens, 3.2 s of audio a reply), the voice bench 1 and 16 sessions of 3 turns.
+# runs prompts of about 160 tokens at c 1/4/8 (16 tokens, 3.2 s of audio a reply), each point 5 s of warm-up and a
+# window of >= 20 s and a request a worker; the voice bench 1 and 16 sessions of 3 turns.
 # Reports: NAME-VARIANT.{json,md,png} in OUT (default bench-results/compare-<date>-<time>/).
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
@@ -16,7 +17,7 @@ if [ "${1:-}" = realtime ]; then
 else
   bench=(bench); name=${NAME:-cpu-tiny}
   [ $# -gt 0 ] || set -- --prompt-lens 160 --concurrency 1 4 8 --thinker-tokens 16 --talker-frames 40 \
-    --requests-per-point 8 --warmup 2
+    --warmup-s 5 --window-s 20 --min-requests 1 --seed 1
 fi
 for v in ${VARIANTS:-profile reference}; do
   variant=${v%@*} src=$here

@@ -77,11 +77,12 @@ def _chat_panels(axes, series: list[tuple[str, list[dict]]]) -> None:
 
 
 def chat(rows: list[dict], path: Path, title: str) -> None:
-    """One `omnirt bench` run: a line per prompt length."""
+    """One `omnirt bench` run: a line per prompt length; a diagnostic run's shapes in the title."""
     fig, axes = _figure(1, 4, 3.9, 4)
     _chat_panels(axes[0], [(f"prompt {n}", [r for r in rows if r["prompt_len"] == n and r["ok"]])
                            for n in sorted({r["prompt_len"] for r in rows})])
-    _save(fig, path, title)
+    diagnostic = sorted({d for r in rows for d in r.get("diagnostic", [])})
+    _save(fig, path, f"{title} (diagnostic: {', '.join(diagnostic)})" if diagnostic else title)
 
 
 # `omnirt bench realtime`: latencies against sessions, and per turn of the conversation
@@ -148,8 +149,9 @@ def compare(out: str, runs: list[str]) -> None:
     loaded = _runs(runs)
     if "sessions" not in loaded[0][0][0]:
         fig, axes = _figure(1, 4, 3.9, 4)
-        _chat_panels(axes[0], [(label, sorted((r for r in rows if r["prompt_len"] == rows[0]["prompt_len"]),
-                                              key=lambda r: r["concurrency"])) for rows, label in loaded])
+        _chat_panels(axes[0], [(label + (" (diagnostic)" if rows[0].get("diagnostic") else ""),
+                                sorted((r for r in rows if r["prompt_len"] == rows[0]["prompt_len"]),
+                                       key=lambda r: r["concurrency"])) for rows, label in loaded])
         _save(fig, out)
         return
 

@@ -232,7 +232,8 @@ class Runner:
     def point(self, server: LocalServer, name: str, word: str, limit_s: int, live: str, **more: str) -> None:
         """One point of `points`: its span, its bench, what the compilers wrote meanwhile."""
         if word.startswith("c"):
-            spec = f"chat --prompt-lens 160 --concurrency {word[1:]} --requests-per-point 2 --rounds 1 --warmup 2"
+            spec = f"chat --prompt-lens 160 --concurrency {word[1:]} --wave --repeat-prompt --greedy " \
+                   "--requests-per-point 2 --rounds 1 --warmup 2"
         else:
             n = word.removeprefix("conv")
             mode = "--mode converse --reply-frames 50 --reply-tokens 40" if word.startswith("conv") else "--mode cancel"

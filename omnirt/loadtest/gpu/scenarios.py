@@ -9,13 +9,19 @@ from __future__ import annotations
 
 from omnirt.loadtest.gpu.driver import Check, ForEach, MustFail, Scenario, Serve
 
-# a point of `omnirt bench`: 2 warm-up requests, then one wave of c requests at concurrency c (2 requests at c=1)
-WAVE = "--requests-per-point 2 --rounds 1 --warmup 2"
+# a diagnostic point of `omnirt bench`, the older shape: one repeated prompt, greedy, 2 warm-up requests, then one
+# wave of c requests at concurrency c (2 requests at c=1); labelled diagnostic in its report
+WAVE = "--wave --repeat-prompt --greedy --requests-per-point 2 --rounds 1 --warmup 2"
 VOICE_SERVER = "--realtime-max-sessions 160"
 NVIDIA_SMI = "run nvidia-smi --query-gpu=memory.used,memory.free,memory.total --format=csv,noheader"
 
+# the steady state (the default of `omnirt bench`): per point 20 s of warm-up, then a window of >= 60 s and
+# >= 8 requests a worker; distinct random prompts, the Thinker sampled
+STEADY = ("steady", "chat --prompt-lens {steady_prompts} --concurrency {concurrency}", "{steady_limit}")
+STEADY_PARAMS = {"steady_prompts": "16-640", "concurrency": "1 16 64", "steady_limit": "500"}
 SWEEP = ("sweep", f"chat --prompt-lens {{prompts}} --concurrency {{concurrency}} {WAVE}", "{sweep_limit}")
-DISTINCT = ("distinct", f"chat --prompt-lens 160 --concurrency 64 --distinct-prompts {WAVE}", 120)
+DISTINCT = ("distinct", "chat --prompt-lens 160 --concurrency 64 --wave --greedy --requests-per-point 2 --rounds 1 "
+            "--warmup 2", 120)
 VOICE = ("voice", "voice --sessions {sessions} --turns 3 --mode cancel", "{voice_limit}")  # diagnostic
 VOICE_CONVERSE = ("voice-converse", "voice --sessions {converse_sessions} --turns 5 --mode converse --reply-frames "
                   "{reply_frames} --reply-tokens 40", "{voice_limit}")
@@ -91,11 +97,14 @@ SCENARIOS: dict[str, Scenario] = {
                       (check("graph-check-tiny", "-m omnirt.loadtest.gpu_check --num-requests 6 -- --model tiny "
                              "--dtype float32", "graph-check-tiny.json", 150),
                        Serve("profile", (("smoke", "chat --prompt-lens 160 --concurrency {concurrency} "
-                                                   "--requests-per-point 8 --rounds 1 --warmup 2", 300),),
+                                                   "--warmup-s 5 --window-s 15 --min-requests 2", 300),),
                              log_grep="GiB|MiB|capture failed")), {"concurrency": "1 16 64"}),
-    "sweep": Scenario("prompt length x concurrency, one server",
+    "steady": Scenario("chat steady state: closed-loop workers, distinct sampled prompts of 16-640 tokens, a "
+                       "measured window a point", (Serve("{variant}", (STEADY,), VOICE_SERVER),),
+                       {"variant": "profile", **STEADY_PARAMS}),
+    "sweep": Scenario("diagnostic: prompt length x concurrency, one wave a point of one repeated prompt, greedy",
                       (Serve("{variant}", (SWEEP,), VOICE_SERVER),), {"variant": "profile", **SWEEP_PARAMS}),
-    "distinct": Scenario("c=64 with prompts the server has not seen (each begins with its own serial)",
+    "distinct": Scenario("diagnostic: one wave at c=64 of distinct prompts the server has not seen, greedy",
                          (Serve("{variant}", (DISTINCT,), VOICE_SERVER),), {"variant": "profile"}),
     "converse": Scenario("the headline: conversing sessions (distinct utterances, replies played whole and unpinned, "
                          "think times, out of step; a warm-up turn, then 5), then the capacity search at the bound",
@@ -116,8 +125,9 @@ SCENARIOS: dict[str, Scenario] = {
                          (ABLATION,), {"variants": "profile no-graphs no-async-chunk no-async-output compile-off "
                                                    "no-priority sync-talker", **ABLATION_PARAMS}),
     "reference": Scenario("transformers' generate() behind the same API, c=1",
-                          (Serve("reference", (("reference", "chat --prompt-lens 160 --concurrency 1 "
-                                                "--requests-per-point 2 --rounds 1 --warmup 1", "{ref_limit}"),)),),
+                          (Serve("reference", (("reference", "chat --prompt-lens 160 --concurrency 1 --wave "
+                                                "--repeat-prompt --greedy --requests-per-point 2 --rounds 1 "
+                                                "--warmup 1", "{ref_limit}"),)),),
                           {"ref_limit": "150"}),
     "timeline": Scenario("where first packets wait, stage by stage: chat at prompt 160, then voice sessions",
                          (Serve("{variant}", (("timeline", f"chat --prompt-lens 160 --concurrency {{concurrency}} "
@@ -160,7 +170,7 @@ SCENARIOS: dict[str, Scenario] = {
     "memory-plan": Scenario("the start-up memory plan, free memory after start-up and after 64 concurrent requests, "
                             "then two starts that must fail naming their key",
                             (Serve("profile", (("free-after-start", NVIDIA_SMI, 30),
-                                               ("burst", "chat --prompt-lens 160 512 --concurrency 64 "
+                                               ("burst", "chat --prompt-lens 160 512 --concurrency 64 --wave "
                                                          "--requests-per-point 64 --rounds 1 --warmup 2", 200),
                                                ("free-after-burst", NVIDIA_SMI, 30),
                                                ("free-slots", "metrics omnirt_stage_free_slots", 30)),

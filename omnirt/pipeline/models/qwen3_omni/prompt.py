@@ -44,6 +44,7 @@ class EncodedPrompt:
     # features (image's pixels; negative, so never a token id). Two prompts whose keys agree on positions
     # [0, n) have the same KV there.
     cache_key: bytes = b""
+    lists_tools: bool = False  # the prompt offers tools: a tool call's marker then starts a call, not text
 
     @property
     def num_audio_tokens(self) -> int:
@@ -188,7 +189,7 @@ class PromptEncoder:
         return EncodedPrompt(input_ids=ids, input_features=feats, feature_mask=mask,
                              message_tokens=[b - a for a, b in zip(starts, starts[1:])], audio_spans=audio_spans,
                              pixel_values=pixel_values, image_grid_thw=grid, image_spans=image_spans,
-                             cache_key=_cache_key(ids, digests))
+                             cache_key=_cache_key(ids, digests), lists_tools=bool(tools))
 
     def _render(self, messages: list[Message], tools: list[dict] | None) -> str:
         """The template's text; audio and image parts go in without their data (the template only asks their

@@ -65,6 +65,7 @@ class ThinkerState:
     wants_rows: bool  # audio requested: hand rows to the Talker
     visual: VisualRows | None = None  # the deepstack rows of the images not in the prefix it started from
     key: PromptKey | None = None
+    may_call: bool = False  # the prompt offers tools: only then does the marker start a call
     is_speech_done: bool = False  # a tool call began: nothing after its marker is spoken
 
 
@@ -157,7 +158,8 @@ class ThinkerModel:
             embeds[:n], tapped[:n] = inp.cached.embeds[:n], inp.cached.tapped[:n]
         lengths = prompt.audio_lengths
         pos, delta = rope_positions(self.thinker.model, prompt.input_ids, lengths, prompt.image_grid_thw, self.device)
-        return ThinkerState(prompt.input_ids, embeds, tapped, pos, delta, lengths, inp.wants_rows, visual, inp.key)
+        return ThinkerState(prompt.input_ids, embeds, tapped, pos, delta, lengths, inp.wants_rows, visual, inp.key,
+                            prompt.lists_tools)
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> list[RowOutput]:
@@ -233,9 +235,10 @@ class ThinkerModel:
         return rows
 
     def _speaks(self, req) -> bool:
-        """Whether the Talker still gets this request's rows. A tool call's marker is the last text row it gets
-        (it ends the speech as the end of text would): a reply that is a call says nothing."""
+        """Whether the Talker still gets this request's rows. Where the prompt offers tools, a tool call's marker is
+        the last text row it gets (it ends the speech as the end of text would): a reply that is a call says
+        nothing. Without tools the marker is text like any other, and is spoken through."""
         st = req.state
-        if st.wants_rows and req.output_ids and req.output_ids[-1] == self.tool_call_id:
+        if st.may_call and st.wants_rows and req.output_ids and req.output_ids[-1] == self.tool_call_id:
             st.is_speech_done = True
         return st.wants_rows and not st.is_speech_done
