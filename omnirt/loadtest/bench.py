@@ -10,7 +10,7 @@ shapes, kept as diagnostics and labelled so in every table, JSON row and plot. R
 Definitions (docs/benchmarks.md): TTFP = send -> first audio delta; RTF = (last audio delta - send) / audio
 seconds; underrun = the listener's buffer, filled from the first packet on, runs dry for >= 100 ms while audio is
 still owed. Each point also reads from the server's /metrics, over its window, the rows each stage's steps held
-and where first packets' time went (each stage's mean time from submission to its first output).
+(mean and p90) and where first packets' time went (each stage's mean time from submission to its first output).
 """
 
 from __future__ import annotations
@@ -68,12 +68,13 @@ def summarize(window: Window, point: dict) -> dict:
 
 
 def engine_row(window: Window) -> dict:
-    """What the server's /metrics say of the window: first outputs per stage, steps, rows a step per stage."""
+    """What the server's /metrics say of the window: first outputs per stage, steps, rows a step per stage (mean and
+    p90, from the engine's batch-size histogram)."""
     before, after = window.edges
     engine = server_metrics.engine_counters(after, before)
     return {"first_output_ms": server_metrics.first_output_ms(server_metrics.first_outputs(after),
                                                               server_metrics.first_outputs(before)),
-            "engine": engine, "rows_per_step": {s: server_metrics.rows_per_step(engine, s) for s in STAGES}}
+            "engine": engine, "rows_per_step": server_metrics.batch_sizes(after, before)}
 
 
 async def sweep(args: argparse.Namespace) -> list[dict]:
@@ -127,15 +128,15 @@ COLUMNS = [("prompt_len", "prompt tokens", "{}"), ("prompts", "prompts", "{}"), 
            ("ok", "ok", "{}"), ("req_per_s", "req/s", "{:.2f}"), ("ttfp_p50_ms", "TTFP p50 ms", "{:.0f}"),
            ("ttfp_p90_ms", "TTFP p90", "{:.0f}", "ttfp_max_ms"), ("ttfp_p99_ms", "TTFP p99", "{:.0f}", "ttfp_max_ms"),
            ("rtf_mean", "RTF", "{:.3f}"), ("underruns", "underruns", "{}"),
-           ("rows_per_step", "rows a step: thinker / talker / code2wav", lambda v: _rows_cell(v)),
+           ("rows_per_step", "rows a step, mean (p90): thinker / talker / code2wav", lambda v: _rows_cell(v)),
            ("ttft_mean_ms", "TTFT ms", "{:.0f}"), ("gap_p99_ms", "gap p99 ms", "{:.0f}", "gap_max_ms"),
            ("audio_s_mean", "audio s", "{:.1f}"), ("prompt_tokens", "prompt tokens sent: p50 (min-max)",
                                                    lambda v: _tokens_cell(v)),
            ("first_output_ms", "engine: first output per stage, mean ms", server_metrics.first_output_cell)]
 
 
-def _rows_cell(rows: dict) -> str:
-    return " / ".join("-" if rows.get(s) is None else f"{rows[s]:.1f}" for s in STAGES)
+def _rows_cell(sizes: dict[str, dict[str, float]]) -> str:
+    return " / ".join(f"{sizes[s]['mean']:.1f} ({sizes[s]['p90']:.0f})" if s in sizes else "-" for s in STAGES)
 
 
 def _tokens_cell(t: dict) -> str:
