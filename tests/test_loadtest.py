@@ -48,7 +48,7 @@ def test_locust_headless_short_run(server, tmp_path):
 def test_bench_picks_a_sweep_that_fits_the_server_and_says_so(server, tmp_path):
     """Against the CPU server, without a sweep given: the small CPU sweep, announced (--dry-run: only that)."""
     for cmd, plan in ((["bench"], "prompt lengths 16-160 tokens x concurrency 1 2 4"),
-                      (["bench", "realtime"], "[1, 4] websocket sessions x (1 + 3) turns, mode cancel")):
+                      (["bench", "realtime"], "[1, 4] websocket sessions x (1 + 5) turns, mode converse")):
         run = subprocess.run([*OMNIRT, *cmd, "--url", server.url, "--dry-run"], cwd=tmp_path,
                              capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
         assert run.returncode == 0 and run.stdout.startswith(f"would run: cpu server at {server.url}: {plan}"), run

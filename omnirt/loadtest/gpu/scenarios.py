@@ -114,6 +114,14 @@ SCENARIOS: dict[str, Scenario] = {
                                 VOICE_SERVER),),
                          {"variant": "profile", "sessions": "1 16 32", "converse_limit": "300", "capacity_from": "8",
                           "bound_ms": "800", "capacity_limit": "590"}),
+    "headline": Scenario("the two headline benches on one server: conversing sessions (a warm-up turn, then 5), "
+                         "then the chat steady state; voice replies capped (`reply`), since dummy weights never end "
+                         "one of their own (the profile's own caps would make each 80 s of speech)",
+                         (Serve("{variant}", (("converse", "voice --sessions {sessions} {reply}", "{converse_limit}"),
+                                              ("steady", "chat --prompt-lens 16-640 --concurrency {concurrency}",
+                                               "{steady_limit}")), VOICE_SERVER),),
+                         {"variant": "profile", "sessions": "1 64", "concurrency": "64", "converse_limit": "330",
+                          "steady_limit": "200", "reply": "--reply-frames 100 --reply-tokens 60"}),
     "voice": Scenario("voice sessions, each reply cancelled at its first audio (diagnostic: a warm-up turn, then 3), "
                       "then conversing sessions with replies capped at reply_frames",
                       (Serve("{variant}", (VOICE, VOICE_CONVERSE), VOICE_SERVER),),
