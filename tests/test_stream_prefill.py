@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from omnirt.loadtest.gpu import hf_parity
+from omnirt.pipeline.api import Finished, OmniRequest, RequestError, TextDelta, collect_reply
 from omnirt.pipeline.models.qwen3_omni.encoders import encode_audio
 from tests.test_parity import started_engine
 
@@ -93,3 +94,45 @@ def test_a_settled_windows_encoder_rows_are_the_whole_utterances(engines):
         whole, heard = (encode_audio(models.hf.thinker, torch.device("cpu"), [p], [0])[0] for p in (full, part))
     assert heard.shape[0] == 208 and whole.shape[0] == full.num_audio_tokens
     torch.testing.assert_close(heard, whole[:208], rtol=1e-5, atol=1e-5)
+
+
+# ---- the engine: a two-part prefill answers as a whole one ---------------------------------------------------
+
+
+async def _greedy(engine, rid: str, messages: list[dict]):
+    req = OmniRequest(rid, messages, thinker_sampling={"temperature": 0.0, "max_tokens": 8})
+    reply = await collect_reply(await engine.submit(req))
+    return reply, engine.tap.reply(rid, reply.token_ids, []).thinker
+
+
+async def _prefill(engine, rid: str, messages: list[dict]) -> Finished:
+    events = [ev async for ev in await engine.submit(OmniRequest(rid, messages, prefill_only=True))]
+    assert not any(isinstance(ev, TextDelta) for ev in events) and isinstance(events[-1], Finished)
+    return events[-1]
+
+
+@pytest.mark.parametrize("loud_last_s", [0.0, 1.0])
+async def test_a_speculative_prefix_is_reused_and_the_answer_is_a_whole_prefills(engines, loud_last_s):
+    on, off = engines
+    audio = speech_like(19.0, loud_last_s, seed=int(loud_last_s))
+    tag = f"two-part-{loud_last_s}"
+    spec = await _prefill(on, f"{tag}-spec", turn(audio[:int(17.3 * RATE)]))
+    full = on.models.encoder.encode(turn(audio))
+    start = full.audio_spans[0][0]
+    assert spec.usage.prompt_tokens == start + 208 and spec.usage.completion_tokens == 0
+    (reused, reused_logits), (whole, whole_logits) = (await _greedy(on, f"{tag}-on", turn(audio)),
+                                                      await _greedy(off, f"{tag}-off", turn(audio)))
+    assert reused.token_ids == whole.token_ids and len(reused_logits) == len(whole_logits) > 0
+    for a, b in zip(reused_logits, whole_logits):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    cached = reused.finished.usage.cached_tokens
+    if loud_last_s:  # the clamp moved: only the text before the audio matched (the system turn's slot)
+        assert cached <= start, cached
+    else:
+        assert cached == start + 208, cached
+    assert whole.finished.usage.cached_tokens == 0
+
+
+async def test_a_prefill_only_request_with_nothing_settled_is_refused(engines):
+    with pytest.raises(RequestError, match="nothing to prefill"):
+        await engines[0].submit(OmniRequest("too-early", turn(speech_like(3.0)), prefill_only=True))
