@@ -4,6 +4,7 @@ so far, and the turn's real request reuses that prefix and answers exactly as a 
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 import numpy as np
@@ -13,6 +14,7 @@ import torch
 from omnirt.loadtest.gpu import hf_parity
 from omnirt.pipeline.api import Finished, OmniRequest, RequestError, TextDelta, collect_reply
 from omnirt.pipeline.models.qwen3_omni.encoders import encode_audio
+from tests.conftest import until
 from tests.test_parity import started_engine
 
 RATE = 16000
@@ -136,3 +138,137 @@ async def test_a_speculative_prefix_is_reused_and_the_answer_is_a_whole_prefills
 async def test_a_prefill_only_request_with_nothing_settled_is_refused(engines):
     with pytest.raises(RequestError, match="nothing to prefill"):
         await engines[0].submit(OmniRequest("too-early", turn(speech_like(3.0)), prefill_only=True))
+
+
+# ---- the Realtime session: speculative prefills while the user speaks ------------------------------------------
+
+LONG_TURN = ("Hello there. Could you please tell me a short story about a friendly dragon? It should live in a "
+             "castle by the sea, and it should like to bake bread for the people of the village every single morning, "
+             "even when it rains. Then tell me what the dragon did on its birthday, and who came to visit it that day. "
+             "Please keep it short and happy.")
+
+
+@pytest.fixture(scope="module")
+def long_turn(tmp_path_factory) -> np.ndarray:
+    """An espeak-ng turn of about 18 s (two settled 8 s windows) at 24 kHz, its first 2 s of speech louder, so that
+    the heard part holds the utterance's loudest frame (the case where reuse is possible; the other one is above)."""
+    from tests.realtime_helpers import LEAD_S, espeak_utterance
+
+    samples, seconds = espeak_utterance(tmp_path_factory.mktemp("long"), LONG_TURN)
+    assert seconds > 17.0, seconds
+    lead = int(LEAD_S * 24000)
+    samples[lead:lead + 48000] *= 1.6
+    return np.clip(samples, -1, 1)
+
+
+async def _session(engine, prefill_while_speaking: bool = True, modalities: tuple[str, ...] = ("text",)):
+    """A Realtime session with server VAD (1.2 s of silence ends a turn), replies of 4 tokens; its events and
+    reader."""
+    from omnirt.app.audio.vad import VadBatcher
+    from omnirt.app.realtime.config import initial_config
+    from omnirt.app.realtime.session import RealtimeLimits, RealtimeSession
+
+    session = RealtimeSession(engine, initial_config(engine.info(), "tiny", ""), RealtimeLimits(), VadBatcher())
+    await session.start()
+    events: list[dict] = []
+
+    async def drain():
+        while (ev := await session.outbox.get()) is not None:
+            events.append(ev)
+
+    reader = asyncio.create_task(drain())
+    await session.handle_event({"type": "session.update", "session": {
+        "output_modalities": list(modalities), "max_output_tokens": 4, "prefill_while_speaking": prefill_while_speaking,
+        "audio": {"input": {"turn_detection": {"type": "server_vad", "silence_duration_ms": 1200}}}}})
+    return session, events, reader
+
+
+async def _speak(session, samples: np.ndarray, stop_after_sent: int | None = None) -> None:
+    """Stream `samples` (24 kHz) in 100 ms chunks; after each speculative request is sent, wait for it to end (so the
+    test does not race the engine); stop once `stop_after_sent` were sent."""
+    spec = session.speculation
+    for i in range(0, len(samples), 2400):
+        sent = spec.num_sent
+        await session.append_audio(samples[i:i + 2400], 24000)
+        if spec.num_sent > sent:
+            if stop_after_sent is not None and spec.num_sent >= stop_after_sent:
+                return
+            await until(lambda: not spec.is_running, "the speculative prefill's end")
+
+
+async def _done(events: list[dict], start: int = 0) -> dict:
+    await until(lambda: any(e["type"] == "response.done" for e in events[start:]), "response.done")
+    return next(e for e in events[start:] if e["type"] == "response.done")["response"]
+
+
+async def _idle(engine) -> None:
+    await until(lambda: engine.num_active_requests == 0 and not engine.stage("thinker").requests, "an idle engine")
+    assert engine.num_free_slots() == engine.num_slots()  # resident slots count as free
+
+
+async def test_a_long_turn_is_prefilled_while_spoken_and_its_response_reuses_it(engines, long_turn):
+    on, off = engines
+    session, events, reader = await _session(on)
+    await _speak(session, long_turn)
+    response = await _done(events)
+    assert session.speculation.num_sent == 2 and response["status"] in ("completed", "incomplete"), response
+    audio = session.conversation.items[0].content[0].audio
+    user = {"role": "user", "content": [{"type": "audio", "audio": audio}]}
+    start = on.models.encoder.encode([user]).audio_spans[0][0]
+    usage = response["usage"]
+    assert usage["input_token_details"]["cached_tokens"] == start + 2 * 104, usage  # both settled windows
+    await session.close()
+    await reader
+    await _idle(on)
+
+    whole, whole_events, whole_reader = await _session(off, prefill_while_speaking=False)
+    await _speak(whole, long_turn)
+    whole_usage = (await _done(whole_events))["usage"]
+    assert whole.speculation.num_sent == 0 and whole_usage["input_token_details"]["cached_tokens"] == 0
+    assert whole_usage["input_tokens"] == usage["input_tokens"]
+    await whole.close()
+    await whole_reader
+
+
+async def test_a_false_start_leaves_nothing_behind_and_the_next_turn_is_whole(engines, long_turn, speech):
+    on, off = engines
+    session, events, reader = await _session(on)
+    await _speak(session, long_turn, stop_after_sent=2)
+    assert session.speculation.is_running  # the second one is still running...
+    await session.handle_event({"type": "input_audio_buffer.clear"})  # ...when the user's false start is thrown away
+    await _idle(on)
+    assert not session.conversation.items and not [e for e in events if e["type"] == "response.created"]
+    await _speak(session, speech)  # the next turn: a short one, no settled window
+    response = await _done(events)
+    assert session.speculation.num_sent == 2 and len(session.conversation.items) == 2, response
+    prompt = on.models.encoder.encode(session.conversation.history("")[:1])
+    assert response["usage"]["input_tokens"] == len(prompt.input_ids), response["usage"]
+    await session.close()
+    await reader
+    await _idle(on)
+
+
+async def test_a_barge_in_turn_is_prefilled_while_spoken_and_answered_from_it(engines, long_turn):
+    """The user talks over a long spoken reply: it is cancelled at speech start, the turn is prefilled while spoken
+    (after the cancelled reply's text), and the next response reuses it."""
+    on, _ = engines
+    session, events, reader = await _session(on, modalities=("audio",))
+    await session.handle_event({"type": "conversation.item.create", "item": {
+        "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Talk for a long time."}]}})
+    await session.handle_event({"type": "response.create", "response": {
+        "max_output_tokens": 30, "talker_sampling": {"min_tokens": 2000, "max_tokens": 2000}}})
+    await until(lambda: any(e["type"] == "response.output_audio.delta" for e in events), "the reply's first audio")
+    await _speak(session, long_turn)
+    first = await _done(events)
+    assert first["status_details"] == {"type": "cancelled", "reason": "turn_detected"}, first
+    await until(lambda: sum(e["type"] == "response.created" for e in events) == 2, "the turn's response")
+    created = [i for i, e in enumerate(events) if e["type"] == "response.created"]
+    assert session.speculation.num_sent == 2
+    second = await _done(events, created[1])
+    history = session.conversation.history("")
+    turn = on.models.encoder.encode(history[:history.index(next(m for m in history if m["role"] == "user"
+                                                                  and m["content"][0]["type"] == "audio")) + 1])
+    assert second["usage"]["input_token_details"]["cached_tokens"] == turn.audio_spans[0][0] + 2 * 104, second
+    await session.close()
+    await reader
+    await _idle(on)
