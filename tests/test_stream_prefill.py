@@ -15,7 +15,7 @@ from omnirt.loadtest.gpu import hf_parity
 from omnirt.pipeline.api import Finished, OmniRequest, RequestError, TextDelta, collect_reply
 from omnirt.pipeline.models.qwen3_omni.encoders import encode_audio
 from tests.conftest import until
-from tests.test_parity import started_engine
+from tests.test_parity import engine_generate, started_engine
 
 RATE = 16000
 
@@ -133,6 +133,19 @@ async def test_a_speculative_prefix_is_reused_and_the_answer_is_a_whole_prefills
     else:
         assert cached == start + 208, cached
     assert whole.finished.usage.cached_tokens == 0
+
+
+async def test_a_spoken_reply_from_a_speculative_prefix_is_a_whole_prefills(engines):
+    """The Talker's prompt rows come from the slot the speculative prefill left (embeddings and the tapped layer):
+    every codebook of every frame and the PCM equal a whole prefill's."""
+    on, off = engines
+    audio = speech_like(18.0, seed=5)
+    spec = await _prefill(on, "spoken-spec", turn(audio[:int(17.2 * RATE)]))
+    reused, whole = (await engine_generate(on, "spoken-on", turn(audio)),
+                     await engine_generate(off, "spoken-off", turn(audio)))
+    assert reused.finished.usage.cached_tokens == spec.usage.prompt_tokens > 208
+    assert reused.tokens == whole.tokens and reused.frames == whole.frames and len(whole.frames) > 8
+    assert np.array_equal(reused.pcm, whole.pcm)
 
 
 async def test_a_prefill_only_request_with_nothing_settled_is_refused(engines):

@@ -7,16 +7,19 @@ else, and a prompt's cache key carries one digest per window (not per audio): a 
 windows of an utterance agrees with the whole utterance's prompt on those windows' positions, and the KV that a
 speculative prefill wrote there while the user spoke is reused (`omnirt/pipeline/stage/prefix_cache.py`).
 
-Exactness, measured on the CPU (tests/test_stream_prefill.py):
-- The encoder: a window's rows from a prompt that ends with it equal its rows in the whole utterance's
-  encoding within float tolerance (the batched matmuls see other shapes; not bit for bit), and the Thinker's
-  greedy tokens and logits after a two-part prefill equal a whole prefill's as a resident prefix's always do.
+Exactness, measured on the CPU with the tiny model in fp32 (tests/test_stream_prefill.py):
+- The encoder: a settled window's rows from a prompt that ends with it equal its rows in the whole utterance's
+  encoding (bit for bit on the CPU; the test allows 1e-5, for kernels that round other shapes differently).
+- The Thinker after a two-part prefill (the settled windows, then the rest): greedy tokens equal a whole
+  prefill's, every step's logits within 1.2e-7 (of values up to 0.46: the prefill's chunks differ), and the
+  spoken reply (every codebook of every frame, the PCM) is the same.
 - The features (Whisper log-mel, `WhisperFeatureExtractor`) are not window-local, in two ways:
   1. each frame's STFT reaches `n_fft // 2 - hop` samples (40) past its end, so a window is settled only once
      that much audio after it was heard (`num_settled`);
   2. every value is clamped from below at the clip's global maximum less 8 (log10 units), then scaled by 1/4:
      a later, louder part raises the floor, and each value of the earlier windows moves by at most the rise of
-     the maximum / 4 (0.16 when the last second is 3x louder in the test). Then that window's digest differs,
+     the (scaled) maximum: in the test, whose last second is 3x louder, 0.05% of the first two windows' values
+     move, each by at most the rise, 0.13. Then that window's digest differs,
      the prefix match stops before it, and the request prefills it anew: the answer stays exact and only the
      speed-up is lost. Reuse therefore happens when the utterance's loudest frame lies in the part heard
      when the speculative prefill ran, which the test shows both ways.
