@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from omnirt.loadtest.gpu import hf_parity
-from omnirt.pipeline.api import Finished, OmniRequest, RequestError, TextDelta, collect_reply
+from omnirt.pipeline.api import Finished, OmniRequest, RequestError, TextDelta, Usage, collect_reply
 from omnirt.pipeline.models.qwen3_omni.encoders import encode_audio
 from tests.conftest import until
 from tests.test_parity import engine_generate, started_engine
@@ -285,3 +285,13 @@ async def test_a_barge_in_turn_is_prefilled_while_spoken_and_answered_from_it(en
     await session.close()
     await reader
     await _idle(on)
+
+
+async def test_the_reference_engine_ends_a_prefill_only_request_at_once():
+    """transformers' generate() keeps no KV between requests: there is nothing to prepare, and nothing runs."""
+    from omnirt.pipeline.engine.reference import ReferenceEngine
+
+    engine = ReferenceEngine(None, None)
+    events = [ev async for ev in await engine.submit(OmniRequest("ref-spec", turn(speech_like(17.0)),
+                                                                 prefill_only=True))]
+    assert [type(ev) for ev in events] == [Finished] and events[0].usage == Usage() and not engine.num_active_requests
