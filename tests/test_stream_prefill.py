@@ -295,3 +295,37 @@ async def test_the_reference_engine_ends_a_prefill_only_request_at_once():
     events = [ev async for ev in await engine.submit(OmniRequest("ref-spec", turn(speech_like(17.0)),
                                                                  prefill_only=True))]
     assert [type(ev) for ev in events] == [Finished] and events[0].usage == Usage() and not engine.num_active_requests
+
+
+async def _no_events():
+    async def events():
+        return
+        yield
+
+    return events()
+
+
+async def test_no_speculative_prefill_is_sent_while_a_reply_could_want_the_slot(engines):
+    """With no free Thinker slot, or a request waiting for one, a settled window sends nothing (and the next
+    window tries again)."""
+    from types import SimpleNamespace
+
+    from omnirt.app.realtime.speculation import Speculation
+    from omnirt.pipeline.api import EngineStats, StageStats
+
+    on = engines[0]
+    busy = {"free_slots": 0, "waiting": 0}
+    sent = []
+    engine = SimpleNamespace(info=on.info, check_admission=lambda wants_audio: None, abort=lambda rid: None,
+                             stats=lambda: EngineStats(stages=[StageStats("thinker", slots=2, **busy)]),
+                             submit=lambda req: sent.append(req) or _no_events())
+    spec = Speculation(engine, {})
+    window = on.info().audio_window_samples + on.info().audio_lookahead_samples
+    spec.heard(window, RATE, lambda rid: OmniRequest(rid, []))
+    busy.update(free_slots=1, waiting=1)
+    spec.heard(2 * window, RATE, lambda rid: OmniRequest(rid, []))
+    assert not sent and spec.num_sent == 0 and spec.num_windows == 2
+    busy.update(waiting=0)
+    spec.heard(3 * window, RATE, lambda rid: OmniRequest(rid, []))
+    assert len(sent) == spec.num_sent == 1
+    await until(lambda: not spec.is_running, "the fake request's end")

@@ -6,8 +6,9 @@ reuse), prefilling only the last window and the turn's closing tokens; its `usag
 computes (or, where a louder later part moved the features' clamp, nothing of the audio: see
 `omnirt/pipeline/models/qwen3_omni/audio_windows.py`).
 
-A speculative request holds a Thinker slot only while it prefills, served after every request owed output, and
-is not sent while the engine would refuse a request. A newer window supersedes the running one, and a turn that
+A speculative request is sent only while a Thinker slot is free (resident ones count) and no request waits for
+one, so it never makes a reply wait for a slot; it holds that slot only while it prefills, served after every
+request owed output, and then parks it resident (free). A newer window supersedes the running one, and a turn that
 ends or is abandoned (buffer cleared or committed, VAD turned off, session closed) aborts it: what it computed
 stays resident, for reuse or for eviction, least recently used first, as free slots are.
 """
@@ -51,13 +52,20 @@ class Speculation:
             return
         self.num_windows = windows
         self.cancel()
-        try:
-            self.engine.check_admission(wants_audio=False)
-        except EngineOverloaded:
-            return  # a reply would wait: speculation must not take its place
+        if not self._has_room():
+            return
         req = request(new_id("prefill"))
         self.request_id, self.num_sent = req.request_id, self.num_sent + 1
         self._task = asyncio.create_task(self._drain(self.engine.submit(req)), name=f"speculate-{req.request_id}")
+
+    def _has_room(self) -> bool:
+        """A Thinker slot is free and no request waits: speculation must never take a reply's place."""
+        try:
+            self.engine.check_admission(wants_audio=False)
+        except EngineOverloaded:
+            return False
+        thinker = self.engine.stats().stages[0]  # stages in graph order: the Thinker first
+        return thinker.free_slots > 0 and not thinker.waiting and not thinker.admission_waiting
 
     async def _drain(self, submitted) -> None:
         try:
