@@ -147,7 +147,7 @@ def apply_session_update(cfg: SessionConfig, update: dict[str, Any], voices: tup
     if "talker_sampling" in update:
         changes["talker_sampling"] = require(update, "talker_sampling", (dict,), "session")
     if "prefill_while_speaking" in update:
-        changes["prefill_while_speaking"] = require(update, "prefill_while_speaking", (bool,), "session")
+        changes["prefill_while_speaking"] = require(update, "prefill_while_speaking", (bool,), "session", True)
     tools = parse_tools(update, "session", cfg.tools)
     if "tools" in update or "tool_choice" in update:
         changes["tools"], changes["tool_choice"] = tools, update.get("tool_choice") or cfg.tool_choice
