@@ -5,6 +5,7 @@ so far, and the turn's real request reuses that prefix and answers exactly as a 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 
 import numpy as np
@@ -13,7 +14,7 @@ import torch
 
 from omnirt.loadtest.gpu import hf_parity
 from omnirt.pipeline.api import Finished, OmniRequest, RequestError, TextDelta, Usage, collect_reply
-from omnirt.pipeline.models.qwen3_omni.encoders import encode_audio
+from omnirt.pipeline.models.qwen3_omni.encoders import AudioStart, encode_audio
 from tests.conftest import until
 from tests.test_parity import engine_generate, started_engine
 
@@ -88,14 +89,23 @@ def test_a_louder_later_part_moves_the_clamp_so_the_earlier_windows_no_longer_ma
     assert part.cache_key[8 * start:8 * (start + 1)] != full.cache_key[8 * start:8 * (start + 1)]
 
 
-def test_a_settled_windows_encoder_rows_are_the_whole_utterances(engines):
+def test_each_windows_encoder_rows_are_the_whole_utterances(engines):
+    """The settled windows encoded alone, and the rest encoded from a window boundary on (what a request that starts
+    from a speculative prefix encodes), give the whole utterance's rows."""
     models = engines[0].models
     audio = speech_like(19.0)
     full, part = models.encoder.encode(turn(audio)), models.encoder.encode_settled(turn(audio[:int(17.3 * RATE)]))
-    with torch.inference_mode():
-        whole, heard = (encode_audio(models.hf.thinker, torch.device("cpu"), [p], [0])[0] for p in (full, part))
-    assert heard.shape[0] == 208 and whole.shape[0] == full.num_audio_tokens
+    rest = AudioStart.after(full, full.audio_spans[0][0] + 208 + 5, 800, 104)  # 5 positions into the third window
+    assert rest == AudioStart(0, 1600, 208)
+
+    def rows(prompt, start):
+        with torch.inference_mode():
+            return encode_audio(models.hf.thinker, torch.device("cpu"), [prompt], [start])[0]
+
+    whole, heard, after = rows(full, AudioStart()), rows(part, AudioStart()), rows(full, rest)
+    assert heard.shape[0] == 208 and whole.shape[0] == full.num_audio_tokens == 208 + after.shape[0]
     torch.testing.assert_close(heard, whole[:208], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(after, whole[208:], rtol=1e-5, atol=1e-5)
 
 
 # ---- the engine: a two-part prefill answers as a whole one ---------------------------------------------------
@@ -113,6 +123,23 @@ async def _prefill(engine, rid: str, messages: list[dict]) -> Finished:
     return events[-1]
 
 
+@contextlib.contextmanager
+def _encoded_frames(engine):
+    """The mel frames of each audio the engine's audio encoder is given, while inside."""
+    model = engine.models.hf.thinker.model
+    seen, original = [], model.get_audio_features
+
+    def spy(features, mask, **kw):
+        seen.extend(int(n) for n in mask.sum(-1))
+        return original(features, mask, **kw)
+
+    model.get_audio_features = spy
+    try:
+        yield seen
+    finally:
+        del model.get_audio_features
+
+
 @pytest.mark.parametrize("loud_last_s", [0.0, 1.0])
 async def test_a_speculative_prefix_is_reused_and_the_answer_is_a_whole_prefills(engines, loud_last_s):
     on, off = engines
@@ -122,8 +149,10 @@ async def test_a_speculative_prefix_is_reused_and_the_answer_is_a_whole_prefills
     full = on.models.encoder.encode(turn(audio))
     start = full.audio_spans[0][0]
     assert spec.usage.prompt_tokens == start + 208 and spec.usage.completion_tokens == 0
-    (reused, reused_logits), (whole, whole_logits) = (await _greedy(on, f"{tag}-on", turn(audio)),
-                                                      await _greedy(off, f"{tag}-off", turn(audio)))
+    with _encoded_frames(on) as frames:
+        reused, reused_logits = await _greedy(on, f"{tag}-on", turn(audio))
+    whole, whole_logits = await _greedy(off, f"{tag}-off", turn(audio))
+    assert frames == [300 if not loud_last_s else 1900]  # the audio encoder ran on what the prefix does not hold
     assert reused.token_ids == whole.token_ids and len(reused_logits) == len(whole_logits) > 0
     for a, b in zip(reused_logits, whole_logits):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)

@@ -1,8 +1,8 @@
 """Prefill while the user speaks: each time the turn's audio settles one more window of the model's audio encoder
 (`EngineInfo.num_settled_windows`: 8 s in Qwen3-Omni), a `prefill_only` request prefills the conversation and the
 audio heard so far. Its KV stays resident, and the turn's response at `speech_stopped` starts from it (prefix
-reuse), prefilling only the last window and the turn's closing tokens; its `usage` counts the reused part in
-`cached_tokens`. The engine keys audio per encoder window, so what is reused is exactly what a whole prefill
+reuse), encoding and prefilling only the last window and the turn's closing tokens; its `usage` counts the reused
+part in `cached_tokens`. The engine keys audio per encoder window, so what is reused is exactly what a whole prefill
 computes (or, where a louder later part moved the features' clamp, nothing of the audio: see
 `omnirt/pipeline/models/qwen3_omni/audio_windows.py`).
 
