@@ -21,7 +21,7 @@ from collections.abc import Callable
 from functools import cached_property
 
 from omnirt.app.realtime.events import new_id
-from omnirt.pipeline.api import EngineClient, EngineInfo, EngineOverloaded, OmniRequest, RequestError
+from omnirt.pipeline.api import EngineClient, EngineDeadError, EngineInfo, EngineOverloaded, OmniRequest, RequestError
 
 log = logging.getLogger(__name__)
 
@@ -68,10 +68,12 @@ class Speculation:
         return thinker.free_slots > 0 and not thinker.waiting and not thinker.admission_waiting
 
     async def _drain(self, submitted) -> None:
+        """Its events (`Finished` alone). A refusal (a conversation past the context, say) only costs the
+        speed-up; a dead engine is the turn's response's to report."""
         try:
             async for _ in await submitted:
                 pass
-        except (RequestError, EngineOverloaded) as exc:  # e.g. a conversation past the context: no speed-up, no harm
+        except (RequestError, EngineOverloaded, EngineDeadError) as exc:
             log.debug("speculative prefill not run: %s", exc, extra=self.log_ids)
 
     def cancel(self) -> None:
