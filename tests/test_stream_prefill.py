@@ -358,3 +358,43 @@ async def test_no_speculative_prefill_is_sent_while_a_reply_could_want_the_slot(
     spec.heard(3 * window, RATE, lambda rid: OmniRequest(rid, []))
     assert len(sent) == spec.num_sent == 1
     await until(lambda: not spec.is_running, "the fake request's end")
+
+
+async def test_a_newer_window_supersedes_the_running_speculative_prefill_and_the_turns_end_aborts_it(engines):
+    from types import SimpleNamespace
+
+    from omnirt.app.realtime.speculation import Speculation
+    from omnirt.pipeline.api import EngineStats, StageStats
+
+    on = engines[0]
+    running: dict[str, asyncio.Event] = {}
+    aborted: list[str] = []
+
+    async def submit(req):
+        running[req.request_id] = asyncio.Event()
+
+        async def events():  # a prefill that ends only when aborted
+            await running[req.request_id].wait()
+            yield Finished(req.request_id, "abort", Usage())
+
+        return events()
+
+    def abort(rid):
+        aborted.append(rid)
+        running[rid].set()
+
+    engine = SimpleNamespace(info=on.info, check_admission=lambda wants_audio: None, abort=abort, submit=submit,
+                             stats=lambda: EngineStats(stages=[StageStats("thinker", free_slots=1, slots=2)]))
+    spec = Speculation(engine, {})
+    window = on.info().audio_window_samples + on.info().audio_lookahead_samples
+    spec.heard(window, RATE, lambda rid: OmniRequest(rid, []))
+    await asyncio.sleep(0)
+    first = spec.request_id
+    spec.heard(window + 1000, RATE, lambda rid: OmniRequest(rid, []))  # no new window: nothing happens
+    assert spec.num_sent == 1 and not aborted
+    spec.heard(2 * window, RATE, lambda rid: OmniRequest(rid, []))
+    await asyncio.sleep(0)
+    assert aborted == [first] and spec.num_sent == 2 and spec.is_running
+    spec.end_turn()
+    assert aborted == [first, spec.request_id] and spec.num_windows == 0
+    await until(lambda: not spec.is_running, "the aborted prefill's end")
