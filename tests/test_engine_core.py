@@ -89,6 +89,20 @@ async def test_audio_input_crosses_the_boundary(clients):
     assert replies["core"].finished.usage.prompt_tokens > text_only.finished.usage.prompt_tokens + 2
 
 
+async def test_a_speculative_prefill_crosses_the_boundary(client):
+    """A `prefill_only` request ends with `Finished` alone, and the turn's request reuses what it prefilled."""
+    from tests.test_stream_prefill import speech_like, turn
+
+    audio = speech_like(17.5, seed=7)
+    assert client.info().num_settled_windows(len(audio)) == 2
+    events = [ev async for ev in await client.submit(OmniRequest("spec", turn(audio[:17 * 16000]), prefill_only=True))]
+    assert len(events) == 1 and events[0].usage.completion_tokens == 0
+    reply = await collect_reply(await client.submit(OmniRequest("spec-turn", turn(audio), ("text",),
+                                                                thinker_sampling={"max_tokens": 4})))
+    assert reply.finished.usage.cached_tokens == events[0].usage.prompt_tokens > 2 * 104
+    await wait_idle(client)
+
+
 async def test_info(client):
     info = client.info()
     assert info.model == "tiny" and info.default_voice in info.voices and info.has_audio_output

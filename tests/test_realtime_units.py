@@ -162,6 +162,18 @@ def test_session_talker_sampling_is_every_responses_default_unless_it_sets_its_o
     assert err.value.param == "session.talker_sampling"
 
 
+def test_session_prefill_while_speaking_is_on_by_default_and_shown_only_when_off():
+    """omnirt's extension (`omnirt/app/realtime/speculation.py`): the default keeps the session object OpenAI's."""
+    cfg = SessionConfig(model="tiny", voice="ethan")
+    assert cfg.prefill_while_speaking and "prefill_while_speaking" not in session_object(cfg, "s", beta=False)
+    off = apply_session_update(cfg, {"prefill_while_speaking": False}, VOICES)
+    assert session_object(off, "s", beta=True)["prefill_while_speaking"] is False
+    assert apply_session_update(off, {"prefill_while_speaking": None}, VOICES).prefill_while_speaking is True
+    with pytest.raises(ProtocolError) as err:
+        apply_session_update(cfg, {"prefill_while_speaking": "yes"}, VOICES)
+    assert err.value.param == "session.prefill_while_speaking"
+
+
 def test_truncate_cuts_the_transcript_at_the_played_fraction():
     conv = Conversation()
     conv.add(Item("u1", "user", [Content("input_text", text="hi")]))

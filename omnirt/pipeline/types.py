@@ -75,10 +75,15 @@ class OmniRequest(msgspec.Struct, tag=True):
     # teacher forcing, per stage name: step k emits forced[stage][k] instead of sampling (`SamplingParams.forced`);
     # the parity check's (`omnirt/loadtest/gpu/hf_parity.py`), which no client sets
     forced: dict[str, tuple] = msgspec.field(default_factory=dict)
+    # speculative prefill of a turn still being spoken: the messages end with the audio heard so far, and the
+    # engine prefills the prompt up to the last settled window of that audio (`EngineInfo.num_settled_windows`;
+    # no closing tokens), then ends with `Finished` alone: no reply, no speech, served after every request
+    # owed output. Its KV stays resident for the turn's real request, which prefills only the rest.
+    prefill_only: bool = False
 
     @property
     def wants_audio(self) -> bool:
-        return "audio" in self.modalities
+        return "audio" in self.modalities and not self.prefill_only
 
 
 # ---- events: the closed set a request's stream yields ------------------------------------------------
@@ -205,6 +210,17 @@ class EngineInfo(msgspec.Struct, frozen=True, tag=True):
     voice_aliases: dict[str, str] = msgspec.field(default_factory=dict)  # other names -> voices (the profile's)
     model_aliases: tuple[str, ...] = ()  # other names of the model: names or fnmatch patterns (the profile's)
     front_end: FrontEndLimits = msgspec.field(default_factory=FrontEndLimits)  # the API processes' load limits
+    # input samples per window of the audio encoder (0: no speculative prefill), and the samples after a
+    # window that its features read: see `num_settled_windows`
+    audio_window_samples: int = 0
+    audio_lookahead_samples: int = 0
+
+    def num_settled_windows(self, num_samples: int) -> int:
+        """Windows of an audio of `num_samples` samples that a `prefill_only` request prefills: those whose
+        tokens no later audio changes (but for a louder later part, which makes the engine prefill them anew)."""
+        if not self.audio_window_samples:
+            return 0
+        return max(0, (num_samples - self.audio_lookahead_samples) // self.audio_window_samples)
 
     @property
     def voice_names(self) -> tuple[str, ...]:

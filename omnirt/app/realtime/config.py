@@ -32,7 +32,8 @@ _UNSERVED = {"prompt": (None,), "include": (None, []), "speed": (None, 1.0)}
 SESSION_FIELDS = rule(
     ("audio", "instructions", "output_modalities", "modalities", "voice", "input_audio_format", "output_audio_format",
      "turn_detection", "temperature", "max_output_tokens", "max_response_output_tokens", "model", "truncation",
-     "input_audio_transcription", "input_audio_noise_reduction", "tools", "tool_choice", "talker_sampling"),
+     "input_audio_transcription", "input_audio_noise_reduction", "tools", "tool_choice", "talker_sampling",
+     "prefill_while_speaking"),
     ignored=(*_ECHOED, "tracing", "client_secret"), inert=_UNSERVED)
 RESPONSE_FIELDS = rule(
     ("audio", "instructions", "output_modalities", "modalities", "voice", "output_audio_format", "temperature",
@@ -67,6 +68,8 @@ class SessionConfig:
     tools: tuple[dict, ...] = ()  # as the client sent them ({type: function, name, description, parameters})
     tool_choice: Any = "auto"  # as the client sent it: "auto", "none", "required" or {type: function, name}
     talker_sampling: dict | None = None  # omnirt extension: every response's speech sampling unless it sets its own
+    # omnirt extension: prefill the heard audio while the user speaks (`omnirt/app/realtime/speculation.py`)
+    prefill_while_speaking: bool = True
 
     @property
     def retention(self) -> float | None:
@@ -143,6 +146,8 @@ def apply_session_update(cfg: SessionConfig, update: dict[str, Any], voices: tup
         changes["truncation"] = _truncation(update["truncation"], "session.truncation")
     if "talker_sampling" in update:
         changes["talker_sampling"] = require(update, "talker_sampling", (dict,), "session")
+    if "prefill_while_speaking" in update:
+        changes["prefill_while_speaking"] = require(update, "prefill_while_speaking", (bool,), "session", True)
     tools = parse_tools(update, "session", cfg.tools)
     if "tools" in update or "tool_choice" in update:
         changes["tools"], changes["tool_choice"] = tools, update.get("tool_choice") or cfg.tool_choice
@@ -233,10 +238,13 @@ def parse_noise_reduction(value: Any, where: str) -> str | None:
 
 
 def session_object(cfg: SessionConfig, session_id: str, beta: bool) -> dict[str, Any]:
-    """The session as the client's protocol shows it, with omnirt's `talker_sampling` where one is set."""
+    """The session as the client's protocol shows it, with omnirt's `talker_sampling` where one is set and
+    `prefill_while_speaking` where it is off (its default keeps the object OpenAI's)."""
     obj = _protocol_session(cfg, session_id, beta)
     if cfg.talker_sampling is not None:
         obj["talker_sampling"] = cfg.talker_sampling
+    if not cfg.prefill_while_speaking:
+        obj["prefill_while_speaking"] = False
     return obj
 
 

@@ -131,6 +131,16 @@ class Conversation:
 
     def history(self, instructions: str) -> list[dict[str, Any]]:
         """Engine messages: the instructions as the system turn, then every item in order."""
+        pairs = self._pairs(instructions)
+        leading = next((n for n, (m, _) in enumerate(pairs) if m["role"] != "system"), len(pairs))
+        self._sent = [item_id for _, item_id in pairs[leading:]]  # what the engine may leave out, in order
+        return [m for m, _ in pairs]
+
+    def preview(self, instructions: str) -> list[dict[str, Any]]:
+        """The messages `history` would give now, without taking them as sent (a speculative prefill's)."""
+        return [m for m, _ in self._pairs(instructions)]
+
+    def _pairs(self, instructions: str) -> list[tuple[dict[str, Any], str | None]]:
         ids = [i.id for i in self.items]
         pairs = [({"role": "system", "content": instructions}, None)] if instructions else []
         for item in self.items[ids.index(self.start) if self.start in ids else 0:]:
@@ -142,9 +152,7 @@ class Conversation:
                 pairs[-1] = ({**last, "tool_calls": last.get("tool_calls", []) + m["tool_calls"]}, pairs[-1][1])
             else:
                 pairs.append((m, item.id))
-        leading = next((n for n, (m, _) in enumerate(pairs) if m["role"] != "system"), len(pairs))
-        self._sent = [item_id for _, item_id in pairs[leading:]]  # what the engine may leave out, in order
-        return [m for m, _ in pairs]
+        return pairs
 
 
 def _message(item: Item) -> dict[str, Any] | None:

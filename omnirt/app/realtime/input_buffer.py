@@ -94,6 +94,15 @@ class InputBuffer:
     def is_speaking(self) -> bool:
         return self._turn_start is not None
 
+    @property
+    def num_heard(self) -> int:
+        """Samples of the turn in progress so far (0: none in progress)."""
+        return 0 if self._turn_start is None else self._end - self._turn_start
+
+    def heard(self) -> np.ndarray:
+        """The turn in progress so far, from the start its `TurnEnded` audio will have (left in the buffer)."""
+        return self._peek(self._turn_start, self._end)
+
     async def append(self, samples: np.ndarray, sample_rate: int) -> list[TurnEvent]:
         """Add audio; past the limit a turn in progress is ended there, otherwise BufferFull is raised
         (and none of the audio kept). One append at a time per session (the session's lock). With noise reduction

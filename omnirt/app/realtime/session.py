@@ -46,9 +46,10 @@ from omnirt.app.realtime.events import ProtocolError, error_event, new_id, parse
 from omnirt.app.realtime.input_buffer import BufferFull, InputBuffer, TurnEnded, TurnStarted
 from omnirt.app.realtime.outbox import Outbox
 from omnirt.app.realtime.response import AudioSink, Response
+from omnirt.app.realtime.speculation import Speculation
 from omnirt.app.realtime.transcription import Transcriber
 from omnirt.app.realtime.transcription_session import TRANSCRIPTION, apply_update, session_event
-from omnirt.pipeline.api import EngineClient
+from omnirt.pipeline.api import EngineClient, OmniRequest
 
 log = logging.getLogger(__name__)
 MIN_COMMIT_MS = 100
@@ -88,6 +89,7 @@ class RealtimeSession:
         self.input: InputBuffer | None = None
         self.response: Response | None = None
         self.transcriber = Transcriber(engine, self.outbox, lambda: self.response, metrics, self.log_ids)
+        self.speculation = Speculation(engine, self.log_ids)
         self.audio_rate = TokenBucket(limits.max_audio_rate, limits.audio_burst_s)
         self.violation: str | None = None  # why the transport must close the session (policy), once set
         self._has_spoken = False  # the voice is fixed once audio was produced
@@ -147,6 +149,7 @@ class RealtimeSession:
     async def close(self) -> None:
         if self.response is not None and not self.response.is_done:
             self.response.abort()
+        self.speculation.end_turn()
         self.transcriber.close()
         await self.outbox.close()
 
@@ -165,6 +168,8 @@ class RealtimeSession:
         if new.turn_detection != self.config.turn_detection:
             self.input.set_vad(new.turn_detection)
             self._turn_item_id = self._turn_item_id if self.input.is_speaking else None
+            if not self.input.is_speaking:
+                self.speculation.end_turn()
         if new.noise_reduction != self.config.noise_reduction:
             self.input.set_noise_reduction(new.noise_reduction)
         self.config = new
@@ -194,8 +199,27 @@ class RealtimeSession:
                 await self._speech_started(turn)
             elif isinstance(turn, TurnEnded):
                 await self._speech_stopped(turn)
+        if self.input.is_speaking:
+            self._speculate()
+
+    def _speculate(self) -> None:
+        """While the user speaks, prefill what the turn's response will start from (`speculation.py`)."""
+        if self.config.prefill_while_speaking and self.config.type != TRANSCRIPTION:
+            self.speculation.heard(self.input.num_heard, VAD_RATE, self._speculative_request)
+
+    def _speculative_request(self, request_id: str) -> OmniRequest:
+        """The prompt the turn's response would have if the turn ended now (as `_add_user_audio` and `Response`
+        build it), as a prefill-only request."""
+        info = self.engine.info()
+        opts = response_options(self.config, None, info.voice_names)
+        user = {"role": "user", "content": [{"type": "audio",
+                                             "audio": resample(self.input.heard(), VAD_RATE, info.input_sample_rate)}]}
+        return OmniRequest(request_id, [*self.conversation.preview(opts.instructions), user],
+                           cache_salt=self.log_ids["key_id"], tools=list(opts.tools), tool_choice=opts.tool_choice,
+                           prefill_only=True)
 
     async def _speech_started(self, turn: TurnStarted) -> None:
+        self.speculation.end_turn()
         self._turn_item_id = new_id("item")
         await self._emit("input_audio_buffer.speech_started", audio_start_ms=turn.audio_start_ms,
                          item_id=self._turn_item_id)
@@ -203,6 +227,7 @@ class RealtimeSession:
             await self._interrupt()
 
     async def _speech_stopped(self, turn: TurnEnded) -> None:
+        self.speculation.end_turn()  # what it prefilled stays resident for the response
         item_id, self._turn_item_id = self._turn_item_id or new_id("item"), None
         await self._emit("input_audio_buffer.speech_stopped", audio_end_ms=turn.audio_end_ms, item_id=item_id)
         await self._add_user_audio(turn.audio, item_id)
@@ -215,9 +240,11 @@ class RealtimeSession:
             raise ProtocolError(f"buffer too small: expected at least {MIN_COMMIT_MS} ms of audio, have "
                                 f"{self.input.duration_ms} ms", "input_audio_buffer_commit_empty")
         item_id, self._turn_item_id = self._turn_item_id or new_id("item"), None
+        self.speculation.end_turn()
         await self._add_user_audio(self.input.commit(), item_id)
 
     async def _clear(self, ev: dict) -> None:
+        self.speculation.end_turn()  # a false start: what it prefilled is left to eviction
         self.input.clear()
         self._turn_item_id = None
         await self._emit("input_audio_buffer.cleared")

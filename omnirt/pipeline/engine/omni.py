@@ -129,14 +129,16 @@ class OmniEngine:
         rules = self.rules
         voice = rules.check_voice(req)
         tools = rules.prompt_tools(req)
-        prompt = await asyncio.to_thread(self.models.encoder.encode, req.messages, tools)
+        prompt = await asyncio.to_thread(self._encode, req, tools)
         messages, dropped = (rules.truncated(req, prompt.message_tokens) if req.truncation is not None
                              else (req.messages, 0))
         if dropped:
             prompt = await asyncio.to_thread(self.models.encoder.encode, messages, tools)
-        constraint = await self._compiled(req)
+        constraint = None if req.prefill_only else await self._compiled(req)
         n_prompt = len(prompt.input_ids)
         params = rules.all_params(req, n_prompt)
+        if req.prefill_only:  # its one sampled token is dropped (`_events`) and never fed: the slot holds the prompt
+            params = {name: p.merged(max_tokens=1) for name, p in params.items()}
         path = self.graph.path(req.wants_audio)
         stream = self._stream_type(req, asyncio.get_running_loop(), n_prompt, path, self.cfg.max_output_buffer_bytes,
                                    self._overflow, dropped, submitted_at)
@@ -153,6 +155,17 @@ class OmniEngine:
             self.abort(req.request_id)  # never leave a half-started request holding its admission
             raise
         return stream
+
+    def _encode(self, req: OmniRequest, tools: list[dict]):
+        """The prompt; a `prefill_only` request's stops inside the audio still being spoken (RequestError while
+        none of it is settled)."""
+        if not req.prefill_only:
+            return self.models.encoder.encode(req.messages, tools)
+        prompt = self.models.encoder.encode_settled(req.messages, tools)
+        if prompt is None:
+            raise RequestError("nothing to prefill yet: the last audio holds no settled encoder window "
+                               "(EngineInfo.num_settled_windows)", "messages")
+        return prompt
 
     async def _compiled(self, req: OmniRequest) -> Constraint | None:
         """The request's grammar, compiled in a worker thread (cached by spec), never on a stage's step path."""
@@ -196,6 +209,8 @@ class OmniEngine:
         try:
             while True:
                 match await stream.get():
+                    case TextTokens() if stream.request.prefill_only:
+                        pass
                     case TextTokens(token_ids=ids):
                         pending.extend(ids)
                         text = detok.add(ids)
@@ -230,7 +245,8 @@ class OmniEngine:
         stream.closed = True
         self._streams.pop(stream.request.request_id, None)
         self.admission.release(stream.stages)
-        usage = Usage(stream.num_prompt_tokens, stream.num_completion_tokens, stream.num_audio_frames,
+        completion = 0 if stream.request.prefill_only else stream.num_completion_tokens
+        usage = Usage(stream.num_prompt_tokens, completion, stream.num_audio_frames,
                       stream.num_cached_tokens, stream.num_prompt_audio_tokens, stream.num_prompt_image_tokens)
         stream.put(Finished(stream.request.request_id, reason or stream.finish_reason, usage, error,
                             stream.truncated_messages))

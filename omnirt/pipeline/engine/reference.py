@@ -58,6 +58,8 @@ class ReferenceEngine:
         """Every request is admitted: they wait their turn."""
 
     async def submit(self, req: OmniRequest) -> AsyncIterator[Event]:
+        if req.prefill_only:  # it keeps no KV between requests: nothing to prepare
+            return self._nothing(req)
         voice = self.rules.check_voice(req)
         if self.rules.is_constrained(req):
             raise RequestError("the reference engine has no constrained decoding (tool_choice required or a "
@@ -66,6 +68,10 @@ class ReferenceEngine:
         params = self.rules.all_params(req, len(prompt.input_ids))
         self._lock = self._lock or asyncio.Lock()
         return self._run(req, prompt, voice, params)
+
+    @staticmethod
+    async def _nothing(req: OmniRequest) -> AsyncIterator[Event]:
+        yield Finished(req.request_id, "length", Usage())
 
     async def _run(self, req: OmniRequest, prompt, voice: str | None,
                    params: dict[str, SamplingParams]) -> AsyncIterator[Event]:

@@ -24,13 +24,15 @@ class RequestRules:
 
     def info(self, kind: str) -> EngineInfo:
         graph = self.models.graph
+        windows = self.models.encoder.windows
         limits = {n: StageLimit(self.cfg.stage(n).max_num_seqs, self.cfg.stage(n).max_waiting) for n in graph.names}
         return EngineInfo(self.cfg.model, tuple(self.voices), self.cfg.default_voice, self.cfg.system_prompt,
                           graph.has_audio_output, self.models.input_sample_rate,
                           self.models.output_sample_rate, limits, self.cfg.retry_after_s,
                           self.cfg.max_output_buffer_bytes, kind, self.cfg.platform, self.cfg.voice_aliases,
                           tuple(self.cfg.model_aliases),
-                          FrontEndLimits(self.cfg.front_end.max_loop_lag_ms, self.cfg.front_end.max_vad_backlog_ms))
+                          FrontEndLimits(self.cfg.front_end.max_loop_lag_ms, self.cfg.front_end.max_vad_backlog_ms),
+                          windows.window_samples, windows.lookahead_samples)
 
     def check_voice(self, req: OmniRequest) -> str | None:
         if not req.wants_audio:

@@ -108,7 +108,10 @@ class LoadedModels(Protocol):
     and the model's facts, its constrained decoding and tool calls, and its reference `generate()`."""
 
     graph: StageGraph
-    encoder: Any  # .encode(messages, tools) -> an encoded prompt (input_ids, message_tokens, ...)
+    # .encode(messages, tools) -> an encoded prompt (input_ids, message_tokens, ...); .encode_settled(messages,
+    # tools) -> the prompt of a turn still being spoken, or None; .windows: its audio encoder's windows
+    # (.window_samples, .lookahead_samples)
+    encoder: Any
     voices: dict[str, int]  # voice name -> the model's speaker id
     tokenizer: Any  # .decode(token_ids, skip_special_tokens=...)
     grammars: Grammars | None

@@ -1,6 +1,8 @@
 """The Thinker's audio and vision encoders over a prefill step's new requests: one encoder call per modality
-for the whole step, each prompt's audios (images) from index `firsts[i]` on (those inside a prefix taken from a
-resident slot are not encoded again: the slot kept their rows)."""
+for the whole step, each prompt's audios (images) from where a prefix taken from a resident slot ends (the slot
+kept the rows before it): from the first audio (image) not wholly inside it, and within that audio from its first
+encoder window not wholly inside it (a speculative prefill's prefix ends inside the audio still being spoken;
+the encoder's windows are independent of each other: `audio_windows.py`)."""
 
 from __future__ import annotations
 
@@ -26,20 +28,45 @@ def num_encoded(spans: tuple[tuple[int, int], ...], num_cached: int) -> int:
     return sum(end <= num_cached for _, end in spans)
 
 
-def encode_audio(thinker, device: torch.device, prompts: list[EncodedPrompt], firsts: list[int]
+@dataclass(slots=True, frozen=True)
+class AudioStart:
+    """Where a prompt's audio rows still to encode begin: audio `first`, from its frame `skip_frames` (its
+    `skip_tokens` placeholders before it lie in whole encoder windows inside the cached prefix)."""
+
+    first: int = 0
+    skip_frames: int = 0
+    skip_tokens: int = 0
+
+    @classmethod
+    def after(cls, prompt: EncodedPrompt, num_cached: int, window_frames: int, window_tokens: int) -> AudioStart:
+        first = num_encoded(prompt.audio_spans, num_cached)
+        if first == len(prompt.audio_spans):
+            return cls(first)
+        windows = max(0, num_cached - prompt.audio_spans[first][0]) // window_tokens
+        return cls(first, windows * window_frames, windows * window_tokens)
+
+
+def encode_audio(thinker, device: torch.device, prompts: list[EncodedPrompt], starts: list[AudioStart]
                  ) -> list[torch.Tensor | None]:
-    """Per prompt, the token rows [n, H] of its audios from index `firsts[i]` on (None without any)."""
-    todo = [(p, k) for p, k in zip(prompts, firsts) if _has_more(p.input_features, k)]
+    """Per prompt, the token rows [n, H] of its audios from `starts[i]` on (None without any)."""
+    todo = [(p, s) for p, s in zip(prompts, starts) if _has_more(p.input_features, s.first)]
     if not todo:
         return [None] * len(prompts)
     frames = max(p.input_features.shape[-1] for p, _ in todo)
-    features = torch.cat([torch.nn.functional.pad(p.input_features[k:], (0, frames - p.input_features.shape[-1]))
-                          for p, k in todo]).to(device, thinker.dtype)
-    mask = torch.cat([torch.nn.functional.pad(p.feature_mask[k:], (0, frames - p.feature_mask.shape[-1]))
-                      for p, k in todo]).to(device)
+    features = torch.cat([_from(p.input_features, s, frames) for p, s in todo]).to(device, thinker.dtype)
+    mask = torch.cat([_from(p.feature_mask, s, frames) for p, s in todo]).to(device)
     rows = thinker.model.get_audio_features(features, mask, return_dict=True).last_hidden_state
-    parts = iter(rows.split([sum(b - a for a, b in p.audio_spans[k:]) for p, k in todo]))
-    return [next(parts) if _has_more(p.input_features, k) else None for p, k in zip(prompts, firsts)]
+    parts = iter(rows.split([sum(b - a for a, b in p.audio_spans[s.first:]) - s.skip_tokens for p, s in todo]))
+    return [next(parts) if _has_more(p.input_features, s.first) else None for p, s in zip(prompts, starts)]
+
+
+def _from(per_audio: torch.Tensor, start: AudioStart, frames: int) -> torch.Tensor:
+    """Audios `start.first`.. of [audios, ..., frames] features (or mask), the first without its
+    `start.skip_frames` leading frames, each padded after to `frames`."""
+    out = per_audio[start.first:]
+    if start.skip_frames:
+        out = torch.cat([torch.nn.functional.pad(out[:1, ..., start.skip_frames:], (0, start.skip_frames)), out[1:]])
+    return torch.nn.functional.pad(out, (0, frames - out.shape[-1]))
 
 
 def encode_images(thinker, device: torch.device, prompts: list[EncodedPrompt], firsts: list[int]

@@ -132,7 +132,7 @@ def new_requests(models, cfg, req, prompt, voice: str | None, params: dict[str, 
         codec.wait_for_input = not cfg.connector.async_chunk
         out[CODE2WAV] = StageRequest(rid, params[TALKER], codec)
         _owe_first_chunk(out, codec)
-    if req.background:
+    if req.background or req.prefill_only:
         out[THINKER].num_first_packet_outputs = 0
     return out
 

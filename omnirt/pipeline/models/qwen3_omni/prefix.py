@@ -1,12 +1,12 @@
 """What a Qwen3-Omni stage's resident slot holds, and which new prompt may start from it
 (`omnirt/pipeline/stage/prefix_cache.py`).
 
-- **Thinker**: its KV is a function of the prompt's cache key (token ids, audio spans as digests of their
-  features), so a slot holds the keys of the positions it wrote: the prompt, then the reply tokens that
-  were fed (the last sampled token never is). It also keeps the prompt's rows for the Talker (embeddings
-  and the tapped layer), which a request that starts from it hands on instead of computing them; the
-  tapped layer is known only at prompt positions, so a match into the reply stops before a multimodal
-  placeholder, the only place where the Talker reads it.
+- **Thinker**: its KV is a function of the prompt's cache key (token ids, audio spans as a digest of each
+  audio encoder window's features: `audio_windows.py`), so a slot holds the keys of the positions it wrote:
+  the prompt, then the reply tokens that were fed (the last sampled token never is). It also keeps the
+  prompt's rows for the Talker (embeddings and the tapped layer), which a request that starts from it hands on
+  instead of computing them; the tapped layer is known only at prompt positions, so a match into the reply
+  stops before a multimodal placeholder, the only place where the Talker reads it.
 - **Talker**: its prompt is the Thinker prompt's user positions (then a 9-position assistant prefix), and
   each of those rows depends on the Thinker prompt up to that position (audio rows on its hidden states).
   So its prefix matches for as long as the user positions lie inside the common start of the two Thinker

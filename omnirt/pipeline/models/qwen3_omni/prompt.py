@@ -17,9 +17,9 @@ import numpy as np
 import torch
 from transformers import WhisperFeatureExtractor
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import _get_feat_extract_output_lengths
 
 from omnirt.pipeline.models.qwen3_omni import images as vision
+from omnirt.pipeline.models.qwen3_omni.audio_windows import AudioWindows
 from omnirt.pipeline.stage.prefix_cache import common_prefix_bytes
 from omnirt.pipeline.types import Message, RequestError
 
@@ -40,9 +40,9 @@ class EncodedPrompt:
     pixel_values: torch.Tensor | None = None  # [patches, C*T*P*P] of every image, in order
     image_grid_thw: torch.Tensor | None = None  # [num_images, 3]
     image_spans: tuple[tuple[int, int], ...] = ()  # [start, end) of each image's placeholder tokens, in order
-    # int64 per position, as bytes: the token id, or at an audio (image) placeholder a digest of that audio's
-    # features (image's pixels; negative, so never a token id). Two prompts whose keys agree on positions
-    # [0, n) have the same KV there.
+    # int64 per position, as bytes: the token id, or at an audio (image) placeholder a digest of the features of
+    # that audio's encoder window (`audio_windows.py`; the image's pixels; negative, so never a token id). Two
+    # prompts whose keys agree on positions [0, n) have the same KV there.
     cache_key: bytes = b""
     lists_tools: bool = False  # the prompt offers tools: a tool call's marker then starts a call, not text
 
@@ -57,6 +57,15 @@ class EncodedPrompt:
     @property
     def audio_lengths(self) -> torch.Tensor | None:
         return None if self.feature_mask is None else self.feature_mask.sum(-1)
+
+    def head(self, n: int, last_audio_frames: int) -> EncodedPrompt:
+        """Its first `n` positions, which end inside its last audio, at `last_audio_frames` of its frames."""
+        mask = self.feature_mask.clone()
+        mask[-1, last_audio_frames:] = 0
+        start = self.audio_spans[-1][0]
+        return EncodedPrompt(self.input_ids[:n], self.input_features, mask, None,
+                             (*self.audio_spans[:-1], (start, n)), self.pixel_values, self.image_grid_thw,
+                             self.image_spans, self.cache_key[:8 * n])
 
     def image_pixels(self, first: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(pixel_values, grid_thw) of images `first`.. (the patch rows of each image follow each other)."""
@@ -134,12 +143,12 @@ class PromptEncoder:
     the pixel patches from its image processor. `tools` (OpenAI function specs) and `tool` / assistant
     `tool_calls` messages go to the template as they are."""
 
-    def __init__(self, tokenizer, chat_template: str, features: WhisperFeatureExtractor, n_window: int,
+    def __init__(self, tokenizer, chat_template: str, features: WhisperFeatureExtractor, windows: AudioWindows,
                  images: Qwen2VLImageProcessorPil):
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.features = features
-        self.n_window = n_window
+        self.windows = windows
         self.images = images
         self.im_start_id = tokenizer.convert_tokens_to_ids("<|im_start|>")  # each message starts with it
         self.audio_token = tokenizer.audio_token
@@ -159,8 +168,9 @@ class PromptEncoder:
         if features.feature_size != audio_config.num_mel_bins:
             raise PromptConfigError(f"{path / 'preprocessor_config.json'}: feature_size {features.feature_size} "
                                     f"!= the audio encoder's num_mel_bins {audio_config.num_mel_bins}")
-        return cls(tokenizer, chat_template(path, tokenizer), features, audio_config.n_window,
-                   _image_processor(path, vision_config))
+        windows = AudioWindows(audio_config.n_window, audio_config.n_window_infer, features.hop_length,
+                               features.n_fft)
+        return cls(tokenizer, chat_template(path, tokenizer), features, windows, _image_processor(path, vision_config))
 
     @property
     def sample_rate(self) -> int:
@@ -171,12 +181,12 @@ class PromptEncoder:
             raise RequestError("there is nothing to answer: no messages (nor instructions)", "messages")
         audios, images = _parts(messages, "audio"), _parts(messages, "image")
         feats = mask = pixel_values = grid = None
-        audio_digests: list[int] = []
+        audio_digests: list[tuple[int, ...]] = []
         audio_tokens: list[int] = []
         image_tokens: list[int] = []
         if audios:
             feats, mask, audio_digests = self._features(audios)
-            audio_tokens = [int(_get_feat_extract_output_lengths(n, self.n_window)) for n in mask.sum(-1)]
+            audio_tokens = [self.windows.num_tokens(int(n)) for n in mask.sum(-1)]
         if images:
             pixel_values, grid = vision.pixels(self.images, images)
             image_tokens = vision.num_tokens(grid, self.images.merge_size)
@@ -185,7 +195,8 @@ class PromptEncoder:
         ids = self.tokenizer(text, add_special_tokens=False).input_ids
         starts = [i for i, t in enumerate(ids) if t == self.im_start_id] + [len(ids)]
         audio_spans, image_spans = _runs(ids, self.audio_id), _runs(ids, self.image_id)
-        digests = list(zip(audio_spans, audio_digests)) + _image_digests(image_spans, pixel_values, grid)
+        digests = self._window_digests(audio_spans, mask, audio_digests) + _image_digests(image_spans, pixel_values,
+                                                                                         grid)
         return EncodedPrompt(input_ids=ids, input_features=feats, feature_mask=mask,
                              message_tokens=[b - a for a, b in zip(starts, starts[1:])], audio_spans=audio_spans,
                              pixel_values=pixel_values, image_grid_thw=grid, image_spans=image_spans,
@@ -211,8 +222,8 @@ class PromptEncoder:
             # e.g. the released template's `tools` branch takes only a string system message
             raise RequestError(f"the model's chat template cannot render these messages: {exc}", "messages") from exc
 
-    def _features(self, audios: list) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        """Mel features [n, mel, frames], their mask and each audio's digest, each audio extracted alone and
+    def _features(self, audios: list) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, ...]]]:
+        """Mel features [n, mel, frames], their mask and each audio's window digests, each audio extracted alone and
         padded after: an audio's features (so its tokens, and the cache key) never depend on the other audios of
         the prompt."""
         outs = [self._extracted(self._at_least_one_window(a)) for a in audios]
@@ -221,16 +232,43 @@ class PromptEncoder:
         mask = torch.cat([torch.nn.functional.pad(m, (0, frames - m.shape[-1])) for _, m, _ in outs])
         return feats, mask, [d for _, _, d in outs]
 
-    def _extracted(self, audio: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """One audio's features, mask ([1, mel, frames], [1, frames]) and digest, from the cache if it was seen."""
+    def _extracted(self, audio: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
+        """One audio's features, mask ([1, mel, frames], [1, frames]) and window digests, from the cache if it was
+        seen."""
         key = hashlib.blake2b(audio.tobytes(), digest_size=16).digest()
         hit = self.extracted.get(key)
         if hit is None:
             out = self.features(audio, sampling_rate=self.sample_rate, return_attention_mask=True, padding="longest",
                                 truncation=False, return_tensors="pt")
             hit = self.extracted.put(key, (out.input_features, out.attention_mask,
-                                           _audio_digest(out.input_features[0], out.attention_mask[0])))
+                                           self.windows.digests(out.input_features[0],
+                                                                int(out.attention_mask.sum()))))
         return hit
+
+    def _window_digests(self, spans, mask: torch.Tensor | None, digests: list[tuple[int, ...]]
+                        ) -> list[tuple[tuple[int, int], int]]:
+        """Each audio encoder window's placeholder span and its digest."""
+        out = []
+        for (start, _), frames, windows in zip(spans, [] if mask is None else mask.sum(-1).tolist(), digests):
+            for n, digest in zip(self.windows.token_counts(int(frames)), windows):
+                out.append(((start, start + n), digest))
+                start += n
+        return out
+
+    def encode_settled(self, messages: list[Message], tools: list[dict] | None = None) -> EncodedPrompt | None:
+        """The prompt of a turn still being spoken: `messages` end with the audio heard so far, and the prompt
+        stops after the last of its encoder windows that is settled (`AudioWindows.num_settled`), before the
+        turn's closing tokens. None while no window is settled (or an image comes after the cut)."""
+        audios = _parts(messages, "audio")
+        if not audios:
+            return None
+        full = self.encode(messages, tools)
+        frames = int(full.feature_mask[-1].sum())
+        settled = self.windows.num_settled(np.asarray(audios[-1]).size)
+        cut = full.audio_spans[-1][0] + sum(self.windows.token_counts(frames)[:settled])
+        if settled == 0 or any(end > cut for _, end in full.image_spans):
+            return None
+        return full.head(cut, settled * self.windows.n_window_infer)
 
     def _at_least_one_window(self, audio) -> np.ndarray:
         """Audio shorter than one STFT window (25 ms), zero-padded to it: the feature extractor fails on less."""
@@ -311,12 +349,6 @@ def _runs(ids: list[int], token: int) -> tuple[tuple[int, int], ...]:
             runs.append((start, i))
             start = None
     return tuple(runs)
-
-
-def _audio_digest(feats: torch.Tensor, mask: torch.Tensor) -> int:
-    """A digest of an audio's features [mel, frames] (its frames, not the padding after)."""
-    frames = feats[:, : int(mask.sum())].contiguous().numpy()
-    return _digest(frames, np.int64(frames.shape[-1]).tobytes(), b"omnirt-audio")
 
 
 def _image_digests(spans, pixel_values: torch.Tensor | None, grid: torch.Tensor | None

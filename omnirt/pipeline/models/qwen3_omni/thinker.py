@@ -6,9 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import _get_feat_extract_output_lengths
 
 from omnirt.pipeline.models.decoder import PrefillPass, experts_implementation, run_decoder
-from omnirt.pipeline.models.qwen3_omni.encoders import VisualRows, encode_audio, encode_images, num_encoded
+from omnirt.pipeline.models.qwen3_omni.encoders import AudioStart, VisualRows, encode_audio, encode_images, num_encoded
 from omnirt.pipeline.models.qwen3_omni.prompt import EncodedPrompt, PromptKey
 from omnirt.pipeline.models.qwen3_omni.rope import rope_positions
 from omnirt.pipeline.platform import Platform
@@ -93,6 +94,8 @@ class ThinkerModel:
         self.tap_layer = config.talker_config.accept_hidden_layer
         tc = config.thinker_config
         self.multimodal_ids = [tc.audio_token_id, tc.image_token_id, tc.video_token_id]
+        ac = tc.audio_config  # the audio encoder's attention window, in mel frames and in tokens
+        self.audio_window = (ac.n_window_infer, int(_get_feat_extract_output_lengths(ac.n_window_infer, ac.n_window)))
         self.device = kv.k.device
         self.vocab_size = config.thinker_config.text_config.vocab_size
         self.eos_ids = [config.im_end_token_id]
@@ -119,7 +122,7 @@ class ThinkerModel:
     def warm_encoders(self, prompt: EncodedPrompt) -> None:
         """One call of the audio and of the vision encoder on `prompt`'s audio and image: their first call on a
         device pays one-time set-up that a user's first turn would otherwise wait for (`OmniModels`)."""
-        encode_audio(self.thinker, self.device, [prompt], [0])
+        encode_audio(self.thinker, self.device, [prompt], [AudioStart()])
         encode_images(self.thinker, self.device, [prompt], [0])
 
     def prepare(self, reqs) -> None:
@@ -131,25 +134,27 @@ class ThinkerModel:
         if not new:
             return
         prompts = [r.state.prompt for r in new]
-        audio_firsts = [num_encoded(p.audio_spans, r.num_computed_tokens) for p, r in zip(prompts, new)]
+        audio_starts = [AudioStart.after(p, r.num_computed_tokens, *self.audio_window) for p, r in zip(prompts, new)]
         image_firsts = [num_encoded(p.image_spans, r.num_computed_tokens) for p, r in zip(prompts, new)]
-        audios = encode_audio(self.thinker, self.device, prompts, audio_firsts)
+        audios = encode_audio(self.thinker, self.device, prompts, audio_starts)
         images = encode_images(self.thinker, self.device, prompts, image_firsts)
         ids = self.pinned.tensor([t for p in prompts for t in p.input_ids])
         embeds = self.stack.embed_tokens(ids).split([len(p.input_ids) for p in prompts])
-        for r, e, a, first, v in zip(new, embeds, audios, audio_firsts, images):
-            r.state = self._state(r.state, e.clone(), a, first, v, r.num_computed_tokens)
+        for r, e, a, start, v in zip(new, embeds, audios, audio_starts, images):
+            r.state = self._state(r.state, e.clone(), a, start, v, r.num_computed_tokens)
 
-    def _state(self, inp: ThinkerInput, embeds: torch.Tensor, audio_rows: torch.Tensor | None, first_audio: int,
+    def _state(self, inp: ThinkerInput, embeds: torch.Tensor, audio_rows: torch.Tensor | None, audio: AudioStart,
                visual: VisualRows | None, num_cached: int) -> ThinkerState:
-        """The prompt's token `embeds` with the rows of audios `first_audio`.. and of the `visual` images
+        """The prompt's token `embeds` with the rows of the audios from `audio` on and of the `visual` images
         scattered in, the first `num_cached` rows from the resident slot it starts from (if any), and the
         multimodal rope positions."""
         prompt = inp.prompt
         # the rows of reply tokens it starts from stay zero: the Talker reads no tapped row there (prefix.py)
         tapped = torch.zeros_like(embeds)
         if audio_rows is not None:
-            at = self.pinned.tensor([i for a, b in prompt.audio_spans[first_audio:] for i in range(a, b)])
+            spans = prompt.audio_spans[audio.first:]
+            at = self.pinned.tensor([i for j, (a, b) in enumerate(spans)
+                                     for i in range(a + (audio.skip_tokens if j == 0 else 0), b)])
             embeds[at] = audio_rows.to(embeds.dtype)
         if visual is not None:
             embeds[visual.positions.to(self.device)] = visual.embeds.to(embeds.dtype)
