@@ -221,12 +221,15 @@ class Runner:
                  "voice": f"-m omnirt.app.cli bench realtime --url {{url}} --model {{model}} --clients 8 --name {name} "
                           "--out {out}", "run": ""}[verb]
         argv = self.argv(f"{bench} {rest} {{{verb}_args}}", url=server.url, **{"run_args": "", **more})
-        self.program(name, argv, limit_s, self.out / f"{name}.out")
+        rc = self.program(name, argv, limit_s, self.out / f"{name}.out")
         if not self.dry:
             lines = (self.out / f"{name}.out").read_text(errors="replace").splitlines()
             shown = lines[-40:] if verb == "run" else dict.fromkeys(  # a voice bench prints each point twice
                 x for x in lines if SHOWN.search(x) and not x.startswith(HEADER))
             self.say(name, "\n".join(shown))
+            if rc:  # a bench that failed says so here, not only in its log
+                errors = (self.out / f"{name}.log").read_text(errors="replace").splitlines()
+                self.say(name, f"exit {rc}: {errors[-1] if errors else '-'}")
             self.pack(live)
 
     def point(self, server: LocalServer, name: str, word: str, limit_s: int, live: str, **more: str) -> None:
