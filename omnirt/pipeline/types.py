@@ -192,6 +192,12 @@ class FrontEndLimits(msgspec.Struct, frozen=True):
     max_vad_backlog_ms: float | None = None
 
 
+def settled_windows(num_samples: int, window_samples: int, lookahead_samples: int) -> int:
+    """Whole encoder windows of `window_samples` in an audio of `num_samples`, counting only those followed by the
+    `lookahead_samples` their last features read (0 where the model has no windows)."""
+    return max(0, (num_samples - lookahead_samples) // window_samples) if window_samples else 0
+
+
 class EngineInfo(msgspec.Struct, frozen=True, tag=True):
     """Static facts, fixed at start-up."""
 
@@ -218,9 +224,7 @@ class EngineInfo(msgspec.Struct, frozen=True, tag=True):
     def num_settled_windows(self, num_samples: int) -> int:
         """Windows of an audio of `num_samples` samples that a `prefill_only` request prefills: those whose
         tokens no later audio changes (but for a louder later part, which makes the engine prefill them anew)."""
-        if not self.audio_window_samples:
-            return 0
-        return max(0, (num_samples - self.audio_lookahead_samples) // self.audio_window_samples)
+        return settled_windows(num_samples, self.audio_window_samples, self.audio_lookahead_samples)
 
     @property
     def voice_names(self) -> tuple[str, ...]:

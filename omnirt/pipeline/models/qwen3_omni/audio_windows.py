@@ -34,6 +34,8 @@ import numpy as np
 import torch
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import _get_feat_extract_output_lengths
 
+from omnirt.pipeline.types import settled_windows
+
 
 @dataclass(slots=True, frozen=True)
 class AudioWindows:
@@ -64,7 +66,7 @@ class AudioWindows:
 
     def num_settled(self, num_samples: int) -> int:
         """Windows whose features no more audio changes (but for the clamp, see the module's docstring)."""
-        return max(0, (num_samples - self.lookahead_samples) // self.window_samples)
+        return settled_windows(num_samples, self.window_samples, self.lookahead_samples)
 
     def digests(self, feats: torch.Tensor, num_frames: int) -> tuple[int, ...]:
         """A digest of each window's frames of an audio's features [mel, frames] (negative: never a token id)."""
