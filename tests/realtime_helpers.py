@@ -23,6 +23,27 @@ UTTERANCE = "Hello there. Could you please tell me a short story about a friendl
 LEAD_S, TAIL_S = 1.0, 1.5
 
 
+async def collected_session(engine, session: dict, audio_sink=None) -> tuple:
+    """(an in-process Realtime session on `engine`, started and updated with `session`; the list its events are
+    collected into; the reader task that collects them, done once the session closes)."""
+    from omnirt.app.audio.vad import VadBatcher
+    from omnirt.app.realtime.config import initial_config
+    from omnirt.app.realtime.session import RealtimeLimits, RealtimeSession
+
+    rt = RealtimeSession(engine, initial_config(engine.info(), "tiny", ""), RealtimeLimits(), VadBatcher(),
+                         audio_sink=audio_sink)
+    await rt.start()
+    events: list[dict] = []
+
+    async def drain():
+        while (ev := await rt.outbox.get()) is not None:
+            events.append(ev)
+
+    reader = asyncio.create_task(drain())
+    await rt.handle_event({"type": "session.update", "session": session})
+    return rt, events, reader
+
+
 def espeak_utterance(tmp_dir: Path, text: str = UTTERANCE) -> tuple[np.ndarray, float]:
     """(24 kHz float32 mono: 1 s silence, the spoken text, 1.5 s silence; the speech's duration in s)."""
     if shutil.which("espeak-ng") is None:

@@ -31,7 +31,6 @@ from omnirt.app.ops.limits import TokenBucket
 from omnirt.app.realtime.config import (
     SessionConfig,
     apply_session_update,
-    initial_config,
     response_options,
     session_object,
 )
@@ -42,7 +41,7 @@ from omnirt.app.realtime.outbox import Outbox
 from omnirt.app.realtime.session import RealtimeLimits, RealtimeSession
 from omnirt.pipeline.api import OmniRequest, RequestError
 from tests.conftest import until
-from tests.realtime_helpers import LEAD_S, espeak_utterance
+from tests.realtime_helpers import LEAD_S, collected_session, espeak_utterance
 
 VOICES = ["chelsie", "ethan"]
 
@@ -250,18 +249,8 @@ class PlaybackSink:
 async def _talking_session(engine, turn_detection: dict | None, sink: PlaybackSink | None = None
                            ) -> tuple[RealtimeSession, list[dict], asyncio.Task]:
     """A session (its events collected by a reader task) answering at length: 2000 frames of speech."""
-    session = RealtimeSession(engine, initial_config(engine.info(), "tiny", ""), RealtimeLimits(), VadBatcher(),
-                              audio_sink=sink)
-    await session.start()
-    events: list[dict] = []
-
-    async def drain():
-        while (ev := await session.outbox.get()) is not None:
-            events.append(ev)
-
-    reader = asyncio.create_task(drain())
-    await session.handle_event({"type": "session.update", "session": {"audio": {"input": {
-        "turn_detection": turn_detection}}}})
+    session, events, reader = await collected_session(engine, {"audio": {"input": {"turn_detection": turn_detection}}},
+                                                      sink)
     await session.handle_event({"type": "conversation.item.create", "item": {
         "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Talk for a long time."}]}})
     await session.handle_event({"type": "response.create", "response": {

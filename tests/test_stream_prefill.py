@@ -16,6 +16,7 @@ from omnirt.loadtest.gpu import hf_parity
 from omnirt.pipeline.api import Finished, OmniRequest, RequestError, TextDelta, Usage, collect_reply
 from omnirt.pipeline.models.qwen3_omni.encoders import AudioStart, encode_audio
 from tests.conftest import until
+from tests.realtime_helpers import collected_session
 from tests.test_parity import engine_generate, started_engine
 
 RATE = 16000
@@ -206,23 +207,9 @@ def long_turn(tmp_path_factory) -> np.ndarray:
 async def _session(engine, prefill_while_speaking: bool = True, modalities: tuple[str, ...] = ("text",)):
     """A Realtime session with server VAD (1.2 s of silence ends a turn), replies of 4 tokens; its events and
     reader."""
-    from omnirt.app.audio.vad import VadBatcher
-    from omnirt.app.realtime.config import initial_config
-    from omnirt.app.realtime.session import RealtimeLimits, RealtimeSession
-
-    session = RealtimeSession(engine, initial_config(engine.info(), "tiny", ""), RealtimeLimits(), VadBatcher())
-    await session.start()
-    events: list[dict] = []
-
-    async def drain():
-        while (ev := await session.outbox.get()) is not None:
-            events.append(ev)
-
-    reader = asyncio.create_task(drain())
-    await session.handle_event({"type": "session.update", "session": {
+    return await collected_session(engine, {
         "output_modalities": list(modalities), "max_output_tokens": 4, "prefill_while_speaking": prefill_while_speaking,
-        "audio": {"input": {"turn_detection": {"type": "server_vad", "silence_duration_ms": 1200}}}}})
-    return session, events, reader
+        "audio": {"input": {"turn_detection": {"type": "server_vad", "silence_duration_ms": 1200}}}})
 
 
 async def _speak(session, samples: np.ndarray, stop_after_sent: int | None = None) -> None:
