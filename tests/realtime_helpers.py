@@ -23,6 +23,19 @@ UTTERANCE = "Hello there. Could you please tell me a short story about a friendl
 LEAD_S, TAIL_S = 1.0, 1.5
 
 
+async def vad_turns(x: np.ndarray, batcher) -> list:
+    """The turns a `TurnDetector` finds in 16 kHz `x` fed in 20 ms chunks, asking `batcher` (a `VadBatcher`) as
+    `InputBuffer` does: the noise gate between turns only."""
+    from omnirt.app.audio.vad import VAD_RATE, TurnDetector, VadConfig
+
+    detector, events, chunk = TurnDetector(VadConfig()), [], VAD_RATE // 50
+    for start in range(0, len(x), chunk):
+        windows = detector.windows(x[start:start + chunk])
+        probs = await batcher.probabilities(detector.stream, windows, between_turns=not detector.is_speaking)
+        events += detector.decide(windows, probs)
+    return events
+
+
 async def collected_session(engine, session: dict, audio_sink=None) -> tuple:
     """(an in-process Realtime session on `engine`, started and updated with `session`; the list its events are
     collected into; the reader task that collects them, done once the session closes)."""

@@ -41,7 +41,7 @@ from omnirt.app.realtime.outbox import Outbox
 from omnirt.app.realtime.session import RealtimeLimits, RealtimeSession
 from omnirt.pipeline.api import OmniRequest, RequestError
 from tests.conftest import until
-from tests.realtime_helpers import LEAD_S, collected_session, espeak_utterance
+from tests.realtime_helpers import LEAD_S, collected_session, espeak_utterance, vad_turns
 
 VOICES = ["chelsie", "ethan"]
 
@@ -408,11 +408,8 @@ async def test_batched_vad_equals_one_session_at_a_time_and_batches(tmp_path):
 
 
 async def _turns_in_chunks(x: np.ndarray, silence_db: float | None) -> tuple[list, VadBatcher]:
-    batcher, detector, events = VadBatcher(silence_db=silence_db), TurnDetector(VadConfig()), []
-    for start in range(0, len(x), 320):
-        windows = detector.windows(x[start:start + 320])
-        events += detector.decide(windows, await batcher.probabilities(detector.stream, windows))
-    return events, batcher
+    batcher = VadBatcher(silence_db=silence_db, noise_gate_db=None)  # the silence gate alone
+    return await vad_turns(x, batcher), batcher
 
 
 async def test_silent_windows_skip_the_model_and_the_turns_stay_the_same(tmp_path):

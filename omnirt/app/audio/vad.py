@@ -17,6 +17,13 @@ model call (probability 0); the model's state then resumes from that of a second
 microphone, or the quiet between turns, costs no model time; no speech a microphone picks up is that quiet, and
 the turns decided are those of the model evaluating every window (`tests/test_realtime_units.py`).
 
+The noise gate: a real microphone between turns hears its room's noise floor, not digital zero, and the silence gate
+never meets it. So each stream tracks its own floor (the level of the windows the model or the gates found not
+speech, following the quietest at once and rising `FLOOR_RISE_DB_S` a second); between turns a window within
+`NOISE_GATE_DB` (6 dB) of it, and below `NOISE_GATE_CEILING_DB`, is silence without a model call, as under the silence
+gate. Speech is louder than the room it is spoken in by more than that, and a turn in progress always goes through the
+model, so the turns decided stay the model's to within a window (`tests/test_realtime_units.py`).
+
 Speech starts at the first window whose probability reaches `threshold`; it stops once every window has been
 silent for `silence_duration_ms`. A window is silent when its probability is below `threshold - 0.15` (Silero's
 own hysteresis) or its level is `QUIET_DB` below the loudest window of the turn so far: Silero's recurrent state
@@ -47,6 +54,9 @@ CONTEXT = 64  # samples of the previous window that Silero v5 takes in front of 
 MAX_WINDOWS_PER_ROUND = 8  # 256 ms of one session's audio per batched round
 QUIET_DB = 35.0  # a window this far below the turn's loudest is silence, whatever its probability
 SILENCE_DB = 60.0  # a window this far below full scale is silence without asking the model (the silence gate)
+NOISE_GATE_DB = 6.0  # between turns, a window this close to the stream's noise floor is silence without the model
+NOISE_GATE_CEILING_DB = 50.0  # ... if also this far below full scale: a loud room's windows always go to the model
+FLOOR_RISE_DB_S = 3.0  # how fast a stream's noise floor follows its room getting louder
 TICK_S = 0.01  # rounds start at most this often: more sessions' windows share each model call
 
 
@@ -105,17 +115,29 @@ class PauseCandidate:
 VadEvent = SpeechStarted | SpeechStopped | PauseCandidate
 
 
+_FLOOR_RISE = 10 ** (FLOOR_RISE_DB_S * WINDOW / VAD_RATE / 20)  # per window
+
+
 @dataclass(slots=True)
 class VadStream:
     """One session's recurrent Silero state between windows."""
 
     state: np.ndarray | None = field(default_factory=lambda: np.zeros((2, 128), np.float32))  # None: `silent`
     context: np.ndarray = field(default_factory=lambda: np.zeros(CONTEXT, np.float32))
+    floor: float | None = None  # the RMS level of the stream's noise floor (None: not heard yet)
+
+    def hear_floor(self, level: float) -> None:
+        """A window that was not speech: the floor follows the quietest such window at once, louder ones slowly."""
+        self.floor = level if self.floor is None else min(level, self.floor * _FLOOR_RISE)
 
     def silent(self, tail: np.ndarray) -> None:
         """After a silent window (`tail`: its last samples): the model's state is that of a second of silence, as
         if it had heard it, rather than that of the last sound it heard, ages ago perhaps."""
         self.state, self.context = None, tail.copy()
+
+
+_NOISE_GATE_CEILING = 10 ** (-NOISE_GATE_CEILING_DB / 20)
+_SILENCE_LEVEL = 10 ** (-SILENCE_DB / 20)  # the floor is never counted below the silence gate (it could not rise)
 
 
 class SileroBatch:
@@ -165,9 +187,11 @@ class VadBatcher:
     the process's other input-audio models, each batched the same way on a thread of its own: the end-of-turn
     model of `semantic_vad` (`turn_end`) and the noise reduction (`denoise`)."""
 
-    def __init__(self, silence_db: float | None = SILENCE_DB, tick_s: float = TICK_S):
+    def __init__(self, silence_db: float | None = SILENCE_DB, tick_s: float = TICK_S,
+                 noise_gate_db: float | None = NOISE_GATE_DB):
         self._model: SileroBatch | None = None  # loaded on first use
         self._silence = 0.0 if silence_db is None else 10 ** (-silence_db / 20)
+        self._noise_gate = None if noise_gate_db is None else 10 ** (noise_gate_db / 20)
         self._rounds = Rounds(self._round, "omnirt-vad", tick_s)
         self.turn_end = TurnEndBatcher()
         self.denoise = DenoiseBatcher()
@@ -182,26 +206,38 @@ class VadBatcher:
         """What waits for the VAD (`num_waiting`, `oldest_wait_s`): the server's load signal reads it."""
         return self._rounds
 
-    async def probabilities(self, stream: VadStream, windows: np.ndarray, levels: np.ndarray | None = None
-                            ) -> np.ndarray:
+    async def probabilities(self, stream: VadStream, windows: np.ndarray, levels: np.ndarray | None = None,
+                            between_turns: bool = False) -> np.ndarray:
         """Each window's speech probability (`levels`: their `window_levels`, where known). A window below the
-        silence gate is 0 without a model call, so that a silent microphone costs no model time; the stream goes on
-        from the state of silence after it (`VadStream.silent`)."""
+        silence gate, or `between_turns` at the stream's noise floor (the noise gate), is 0 without a model call, so
+        that a quiet microphone costs no model time; the stream goes on from the state of silence after it
+        (`VadStream.silent`)."""
         if not len(windows):
             return np.zeros(0, np.float32)
-        loud = (window_levels(windows) if levels is None else levels) >= self._silence
+        levels = window_levels(windows) if levels is None else levels
+        loud = levels >= self._silence
+        if between_turns and stream.floor is not None and self._noise_gate is not None:
+            loud &= levels > min(stream.floor * self._noise_gate, _NOISE_GATE_CEILING)
         if loud.all():
             return await self._rounds.submit(_Job(stream, windows))
         self.num_silent += len(windows) - int(np.count_nonzero(loud))
         probs = np.zeros(len(windows), np.float32)
         first = int(np.argmax(loud)) if loud.any() else len(windows)
         if first:
-            stream.silent(windows[first - 1, -CONTEXT:])
+            self._skipped(stream, windows[first - 1], levels[first - 1])
         if first < len(windows):
             probs[loud] = await self._rounds.submit(_Job(stream, windows[loud]))
             if not loud[-1]:
-                stream.silent(windows[-1, -CONTEXT:])
+                self._skipped(stream, windows[-1], levels[-1])
         return probs
+
+    def _skipped(self, stream: VadStream, window: np.ndarray, level: float) -> None:
+        """After windows the gates kept from the model (`window`, `level`: the last): below the silence gate the
+        state is a second of silence's; at a noise floor it stays that of the room the model heard last."""
+        if level < self._silence:
+            stream.silent(window[-CONTEXT:])
+        else:
+            stream.context = window[-CONTEXT:].copy()
 
     def _round(self, jobs: list[_Job]) -> None:
         if self._model is None:
@@ -264,6 +300,8 @@ class TurnDetector:
             if prob >= self.cfg.threshold:
                 self.is_speaking, self._silence_start, self._peak, self._is_candidate = True, None, level, False
                 return SpeechStarted(max(0, start - self.cfg.prefix_padding_samples), start)
+            if prob < self.cfg.threshold - HYSTERESIS:  # the room between turns: what the noise gate measures against
+                self.stream.hear_floor(max(level, _SILENCE_LEVEL))
             return None
         self._peak = max(self._peak, level)
         if prob >= self.cfg.threshold - HYSTERESIS and level >= self._peak * self._quiet:

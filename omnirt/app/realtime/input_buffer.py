@@ -132,7 +132,8 @@ class InputBuffer:
     async def _detect(self, windows: np.ndarray) -> list[TurnEvent]:
         """The turns that new VAD windows start or end (the model's calls batched with every session's)."""
         detector, levels, events = self.detector, window_levels(windows), []
-        for ev in detector.decide(windows, await self.vad.probabilities(detector.stream, windows, levels), levels):
+        probs = await self.vad.probabilities(detector.stream, windows, levels, between_turns=not detector.is_speaking)
+        for ev in detector.decide(windows, probs, levels):
             if isinstance(ev, PauseCandidate) and self._turn_start is not None:
                 probability = await self.vad.turn_end.complete_probability(self._peek(self._turn_start, ev.at_sample))
                 ev = detector.resolve(ev, probability)
