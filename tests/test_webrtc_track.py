@@ -77,6 +77,30 @@ async def test_clear_drops_queued_and_late_audio_and_underruns_are_counted():
     assert track.readyState == "ended"
 
 
+async def test_an_empty_buffer_plays_the_fill_and_counts_the_same():
+    """A bench's microphone plays its room between utterances (`fill`): the same frames as a silent track where audio
+    is queued, the fill where it is not, and the same playback events (underruns, audio played)."""
+    played = {}
+    for name, fill in (("silent", None), ("room", lambda n: np.full(n, 7, np.int16))):
+        events = []
+        track = PacedAudioTrack(events.append, fill=fill)
+        sent = await frames(track, 2)
+        await track.write("resp_1", "item_1", tone(0.1))
+        sent += await frames(track, 5 + 6)  # 100 ms of audio, then 120 ms with nothing while still owed
+        await track.write("resp_1", "item_1", tone(0.1))
+        track.response_done("resp_1")
+        while events[-1]["type"] != "output_audio_buffer.stopped":
+            sent += await frames(track, 1)
+        sent += await frames(track, 2)
+        played[name] = (np.concatenate([f.to_ndarray()[0] for f in sent]),
+                        [{k: v for k, v in e.items() if k != "event_id"} for e in events])
+        track.stop()
+    (silent, silent_events), (room, room_events) = played["silent"], played["room"]
+    assert room_events == silent_events and room_events[-1]["omnirt_playback"]["num_underruns"] == 1
+    assert len(room) == len(silent) and ((room == silent) | ((silent == 0) & (room == 7))).all()
+    assert (room == 7).sum() >= 10 * FRAME_SAMPLES  # before, inside and after the response
+
+
 async def test_mic_backlog_keeps_the_newest_audio_within_its_bound_and_counts_the_rest():
     """A consumer that stalls while 50 chunks of 20 ms arrive gets only the newest 0.5 s; the rest is counted."""
     backlog = MicBacklog(0.5)

@@ -38,7 +38,6 @@ from dataclasses import asdict
 
 import numpy as np
 
-from omnirt.app.audio.pcm import float_to_pcm16
 from omnirt.loadtest import capacity, plot, server_metrics
 from omnirt.loadtest.bench import say_plan, server_args, server_platform, write_report
 from omnirt.loadtest.gpu_use import GpuUse
@@ -80,7 +79,6 @@ async def _client(index: int, sessions: list[int], args: argparse.Namespace, sta
 
     result = ClientResult()
     audios = utterances(args)
-    pcm16 = [float_to_pcm16(a) for a in audios]
     url = args.url.replace("http", "ws", 1) + f"/v1/realtime?model={args.model}"
     spread, counted = spread_s(args), set()
 
@@ -103,7 +101,7 @@ async def _client(index: int, sessions: list[int], args: argparse.Namespace, sta
             await mic.run(starts_at(i))
 
     async def over_webrtc(i: int) -> None:
-        mic = WebRtcMic(i, pcm16, args, result)
+        mic = WebRtcMic(i, audios, args, result)
         await mic.connect(args.url)
         try:
             await mic.call.wait_for(lambda e: e["type"] == "session.created", 60)
@@ -222,7 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a session thinks after the reply played (after the turn's end in the diagnostic "
                         "modes) before speaking again: uniform, seeded per session")
     p.add_argument("--noise-db", default="-55", help="the microphones' noise floor, dBFS RMS, laid over all they send "
-                   "(seeded per session; WebSocket only); off: digital zero between utterances")
+                   "(seeded per session; over WebRTC too, between and under utterances); off: digital zero between "
+                   "utterances")
     p.add_argument("--wav", help="the utterance (any rate, mono or not) (default: an espeak-ng phrase)")
     p.add_argument("--speech", choices=("set", "plain", "paused"), default="set", help="set: the 26 shipped "
                    "utterances of 1.4-7.7 s, each session starting at its own; plain: the one espeak-ng phrase; "

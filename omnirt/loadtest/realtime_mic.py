@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from omnirt.app.audio.pcm import float_to_pcm16
 from omnirt.app.audio.playback import PlaybackClock
 from omnirt.app.audio.wire import PCM16
 
@@ -312,13 +313,15 @@ class WebSocketMic(Mic):
 
 
 class WebRtcMic(Mic):
-    """The utterance goes out on the call's paced microphone track (silence flows whenever nothing is
-    written); events come on the data channel; first audio is the server's `output_audio_buffer.started`
-    (the reply's first frame left on its track), underruns are its track's own count."""
+    """The utterance goes out on the call's paced microphone track over the session's noise floor, and the floor
+    flows whenever nothing is written; events come on the data channel; first audio is the server's
+    `output_audio_buffer.started` (the reply's first frame left on its track), underruns are its track's own
+    count."""
 
-    def __init__(self, index: int, pcm16: list[bytes], args: argparse.Namespace, result: ClientResult):
+    def __init__(self, index: int, speech: list[np.ndarray], args: argparse.Namespace, result: ClientResult):
         super().__init__(index, args, result)
-        self.pcm16, self.call = pcm16, None
+        self.speech, self.call = speech, None
+        self._noise, self._noise_db = np.random.default_rng(index), noise_db(args.noise_db)  # as WebSocketMic's
         self._spoken: dict[str, float] = {}
         self._sent = asyncio.Event()
         self._handling: set[asyncio.Task] = set()
@@ -327,12 +330,17 @@ class WebRtcMic(Mic):
         from omnirt.loadtest.webrtc_client import connect
 
         self.call = await connect(url, f"/v1/realtime?model={self.args.model}", on_event=self._channel_event,
-                                  on_mic_event=self._mic_event)
+                                  on_mic_event=self._mic_event, mic_fill=self._room)
+
+    def _room(self, num_samples: int) -> np.ndarray:
+        """The microphone's noise floor between utterances (48 kHz PCM16)."""
+        return np.frombuffer(float_to_pcm16(noise(self._noise, num_samples, self._noise_db)), np.int16)
 
     async def speak(self, t: int) -> float:
         name = f"utterance-{t}"
         self._sent.clear()
-        await self.call.mic.write(name, name, self.pcm16[(self.index + t) % len(self.pcm16)])
+        speech = self.speech[(self.index + t) % len(self.speech)]
+        await self.call.mic.write(name, name, float_to_pcm16(speech + noise(self._noise, len(speech), self._noise_db)))
         self.call.mic.response_done(name)
         await self._sent.wait()
         return self._spoken.pop(name)

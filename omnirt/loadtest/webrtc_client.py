@@ -78,14 +78,17 @@ class RealtimeCall:
 async def connect(base_url: str, path: str = "/v1/realtime/calls", transport=None, extra_video: bool = False,
                   on_event: Callable[[dict], None] | None = None,
                   on_mic_event: Callable[[dict], None] | None = None,
-                  headers: dict[str, str] | None = None) -> RealtimeCall:
+                  headers: dict[str, str] | None = None,
+                  mic_fill: Callable[[int], np.ndarray] | None = None) -> RealtimeCall:
     """Offer, answer, connect; `transport`: an httpx transport (an in-process app), else real HTTP;
     `extra_video`: offer a video section as well (sendrecv, no track); `on_event`: each server event;
     `on_mic_event`: the microphone track's own playback events (`output_audio_buffer.stopped` once a
-    written utterance has all been sent); `headers`: more signalling headers (`Authorization`, `Origin`)."""
+    written utterance has all been sent); `headers`: more signalling headers (`Authorization`, `Origin`);
+    `mic_fill`: what the microphone sends between utterances (n 48 kHz PCM16 samples; default digital zero)."""
     offer_host_addresses(("127.0.0.1",))  # this process's ICE offers loopback, as the server does
     pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
-    call = RealtimeCall(pc, pc.createDataChannel("oai-events"), PacedAudioTrack(on_mic_event or (lambda ev: None)))
+    mic = PacedAudioTrack(on_mic_event or (lambda ev: None), fill=mic_fill)
+    call = RealtimeCall(pc, pc.createDataChannel("oai-events"), mic)
 
     def received(message: str) -> None:
         event = json.loads(message)

@@ -5,9 +5,9 @@ aiortc's RTP sender sends whatever `recv()` returns as fast as it returns it, so
 itself: every `recv()` sleeps until `start + pts / 48000` on the wall clock and returns one 20 ms
 frame, `pts` counted in samples (strictly increasing, no drift). The session writes the response's
 PCM16 at the engine's rate (`write`); it is resampled to 48 kHz and queued in a bounded buffer (a full buffer
-makes the writer wait). An empty buffer gives silence, so RTP keeps flowing; while a response's
-audio is still owed that silence is an underrun. The track also knows what was really sent
-(`played_ms`, the truncation point on barge-in) and reports playback on the data channel:
+makes the writer wait). An empty buffer gives silence (a bench's microphone: its room, `fill`), so RTP keeps
+flowing; while a response's audio is still owed that silence is an underrun. The track also knows what was really
+sent (`played_ms`, the truncation point on barge-in) and reports playback on the data channel:
 `output_audio_buffer.started` when a response's first audio goes out, `stopped` when it has all
 gone out after the response is done (with the omnirt extension `omnirt_playback`:
 {audio_ms, num_underruns}); `clear()` (barge-in) drops what is queued.
@@ -42,13 +42,18 @@ FRAME_SAMPLES = OPUS_RATE // 50  # 20 ms
 UNDERRUN_FRAMES = 5  # a gap of 100 ms or more while audio is owed (docs/benchmarks.md, "Definitions")
 
 
+def _zeros(num_samples: int) -> np.ndarray:
+    return np.zeros(num_samples, np.int16)
+
+
 class PacedAudioTrack(MediaStreamTrack):
     kind = "audio"
 
     def __init__(self, on_event: Callable[[dict[str, Any]], None], max_buffer_s: float = 30.0,
-                 input_rate: int = PCM16.sample_rate):
+                 input_rate: int = PCM16.sample_rate, fill: Callable[[int], np.ndarray] | None = None):
         super().__init__()
         self.on_event, self.input_rate = on_event, input_rate
+        self._fill = fill or _zeros  # what an empty buffer plays (n samples at OPUS_RATE, int16): silence
         self.max_buffer_samples = int(max_buffer_s * OPUS_RATE)
         self._buf = np.zeros(0, np.int16)
         self._owners: deque[list] = deque()  # [response_id, item_id, samples]: whose samples are queued, in order
@@ -155,7 +160,7 @@ class PacedAudioTrack(MediaStreamTrack):
         if out.size:
             self._space.set()
         self._after_frame(out.size)
-        return out if out.size == n else np.concatenate([out, np.zeros(n - out.size, np.int16)])
+        return out if out.size == n else np.concatenate([out, self._fill(n - out.size)])
 
     def _started(self, response_id: str) -> None:
         if response_id == self._playing:
