@@ -22,7 +22,7 @@ never meets it. So each stream tracks its own floor (the level of the windows th
 speech, following the quietest at once and rising `FLOOR_RISE_DB_S` a second); between turns a window within
 `NOISE_GATE_DB` (6 dB) of it, and below `NOISE_GATE_CEILING_DB`, is silence without a model call, as under the silence
 gate. Speech is louder than the room it is spoken in by more than that, and a turn in progress always goes through the
-model, so the turns decided stay the model's to within a window (`tests/test_realtime_units.py`).
+model, so the turns decided stay the model's to within a window (`tests/test_noise_gate.py`).
 
 Speech starts at the first window whose probability reaches `threshold`; it stops once every window has been
 silent for `silence_duration_ms`. A window is silent when its probability is below `threshold - 0.15` (Silero's
@@ -210,8 +210,8 @@ class VadBatcher:
                             between_turns: bool = False) -> np.ndarray:
         """Each window's speech probability (`levels`: their `window_levels`, where known). A window below the
         silence gate, or `between_turns` at the stream's noise floor (the noise gate), is 0 without a model call, so
-        that a quiet microphone costs no model time; the stream goes on from the state of silence after it
-        (`VadStream.silent`)."""
+        that a quiet microphone costs no model time; the stream goes on from the state of silence after the silence
+        gate (`VadStream.silent`), from that of the room it heard last after the noise gate."""
         if not len(windows):
             return np.zeros(0, np.float32)
         levels = window_levels(windows) if levels is None else levels
