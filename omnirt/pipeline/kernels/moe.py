@@ -19,6 +19,8 @@ custom op (`omnirt::fused_experts`), opaque to `torch.compile` as the slot atten
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
@@ -66,23 +68,31 @@ def align(top_k_index: torch.Tensor, num_experts: int, block_m: int) -> tuple[to
 
 
 def fused_experts(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k_index: torch.Tensor,
-                  top_k_weights: torch.Tensor, transposed: bool = False, tiles: Tiles = DECODE_TILES) -> torch.Tensor:
+                  top_k_weights: torch.Tensor, transposed: bool = False, tiles: Tiles = DECODE_TILES,
+                  scales: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> torch.Tensor:
     """sum over k of w[t, k] * down_e(SiLU(gate_e(x_t)) * up_e(x_t)), e = top_k_index[t, k], for hidden [T, H].
     Weights as transformers holds them: gate_up [E, 2I, H] (gate rows first), down [E, H, I]; transposed,
-    [E, H, 2I] and [E, I, H]."""
+    [E, H, 2I] and [E, I, H]. `scales`: for fp8 weights (`omnirt.pipeline.kernels.fp8`, not transposed), their
+    scale_inv tensors and block size; the arithmetic is then in the hidden states' dtype."""
+    gate_up_scale, down_scale, block = scales if scales is not None else (None, None, 0)
+    if block and (transposed or block % tiles.block_k):
+        raise ValueError(f"fp8 experts need [E, N, K] weights and a reduction tile dividing their {block} blocks")
     return _fused_experts_op(hidden, gate_up, down, top_k_index, top_k_weights, transposed,
-                             [tiles.block_m, tiles.block_n, tiles.block_k, tiles.num_warps, tiles.num_stages])
+                             [tiles.block_m, tiles.block_n, tiles.block_k, tiles.num_warps, tiles.num_stages],
+                             gate_up_scale, down_scale, block)
 
 
 @torch.library.custom_op("omnirt::fused_experts", mutates_args=())
 def _fused_experts_op(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k_index: torch.Tensor,
-                      top_k_weights: torch.Tensor, transposed: bool, tile_sizes: list[int]) -> torch.Tensor:
+                      top_k_weights: torch.Tensor, transposed: bool, tile_sizes: list[int],
+                      gate_up_scale: torch.Tensor | None, down_scale: torch.Tensor | None,
+                      scale_block: int) -> torch.Tensor:
     import triton
 
     from omnirt.pipeline.kernels.triton_moe import down_kernel, gate_up_kernel  # deferred: Triton is optional
 
     tiles = Tiles(*tile_sizes)
-    x = hidden.to(gate_up.dtype).contiguous()
+    x = hidden.to(hidden.dtype if scale_block else gate_up.dtype).contiguous()
     tokens, dim = x.shape
     top_k = top_k_index.shape[1]
     pairs = tokens * top_k
@@ -92,20 +102,24 @@ def _fused_experts_op(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.T
     act = torch.empty(sorted_ids.numel(), inter, dtype=x.dtype, device=x.device)  # by sorted row
     out = torch.empty(pairs, dim, dtype=x.dtype, device=x.device)  # by pair
     fixed = dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-                 PRECISION="ieee" if x.dtype == torch.float32 else None, num_warps=tiles.num_warps,
-                 num_stages=tiles.num_stages)
+                 PRECISION="ieee" if x.dtype == torch.float32 else None, SCALE_BLOCK=scale_block,
+                 num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    gate_up_scale = gate_up if gate_up_scale is None else gate_up_scale  # unread without scale_block
+    down_scale = down if down_scale is None else down_scale
     with INTERPRETER:
         gate_up_kernel[(blocks, triton.cdiv(inter, tiles.block_n))](
-            x, gate_up, act, sorted_ids, block_expert, total, pairs, inter, dim,
-            x.stride(0), *_strides(gate_up, transposed), act.stride(0), TOP_K=top_k, **fixed)
+            x, gate_up, gate_up_scale, act, sorted_ids, block_expert, total, pairs, inter, dim,
+            x.stride(0), *_strides(gate_up, transposed), *_strides(gate_up_scale, False), act.stride(0),
+            TOP_K=top_k, **fixed)
         down_kernel[(blocks, triton.cdiv(dim, tiles.block_n))](
-            act, down, out, sorted_ids, block_expert, total, top_k_weights.reshape(-1), pairs, dim, inter,
-            act.stride(0), *_strides(down, transposed), out.stride(0), **fixed)
+            act, down, down_scale, out, sorted_ids, block_expert, total, top_k_weights.reshape(-1), pairs, dim,
+            inter, act.stride(0), *_strides(down, transposed), *_strides(down_scale, False), out.stride(0), **fixed)
     return out.view(tokens, top_k, dim).sum(1).to(hidden.dtype)
 
 
 @_fused_experts_op.register_fake
-def _(hidden, gate_up, down, top_k_index, top_k_weights, transposed, tile_sizes):
+def _(hidden, gate_up, down, top_k_index, top_k_weights, transposed, tile_sizes, gate_up_scale, down_scale,
+      scale_block):
     return hidden.new_empty(hidden.shape)
 
 
@@ -118,14 +132,22 @@ def _strides(weight: torch.Tensor, transposed: bool) -> tuple[int, int, int]:
 def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                     tiles: Tiles = DECODE_TILES) -> torch.Tensor:
     """transformers' experts interface (`grouped_mm_experts_forward`'s signature), on the module's own
-    weights and layout; grouped_mm past `MAX_FUSED_PAIRS`. `tiles`: for timing other tile sizes."""
+    weights and layout; grouped_mm past `MAX_FUSED_PAIRS`. FP8 experts (`omnirt.pipeline.kernels.fp8`) always
+    take the fused kernels, which alone read them. `tiles`: for timing other tile sizes."""
     from transformers.integrations.moe import grouped_mm_experts_forward
 
+    from omnirt.pipeline.kernels.fp8 import is_quantized
+
     _check_fusable(self)
-    if top_k_index.numel() > MAX_FUSED_PAIRS:
+    scales = None
+    if is_quantized(self):
+        block = self.weight_block_size[0]
+        scales = (self.gate_up_proj_scale_inv, self.down_proj_scale_inv, block)
+        tiles = dataclasses.replace(tiles, block_k=math.gcd(tiles.block_k, block))  # a tile within a scale block
+    elif top_k_index.numel() > MAX_FUSED_PAIRS:
         return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
     return fused_experts(hidden_states, self.gate_up_proj, self.down_proj, top_k_index, top_k_weights,
-                         self.is_transposed, tiles)
+                         self.is_transposed, tiles, scales)
 
 
 def _check_fusable(experts: torch.nn.Module) -> None:

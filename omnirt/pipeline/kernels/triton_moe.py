@@ -11,7 +11,10 @@ CUDA graph; GEMM programs past `NumPost` return at once.
 and up rows of that tile and writes SiLU(gate) * up (fp32 until the store) to row `block * BLOCK_M + i`
 of the intermediate buffer (padding rows get zeros). `down_kernel`: the down projection of those rows,
 times each pair's routing weight, stored at row `pair` of the output; the caller sums over top-k.
-Weights are read through strides, so [E, N, K] and transposed [E, K, N] layouts both work.
+Weights are read through strides, so [E, N, K] and transposed [E, K, N] layouts both work. FP8 weights
+(`omnirt.pipeline.kernels.fp8`) come with `S`, their float32 scales [E, N / SCALE_BLOCK, K / SCALE_BLOCK]: each tile
+is widened to the activations' dtype and its product scaled per output column in the accumulator (BLOCK_K divides
+SCALE_BLOCK, so a tile's reduction lies in one scale block). SCALE_BLOCK 0: unscaled weights (`S` unread).
 """
 
 import triton
@@ -56,18 +59,29 @@ def _block_pairs(SortedIds, num_pairs, BLOCK_M: tl.constexpr):
     return rows, pairs, pairs < num_pairs
 
 
+@triton.jit
+def _scaled_dot(a, w, s_base, n, k0, n_ok, stride_sn, stride_sk, PRECISION: tl.constexpr, SCALE_BLOCK: tl.constexpr):
+    """a @ w in fp32; with SCALE_BLOCK, w is fp8: widened to a's dtype, the product scaled by each column's block
+    scale at reduction offset k0."""
+    if SCALE_BLOCK == 0:
+        return tl.dot(a, w, input_precision=PRECISION)
+    scale = tl.load(s_base + (n // SCALE_BLOCK) * stride_sn + (k0 // SCALE_BLOCK) * stride_sk, mask=n_ok, other=0.0)
+    return tl.dot(a, w.to(a.dtype), input_precision=PRECISION) * scale[None, :]
+
+
 @triton.jit(do_not_specialize=["num_pairs"])
-def gate_up_kernel(X, W, Out, SortedIds, BlockExpert, NumPost, num_pairs, inter, hidden,
-                   stride_xm, stride_we, stride_wn, stride_wk, stride_om,
+def gate_up_kernel(X, W, S, Out, SortedIds, BlockExpert, NumPost, num_pairs, inter, hidden,
+                   stride_xm, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_om,
                    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   PRECISION: tl.constexpr):
+                   PRECISION: tl.constexpr, SCALE_BLOCK: tl.constexpr):
     if tl.program_id(0) * BLOCK_M >= tl.load(NumPost):
         return
     rows, pairs, real = _block_pairs(SortedIds, num_pairs, BLOCK_M)
     tokens = pairs // TOP_K
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < inter
-    w_base = W + tl.load(BlockExpert + tl.program_id(0)).to(tl.int64) * stride_we
+    expert = tl.load(BlockExpert + tl.program_id(0)).to(tl.int64)
+    w_base, s_base = W + expert * stride_we, S + expert * stride_se
     gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
@@ -77,22 +91,24 @@ def gate_up_kernel(X, W, Out, SortedIds, BlockExpert, NumPost, num_pairs, inter,
         w_mask = k_ok[:, None] & n_ok[None, :]
         w_gate = tl.load(w_base + n[None, :] * stride_wn + k[:, None] * stride_wk, mask=w_mask, other=0.0)
         w_up = tl.load(w_base + (n + inter)[None, :] * stride_wn + k[:, None] * stride_wk, mask=w_mask, other=0.0)
-        gate += tl.dot(x, w_gate, input_precision=PRECISION)
-        up += tl.dot(x, w_up, input_precision=PRECISION)
+        gate += _scaled_dot(x, w_gate, s_base, n, k0, n_ok, stride_sn, stride_sk, PRECISION, SCALE_BLOCK)
+        up += _scaled_dot(x, w_up, s_base, n + inter, k0, n_ok, stride_sn, stride_sk, PRECISION, SCALE_BLOCK)
     act = gate / (1.0 + tl.exp(-gate)) * up
     tl.store(Out + rows[:, None] * stride_om + n[None, :], act.to(Out.dtype.element_ty), mask=n_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
-def down_kernel(A, W, Out, SortedIds, BlockExpert, NumPost, RoutingWeights, num_pairs, hidden, inter,
-                stride_am, stride_we, stride_wn, stride_wk, stride_om,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+def down_kernel(A, W, S, Out, SortedIds, BlockExpert, NumPost, RoutingWeights, num_pairs, hidden, inter,
+                stride_am, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_om,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+                SCALE_BLOCK: tl.constexpr):
     if tl.program_id(0) * BLOCK_M >= tl.load(NumPost):
         return
     rows, pairs, real = _block_pairs(SortedIds, num_pairs, BLOCK_M)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < hidden
-    w_base = W + tl.load(BlockExpert + tl.program_id(0)).to(tl.int64) * stride_we
+    expert = tl.load(BlockExpert + tl.program_id(0)).to(tl.int64)
+    w_base, s_base = W + expert * stride_we, S + expert * stride_se
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, inter, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
@@ -100,7 +116,7 @@ def down_kernel(A, W, Out, SortedIds, BlockExpert, NumPost, RoutingWeights, num_
         a = tl.load(A + rows[:, None] * stride_am + k[None, :], mask=k_ok[None, :], other=0.0)
         w = tl.load(w_base + n[None, :] * stride_wn + k[:, None] * stride_wk, mask=k_ok[:, None] & n_ok[None, :],
                     other=0.0)
-        acc += tl.dot(a, w, input_precision=PRECISION)
+        acc += _scaled_dot(a, w, s_base, n, k0, n_ok, stride_sn, stride_sk, PRECISION, SCALE_BLOCK)
     acc *= tl.load(RoutingWeights + pairs, mask=real, other=0.0).to(tl.float32)[:, None]
     tl.store(Out + pairs[:, None] * stride_om + n[None, :], acc.to(Out.dtype.element_ty),
              mask=real[:, None] & n_ok[None, :])

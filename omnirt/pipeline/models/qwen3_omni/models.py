@@ -16,6 +16,8 @@ import torch
 
 from omnirt.pipeline.config import EngineConfig
 from omnirt.pipeline.kernels.attention import attend_in_place
+from omnirt.pipeline.kernels.fp8 import BLOCK as FP8_BLOCK
+from omnirt.pipeline.kernels.fp8 import quantize_moe, use_dequantized_experts
 from omnirt.pipeline.kernels.moe import use_fused_experts
 from omnirt.pipeline.kernels.triton_runtime import available
 from omnirt.pipeline.models.qwen3_omni.code2wav import Code2WavModel, frame_buckets
@@ -118,32 +120,44 @@ def _in_place(attention: str, platform: Platform) -> bool:
     return attention == "slots"
 
 
-def _experts(backend: str, platform: Platform) -> str:
+def _experts(backend: str, platform: Platform, quantization: str = "none") -> str:
     """The transformers experts implementation for `moe_backend` (auto: the fused Triton kernels where graphs
-    run and Triton imports, 1.5-2x faster than grouped_mm at decode batches on the H200; eager otherwise)."""
+    run and Triton imports, 1.5-2x faster than grouped_mm at decode batches on the H200; eager otherwise). FP8
+    experts run on the fused kernels, or dequantised where those would be eager (the CPU)."""
     if backend == "auto":
         backend = "triton" if platform.supports_graphs and available() else (
-            "grouped_mm" if platform.supports_graphs else "eager")
+            "grouped_mm" if platform.supports_graphs and quantization == "none" else "eager")
     if backend == "triton":
         if not available():
             raise ValueError("moe_backend: triton needs Triton "
                              "(pip install triton; on the CPU also TRITON_INTERPRET=1)")
         return use_fused_experts()
-    return backend
+    return use_dequantized_experts() if quantization == "fp8" else backend
+
+
+def _quantize(hf, quantization: str, platform: Platform, device: torch.device) -> None:
+    """The experts' weights in FP8 (`quantization: fp8`), quantised from those loaded."""
+    if quantization != "fp8":
+        return
+    before = platform.memory_allocated(device)
+    num = quantize_moe(hf)
+    log.info("fp8: %d experts modules quantised in blocks of %d (%.2f GiB -> %.2f GiB on %s)", num, FP8_BLOCK,
+             before / 2**30, platform.memory_allocated(device) / 2**30, device)
 
 
 def load_models(cfg: EngineConfig, platform: Platform, stages: tuple[str, ...]) -> OmniModels:
     """The models of `stages` (the others are not loaded), the prompt encoder, and the stage graph."""
     dtype = getattr(torch, cfg.dtype)
     device = platform.device(0)
-    moe = _experts(cfg.moe_backend, platform)
+    moe = _experts(cfg.moe_backend, platform, cfg.quantization)
     # grouped_mm captures in bf16; other dtypes fall back to a kernel that reads group sizes on the host
     graph_moe = "batched_mm" if moe == "grouped_mm" and dtype != torch.bfloat16 else None
     in_place = _in_place(cfg.attention, platform)
     hf, tokenizer, path = load_hf_model(cfg.model, cfg.load_format, dtype, device, moe, frozenset(stages))
-    log.info("weights of %s: %.2f GiB on %s (%s, experts: %s, attention: %s, compile: %s)", "+".join(stages),
-             platform.memory_allocated(device) / 2**30, device, cfg.dtype, moe, "slots" if in_place else "dense",
-             cfg.compile)
+    _quantize(hf, cfg.quantization, platform, device)
+    log.info("weights of %s: %.2f GiB on %s (%s, experts: %s%s, attention: %s, compile: %s)", "+".join(stages),
+             platform.memory_allocated(device) / 2**30, device, cfg.dtype, moe,
+             " in fp8" if cfg.quantization == "fp8" else "", "slots" if in_place else "dense", cfg.compile)
     hc = hf.config
     plan = memory_plan(hf, cfg, stages, platform)
     encoder = PromptEncoder.from_checkpoint(path, tokenizer, hc.thinker_config)
