@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
+import re
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -192,3 +196,76 @@ def test_quantization_key():
         EngineConfig(quantization="int4")
     with pytest.raises(ProfileError, match="fp8 experts run on the fused Triton kernels"):
         EngineConfig(quantization="fp8", moe_backend="grouped_mm")
+
+
+DECODER_LINEAR = re.compile(r"^(thinker|talker)\.model\.layers\.\d+\.(self_attn\.[qkvo]_proj"
+                            r"|mlp\.experts\.\d+\.(gate|up|down)_proj|mlp\.shared_expert\.(gate|up|down)_proj)\.weight$")
+CHECKPOINT_BLOCK = 16  # several blocks per weight at the tiny model's sizes
+
+
+@pytest.fixture(scope="module")
+def fp8_checkpoint(tmp_path_factory, reference_model) -> tuple[Path, torch.nn.Module]:
+    """(the tiny checkpoint as FP8 checkpoints are published: the decoders' linear layers as float8_e4m3fn weights
+    with a `weight_scale_inv` each, `quantization_config` in config.json; the tiny model with the weights those
+    stand for, in fp32, set by the checkpoint's own keys)."""
+    from safetensors.torch import load_file, save_file
+
+    from omnirt.pipeline.models.qwen3_omni.tiny import ensure_tiny_model
+
+    path = tmp_path_factory.mktemp("tiny-fp8")
+    shutil.copytree(ensure_tiny_model(), path, dirs_exist_ok=True)
+    (file,) = path.glob("*.safetensors")
+    tensors, truth = load_file(file), copy.deepcopy(reference_model)
+    stacks = {"thinker": truth.thinker.model.language_model, "talker": truth.talker.model}
+    for key in [k for k in tensors if DECODER_LINEAR.match(k)]:
+        q, scale = fp8.quantize_blocks(tensors[key], CHECKPOINT_BLOCK)
+        tensors[key], tensors[key.replace(".weight", ".weight_scale_inv")] = q, scale
+        _set_weight(stacks, key, fp8.dequantize_blocks(q, scale, CHECKPOINT_BLOCK))
+    save_file(tensors, file, metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": [CHECKPOINT_BLOCK, CHECKPOINT_BLOCK]}
+    (path / "config.json").write_text(json.dumps(config))
+    return path, truth
+
+
+def _set_weight(stacks: dict[str, torch.nn.Module], key: str, weight: torch.Tensor) -> None:
+    """Set checkpoint weight `key` (per expert, as checkpoints store experts) in the loaded model's layout."""
+    part, _, _, layer, *rest = key.split(".")
+    module = stacks[part].layers[int(layer)]
+    if rest[:2] != ["mlp", "experts"]:
+        module.get_submodule(".".join(rest[:-1])).weight.data.copy_(weight)
+        return
+    experts, e, proj = module.mlp.experts, int(rest[2]), rest[3]
+    inter = experts.gate_up_proj.shape[1] // 2
+    rows = {"gate_proj": slice(0, inter), "up_proj": slice(inter, None), "down_proj": slice(None)}[proj]
+    (experts.down_proj if proj == "down_proj" else experts.gate_up_proj).data[e, rows].copy_(weight)
+
+
+@pytest.mark.fast
+def test_an_fp8_checkpoint_loads_its_own_values_and_scales(fp8_checkpoint):
+    """Every weight of the loaded model is the checkpoint's: FP8 experts (with the checkpoint's block size) stand
+    for exactly the weights the checkpoint's values and scales do, the other quantised layers hold them, and the
+    rest is untouched."""
+    from omnirt.pipeline.models.qwen3_omni.weights import checkpoint_quantization, load_hf_model
+
+    path, truth = fp8_checkpoint
+    assert checkpoint_quantization(str(path), "auto") == "fp8" and checkpoint_quantization("tiny", "auto") == "none"
+    hf, _, _ = load_hf_model(str(path), "auto", torch.float32, torch.device("cpu"))
+    quantized_modules = [m for m in hf.modules() if fp8.is_quantized(m)]
+    assert len(quantized_modules) == 4 and all(m.weight_block_size == (CHECKPOINT_BLOCK,) * 2
+                                               for m in quantized_modules)  # 2 Thinker layers, 2 Talker layers
+    want = dict(truth.named_parameters())
+    for module_name, module in hf.named_modules():
+        for name, param in module.named_parameters(recurse=False):
+            if name.endswith("_scale_inv"):
+                continue
+            loaded = fp8.dequantized(module, name, slice(None), torch.float32) if param.dtype == fp8.FP8 else param
+            assert torch.equal(loaded, want[f"{module_name}.{name}"]), f"{module_name}.{name}"
+
+
+async def test_an_fp8_checkpoint_serves_as_generate_on_its_weights(tiny_config, fp8_checkpoint):
+    path, truth = fp8_checkpoint
+    with started_engine(dataclasses.replace(tiny_config, model=str(path))) as eng:
+        assert eng.models.thinker.stack.config._experts_implementation == fp8.NAME
+        await assert_greedy_parity(eng, truth, "fp8-checkpoint", "text")

@@ -61,9 +61,9 @@ def quantize_experts(experts: torch.nn.Module, block: int = BLOCK) -> None:
 
 
 def quantize_moe(model: torch.nn.Module, block: int = BLOCK) -> int:
-    """Quantise every experts module of `model` (held off the meta device); returns how many."""
+    """Quantise every experts module of `model` held off the meta device and not FP8 already; returns how many."""
     found = [m for m in model.modules() if all(isinstance(getattr(m, p, None), torch.Tensor) for p in PROJECTIONS)
-             and not m.gate_up_proj.is_meta and m.gate_up_proj.dim() == 3]
+             and not m.gate_up_proj.is_meta and m.gate_up_proj.dim() == 3 and not is_quantized(m)]
     for experts in found:
         quantize_experts(experts, block)
     return len(found)

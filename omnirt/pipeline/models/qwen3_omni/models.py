@@ -29,7 +29,7 @@ from omnirt.pipeline.models.qwen3_omni.stages import CODE2WAV, TALKER, THINKER
 from omnirt.pipeline.models.qwen3_omni.talker import TalkerModel
 from omnirt.pipeline.models.qwen3_omni.thinker import ThinkerModel
 from omnirt.pipeline.models.qwen3_omni.tool_calls import CALL_START, ToolCallParser, tool_call_spec
-from omnirt.pipeline.models.qwen3_omni.weights import load_hf_model
+from omnirt.pipeline.models.qwen3_omni.weights import checkpoint_quantization, load_hf_model
 from omnirt.pipeline.platform import Platform
 from omnirt.pipeline.stage.grammar import Grammars
 from omnirt.pipeline.stage.graph import Generated, StageGraph
@@ -127,6 +127,8 @@ def _experts(backend: str, platform: Platform, quantization: str = "none") -> st
     if backend == "auto":
         backend = "triton" if platform.supports_graphs and available() else (
             "grouped_mm" if platform.supports_graphs and quantization == "none" else "eager")
+    if quantization == "fp8" and backend not in ("triton", "eager"):
+        raise ValueError(f"moe_backend: {backend} cannot read FP8 experts (triton or eager do)")
     if backend == "triton":
         if not available():
             raise ValueError("moe_backend: triton needs Triton "
@@ -149,15 +151,17 @@ def load_models(cfg: EngineConfig, platform: Platform, stages: tuple[str, ...]) 
     """The models of `stages` (the others are not loaded), the prompt encoder, and the stage graph."""
     dtype = getattr(torch, cfg.dtype)
     device = platform.device(0)
-    moe = _experts(cfg.moe_backend, platform, cfg.quantization)
+    quantization = cfg.quantization if cfg.quantization != "none" else checkpoint_quantization(cfg.model,
+                                                                                                cfg.load_format)
+    moe = _experts(cfg.moe_backend, platform, quantization)
     # grouped_mm captures in bf16; other dtypes fall back to a kernel that reads group sizes on the host
     graph_moe = "batched_mm" if moe == "grouped_mm" and dtype != torch.bfloat16 else None
     in_place = _in_place(cfg.attention, platform)
     hf, tokenizer, path = load_hf_model(cfg.model, cfg.load_format, dtype, device, moe, frozenset(stages))
-    _quantize(hf, cfg.quantization, platform, device)
+    _quantize(hf, quantization, platform, device)
     log.info("weights of %s: %.2f GiB on %s (%s, experts: %s%s, attention: %s, compile: %s)", "+".join(stages),
              platform.memory_allocated(device) / 2**30, device, cfg.dtype, moe,
-             " in fp8" if cfg.quantization == "fp8" else "", "slots" if in_place else "dense", cfg.compile)
+             " in fp8" if quantization == "fp8" else "", "slots" if in_place else "dense", cfg.compile)
     hc = hf.config
     plan = memory_plan(hf, cfg, stages, platform)
     encoder = PromptEncoder.from_checkpoint(path, tokenizer, hc.thinker_config)

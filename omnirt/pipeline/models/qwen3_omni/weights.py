@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from omnirt.pipeline.models.qwen3_omni import released
+from omnirt.pipeline.models.qwen3_omni.fp8_checkpoint import apply_scales, fp8_block, read_scales
 from omnirt.pipeline.models.qwen3_omni.tiny import ensure_tiny_model, init_talker_experts
 from omnirt.pipeline.types import ModelNotFoundError
 
@@ -43,22 +44,53 @@ def load_hf_model(model: str, load_format: str, dtype: torch.dtype, device: torc
     architecture without a checkpoint). Only the
     submodules in `parts` hold weights on `device`; the others are left on the meta device (no memory).
     A checkpoint is read whole into host memory (memory-mapped safetensors), then pared down."""
-    from transformers import Qwen3OmniMoeForConditionalGeneration
-
     if load_format == "dummy":
         hf, tokenizer, path = _dummy(model, dtype, device, parts)
     else:
         path = resolve_model_path(model)
         tokenizer = _tokenizer(path)
         log.info("loading weights from %s (%s)", path, "+".join(p for p in PARTS if p in parts))
-        hf = Qwen3OmniMoeForConditionalGeneration.from_pretrained(path, dtype=dtype, local_files_only=True)
+        hf = _from_checkpoint(path, dtype)
         _keep_parts(hf, parts, device)
         fix_config(hf.config)
+        _fp8_weights(hf, path)
     hf.eval()
     if moe_backend != "eager":
         hf.set_experts_implementation(moe_backend)
     _fix_talker_audio_config(hf)
     return hf, tokenizer, path
+
+
+def checkpoint_quantization(model: str, load_format: str) -> str:
+    """"fp8" for a checkpoint published in FP8 (`fp8_checkpoint.py`), else "none"."""
+    if load_format == "dummy":
+        return "none"
+    try:
+        return "none" if fp8_block(resolve_model_path(model)) is None else "fp8"
+    except ModelNotFoundError:
+        return "none"  # said when the weights load
+
+
+def _from_checkpoint(path: Path, dtype: torch.dtype):
+    """The checkpoint's model; an FP8 one without transformers' quantizer (it needs kernels from the hub): its
+    fp8 values cast to `dtype`, the scales read afterwards (`_fp8_weights`)."""
+    from transformers import Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneration
+
+    if fp8_block(path) is None:
+        return Qwen3OmniMoeForConditionalGeneration.from_pretrained(path, dtype=dtype, local_files_only=True)
+    config = Qwen3OmniMoeConfig.from_pretrained(path, local_files_only=True)
+    del config.quantization_config
+    return Qwen3OmniMoeForConditionalGeneration.from_pretrained(path, config=config, dtype=dtype,
+                                                                 local_files_only=True)
+
+
+def _fp8_weights(hf, path: Path) -> None:
+    """An FP8 checkpoint's scales applied: its experts FP8 again, its other quantised layers scaled."""
+    if (block := fp8_block(path)) is None:
+        return
+    num_experts, num_dense = apply_scales(hf, read_scales(path), block)
+    log.info("fp8 checkpoint (blocks of %d): %d experts modules in FP8, %d other layers dequantised to %s",
+             block, num_experts, num_dense, next(hf.parameters()).dtype)
 
 
 def _keep_parts(hf, parts: frozenset[str], device: torch.device) -> None:
