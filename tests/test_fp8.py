@@ -10,6 +10,7 @@ import dataclasses
 import json
 import re
 import shutil
+import types
 from pathlib import Path
 
 import pytest
@@ -188,10 +189,33 @@ async def test_fp8_engine_matches_generate_on_the_dequantised_weights(tiny_confi
 
 
 @pytest.mark.fast
+def test_quantization_auto_follows_the_device(reference_model, monkeypatch):
+    """auto: FP8 where the weights take more than half the device, the engine's dtype otherwise; a checkpoint
+    already in FP8 is FP8 whatever the setting; FP8 experts refuse an experts implementation that cannot read them."""
+    import omnirt.pipeline.models.qwen3_omni.models as models
+    from omnirt.pipeline.platform import Platform
+
+    weights = sum(p.numel() * p.element_size() for p in reference_model.parameters())
+    for total, want in ((int(weights * 1.9), "fp8"), (int(weights * 2.1), "none")):
+        device = types.SimpleNamespace(mem_get_info=lambda total=total: (total, total))
+        assert models._quantization("auto", reference_model, device) == want
+    assert models._quantization("none", reference_model, device) == "none"
+    quantized_model = copy.deepcopy(reference_model)
+    fp8.quantize_moe(quantized_model.thinker)
+    assert models._quantization("none", quantized_model, device) == "fp8"
+    gpu = Platform("cuda", "cpu", "nccl", True)
+    with pytest.raises(ValueError, match="cannot read FP8 experts"):
+        models._experts("grouped_mm", gpu, "fp8")
+    monkeypatch.setattr(models, "available", lambda: False)
+    assert models._experts("auto", gpu, "fp8") == fp8.NAME  # no Triton: dequantised
+
+
+@pytest.mark.fast
 def test_quantization_key():
     from omnirt.pipeline.config import EngineConfig, ProfileError
 
     assert EngineConfig(quantization="fp8").quantization == "fp8"
+    assert EngineConfig(quantization="auto", moe_backend="grouped_mm").quantization == "auto"  # refused if FP8
     with pytest.raises(ProfileError, match="quantization"):
         EngineConfig(quantization="int4")
     with pytest.raises(ProfileError, match="fp8 experts run on the fused Triton kernels"):
@@ -247,10 +271,9 @@ def test_an_fp8_checkpoint_loads_its_own_values_and_scales(fp8_checkpoint):
     """Every weight of the loaded model is the checkpoint's: FP8 experts (with the checkpoint's block size) stand
     for exactly the weights the checkpoint's values and scales do, the other quantised layers hold them, and the
     rest is untouched."""
-    from omnirt.pipeline.models.qwen3_omni.weights import checkpoint_quantization, load_hf_model
+    from omnirt.pipeline.models.qwen3_omni.weights import load_hf_model
 
     path, truth = fp8_checkpoint
-    assert checkpoint_quantization(str(path), "auto") == "fp8" and checkpoint_quantization("tiny", "auto") == "none"
     hf, _, _ = load_hf_model(str(path), "auto", torch.float32, torch.device("cpu"))
     quantized_modules = [m for m in hf.modules() if fp8.is_quantized(m)]
     assert len(quantized_modules) == 4 and all(m.weight_block_size == (CHECKPOINT_BLOCK,) * 2
@@ -269,3 +292,16 @@ async def test_an_fp8_checkpoint_serves_as_generate_on_its_weights(tiny_config, 
     with started_engine(dataclasses.replace(tiny_config, model=str(path))) as eng:
         assert eng.models.thinker.stack.config._experts_implementation == fp8.NAME
         await assert_greedy_parity(eng, truth, "fp8-checkpoint", "text")
+
+
+
+@pytest.mark.fast
+def test_fused_fp8_experts_compile_whole():
+    """torch.compile takes the fused kernels with their scales as one opaque op (fullgraph: no break), as the
+    engine's compiled decode layers do."""
+    g, hidden, index, weights = inputs("random", 5, 3, 8, torch.float32, 13)
+    module, truth = quantized(experts_module("thinker", 8, 3, torch.float32, g), 16)
+    compiled = torch.compile(lambda *args: moe.experts_forward(module, *args, tiles=SMALL_TILES), fullgraph=True)
+    with torch.inference_mode():
+        out = compiled(hidden, index, weights)
+    assert torch.allclose(out, run(truth, "eager", hidden, index, weights), atol=1e-5)

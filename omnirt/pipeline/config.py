@@ -165,7 +165,9 @@ class EngineConfig:
     model: str = "tiny"
     load_format: str = "auto"  # "auto" (weights from the checkpoint) | "dummy" (random, real architecture)
     moe_backend: str = "auto"  # "auto" (grouped_mm where graphs run, else eager) | one of MOE_BACKENDS
-    quantization: str = "none"  # "fp8": the MoE experts' weights in block-scaled FP8 (omnirt/pipeline/kernels/fp8.py)
+    # "fp8": the MoE experts' weights in block-scaled FP8 (omnirt/pipeline/kernels/fp8.py); "auto": FP8 where the
+    # weights would take more than half the device (models/qwen3_omni/models.py); an FP8 checkpoint is FP8 anyway
+    quantization: str = "none"
     attention: str = "auto"  # "auto" (slots where graphs run and Triton imports, else dense) | "slots" | "dense"
     compile: str = "auto"  # torch.compile the decode steps: "auto" (where a stage's graphs run) | "on" | "off"
     conv_backend: str = "native"  # Code2Wav's convolutions: one of CONV_BACKENDS (the same function re-expressed)
@@ -194,7 +196,7 @@ class EngineConfig:
         check_key(self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}")
         check_key(self.moe_backend in MOE_BACKENDS, "moe_backend", f"must be one of {', '.join(MOE_BACKENDS)}")
         check_key(self.quantization in QUANTIZATIONS, "quantization", f"must be one of {', '.join(QUANTIZATIONS)}")
-        check_key(self.quantization == "none" or self.moe_backend in ("auto", "triton", "eager"), "quantization",
+        check_key(self.quantization != "fp8" or self.moe_backend in ("auto", "triton", "eager"), "quantization",
                   "fp8 experts run on the fused Triton kernels (moe_backend: auto or triton) or dequantised (eager), "
                   f"not {self.moe_backend}")
         check_key(self.attention in ATTENTION, "attention", f"must be one of {', '.join(ATTENTION)}")

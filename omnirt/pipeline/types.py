@@ -22,7 +22,7 @@ ATTENTION = ("auto", "slots", "dense")
 COMPILE = ("auto", "on", "off")
 CONV_BACKENDS = ("native", "gemm", "channels_last", "triton")  # the vocoder's (models/qwen3_omni/convolutions.py)
 MOE_BACKENDS = ("auto", "grouped_mm", "batched_mm", "eager", "triton")  # triton: omnirt/pipeline/kernels/moe.py
-QUANTIZATIONS = ("none", "fp8")  # fp8: the experts' weights, block-scaled (omnirt/pipeline/kernels/fp8.py)
+QUANTIZATIONS = ("none", "fp8", "auto")  # fp8: the experts' weights, block-scaled (omnirt/pipeline/kernels/fp8.py)
 DISTRIBUTED = ("none", "ray")
 
 

@@ -17,7 +17,7 @@ import torch
 from omnirt.pipeline.config import EngineConfig
 from omnirt.pipeline.kernels.attention import attend_in_place
 from omnirt.pipeline.kernels.fp8 import BLOCK as FP8_BLOCK
-from omnirt.pipeline.kernels.fp8 import quantize_moe, use_dequantized_experts
+from omnirt.pipeline.kernels.fp8 import is_quantized, quantize_moe, use_dequantized_experts
 from omnirt.pipeline.kernels.moe import use_fused_experts
 from omnirt.pipeline.kernels.triton_runtime import available
 from omnirt.pipeline.models.qwen3_omni.code2wav import Code2WavModel, frame_buckets
@@ -29,7 +29,7 @@ from omnirt.pipeline.models.qwen3_omni.stages import CODE2WAV, TALKER, THINKER
 from omnirt.pipeline.models.qwen3_omni.talker import TalkerModel
 from omnirt.pipeline.models.qwen3_omni.thinker import ThinkerModel
 from omnirt.pipeline.models.qwen3_omni.tool_calls import CALL_START, ToolCallParser, tool_call_spec
-from omnirt.pipeline.models.qwen3_omni.weights import checkpoint_quantization, load_hf_model
+from omnirt.pipeline.models.qwen3_omni.weights import load_hf_model
 from omnirt.pipeline.platform import Platform
 from omnirt.pipeline.stage.grammar import Grammars
 from omnirt.pipeline.stage.graph import Generated, StageGraph
@@ -38,6 +38,7 @@ from omnirt.pipeline.stage.memory_plan import MemoryPlan, log_capture, log_plan,
 from omnirt.pipeline.stage.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
+AUTO_FP8_SHARE = 0.5  # quantization auto: FP8 experts where the weights would take more of the device than this
 OUTPUT_SAMPLE_RATE = 24000
 WARM_IMAGE_SIDE = 64  # pixels: the encoders' warm-up image, 128 x 64 (a few merged patches)
 
@@ -137,6 +138,22 @@ def _experts(backend: str, platform: Platform, quantization: str = "none") -> st
     return use_dequantized_experts() if quantization == "fp8" else backend
 
 
+def _quantization(setting: str, hf, platform: Platform) -> str:
+    """The experts' precision: "fp8" for a checkpoint published in FP8 or as set; with "auto", FP8 where the loaded
+    weights take more than `AUTO_FP8_SHARE` of the device (an 80 GB GPU: the bf16 model leaves too little for KV
+    caches and graphs), else the engine's dtype ("none")."""
+    if any(is_quantized(m) for m in hf.modules()):
+        return "fp8"
+    if setting != "auto":
+        return setting
+    weights = sum(p.numel() * p.element_size() for p in hf.parameters() if not p.is_meta)
+    _, total = platform.mem_get_info()
+    choice = "fp8" if weights > AUTO_FP8_SHARE * total else "none"
+    log.info("quantization auto: %.1f GiB of weights on a %.0f GiB device -> %s", weights / 2**30, total / 2**30,
+             choice)
+    return choice
+
+
 def _quantize(hf, quantization: str, platform: Platform, device: torch.device) -> None:
     """The experts' weights in FP8 (`quantization: fp8`), quantised from those loaded."""
     if quantization != "fp8":
@@ -151,14 +168,15 @@ def load_models(cfg: EngineConfig, platform: Platform, stages: tuple[str, ...]) 
     """The models of `stages` (the others are not loaded), the prompt encoder, and the stage graph."""
     dtype = getattr(torch, cfg.dtype)
     device = platform.device(0)
-    quantization = cfg.quantization if cfg.quantization != "none" else checkpoint_quantization(cfg.model,
-                                                                                                cfg.load_format)
+    in_place = _in_place(cfg.attention, platform)
+    hf, tokenizer, path = load_hf_model(cfg.model, cfg.load_format, dtype, device, "eager", frozenset(stages))
+    quantization = _quantization(cfg.quantization, hf, platform)
     moe = _experts(cfg.moe_backend, platform, quantization)
+    _quantize(hf, quantization, platform, device)
+    if moe != "eager":
+        hf.set_experts_implementation(moe)
     # grouped_mm captures in bf16; other dtypes fall back to a kernel that reads group sizes on the host
     graph_moe = "batched_mm" if moe == "grouped_mm" and dtype != torch.bfloat16 else None
-    in_place = _in_place(cfg.attention, platform)
-    hf, tokenizer, path = load_hf_model(cfg.model, cfg.load_format, dtype, device, moe, frozenset(stages))
-    _quantize(hf, quantization, platform, device)
     log.info("weights of %s: %.2f GiB on %s (%s, experts: %s%s, attention: %s, compile: %s)", "+".join(stages),
              platform.memory_allocated(device) / 2**30, device, cfg.dtype, moe,
              " in fp8" if quantization == "fp8" else "", "slots" if in_place else "dense", cfg.compile)

@@ -61,16 +61,6 @@ def load_hf_model(model: str, load_format: str, dtype: torch.dtype, device: torc
     return hf, tokenizer, path
 
 
-def checkpoint_quantization(model: str, load_format: str) -> str:
-    """"fp8" for a checkpoint published in FP8 (`fp8_checkpoint.py`), else "none"."""
-    if load_format == "dummy":
-        return "none"
-    try:
-        return "none" if fp8_block(resolve_model_path(model)) is None else "fp8"
-    except ModelNotFoundError:
-        return "none"  # said when the weights load
-
-
 def _from_checkpoint(path: Path, dtype: torch.dtype):
     """The checkpoint's model; an FP8 one without transformers' quantizer (it needs kernels from the hub): its
     fp8 values cast to `dtype`, the scales read afterwards (`_fp8_weights`)."""
