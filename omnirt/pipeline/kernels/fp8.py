@@ -28,11 +28,12 @@ def quantize_blocks(weight: torch.Tensor, block: int = BLOCK) -> tuple[torch.Ten
     largest magnitude maps to FP8's largest (448). A block of zeros gets scale 1 (its values stay 0)."""
     *lead, n, k = weight.shape
     nb, kb = -(-n // block), -(-k // block)
-    padded = torch.nn.functional.pad(weight.float(), (0, kb * block - k, 0, nb * block - n))
-    blocks = padded.reshape(*lead, nb, block, kb, block)
-    amax = blocks.abs().amax(dim=(-3, -1), keepdim=True)
+    padded = weight if (n % block, k % block) == (0, 0) else \
+        torch.nn.functional.pad(weight, (0, kb * block - k, 0, nb * block - n))
+    blocks = padded.reshape(*lead, nb, block, kb, block)  # transients: one fp32 copy (an expert layer on a GPU)
+    amax = blocks.abs().amax(dim=(-3, -1), keepdim=True).float()
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    q = (blocks / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).reshape(*lead, nb * block, kb * block)[..., :n, :k]
+    q = blocks.float().div_(scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8).reshape(*lead, nb * block, kb * block)[..., :n, :k]
     return q.contiguous(), scale.reshape(*lead, nb, kb)
 
 
