@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from omnirt.pipeline.kernels import fp8, moe
+from omnirt.pipeline.models.qwen3_omni import fp8_weights
 from tests.test_moe import SMALL_TILES, experts_module, inputs, run
 from tests.test_parity import assert_greedy_parity, started_engine
 
@@ -134,19 +135,22 @@ def relative_rms(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 @pytest.mark.fast
 def test_tiny_thinker_stays_within_the_stated_bound(reference_model):
-    """16 prompts of 24 random tokens teacher-forced through the tiny Thinker, fp32 against its experts in FP8
+    """16 prompts of 24 random tokens teacher-forced through the tiny Thinker, fp32 against its decoders in FP8
     (blocks of 16: several per weight). The bound, from e4m3's rounding: a weight moves by at most 6.25 % of itself,
     2^-4 / sqrt(3) = 3.6 % RMS at most; two projections in series compound to ~5 %, so each MoE layer's output, on
-    the same inputs, stays within `LAYER_BOUND` (8 %) relative RMS, and the logits within 5 % with the same top-1
-    token at 95 % of positions or more. The tiny model's logits hardly depend on its experts (random weights), so
-    the layers' bound is what a broken scale (each projection's block scales in reverse order) must fail, in every
-    layer. Measured: 4.5 % in both layers (broken: 27-30 %), logits 0.3 %, top-1 99.5 %."""
+    the same inputs, stays within `LAYER_BOUND` (8 %) relative RMS; the logits stay within 5 %, and the top-1 token
+    is the same wherever the fp32 model's top-2 gap exceeds 4x the logits' RMS error (random weights leave many
+    near-ties, which any rounding may flip). The tiny model's logits hardly depend on its experts, so the layers'
+    bound is what a broken scale (each projection's block scales in reverse order) must fail, in every layer.
+    Measured: 4.5 % in both layers (broken: 27-30 %); logits 3.6 %, 60 % of positions decisive, all agreeing."""
     vocab = reference_model.config.thinker_config.text_config.vocab_size
     prompts = torch.randint(0, vocab, (16, 24), generator=torch.Generator().manual_seed(0))
     ref, calls = teacher_forced(reference_model, prompts)
     hf = copy.deepcopy(reference_model)
     layers = {id(m): q for m, q in zip(reference_model.thinker.modules(), hf.thinker.modules())}
-    assert fp8.quantize_moe(hf.thinker, 16) == len(calls) == hf.thinker.config.text_config.num_hidden_layers
+    num_layers = hf.thinker.config.text_config.num_hidden_layers
+    assert fp8_weights.quantize(hf, 16)[0] == len(calls) + hf.talker.config.text_config.num_hidden_layers
+    assert len(calls) == num_layers
     impl = fp8.use_dequantized_experts()
 
     def layer_errors() -> list[float]:
@@ -156,24 +160,41 @@ def test_tiny_thinker_stays_within_the_stated_bound(reference_model):
     out, _ = teacher_forced(hf, prompts)
     assert max(layer_errors()) <= LAYER_BOUND, layer_errors()
     assert 0 < relative_rms(out, ref) <= 0.05
-    assert float((out.argmax(-1) == ref.argmax(-1)).float().mean()) >= 0.95
+    top2 = ref.topk(2, dim=-1).values
+    decisive = top2[..., 0] - top2[..., 1] > 4 * (out - ref).square().mean().sqrt()
+    assert decisive.float().mean() > 0.5 and (out.argmax(-1) == ref.argmax(-1))[decisive].all()
     for experts in (m for m in hf.thinker.modules() if fp8.is_quantized(m)):
         for name in fp8.PROJECTIONS:
-            scale = getattr(experts, f"{name}_scale_inv")
-            scale.data = reversed_blocks(scale.data)
+            getattr(experts, f"{name}_scale_inv").copy_(reversed_blocks(getattr(experts, f"{name}_scale_inv")))
     assert min(layer_errors()) > LAYER_BOUND, layer_errors()
+
+
+def dequantized_copy(hf: torch.nn.Module) -> torch.nn.Module:
+    """A copy of a model with FP8 layers holding, in fp32, the weights those layers stand for."""
+    hf = copy.deepcopy(hf)
+    for name, module in list(hf.named_modules()):
+        if isinstance(module, fp8.Fp8Linear):
+            linear = torch.nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
+            linear.weight.data = module.dequantized_weight(torch.float32)
+            if module.bias is not None:
+                linear.bias.data = module.bias.data
+            hf.set_submodule(name, linear)
+        elif fp8.is_quantized(module):
+            for proj in fp8.PROJECTIONS:
+                weight = fp8.dequantized(module, proj, slice(None), torch.float32)
+                delattr(module, proj)
+                delattr(module, f"{proj}_scale_inv")
+                setattr(module, proj, torch.nn.Parameter(weight))
+    return hf
 
 
 @pytest.fixture(scope="module")
 def fp8_truth(reference_model):
-    """The tiny model with its experts' weights replaced by what their FP8 values stand for (block 128, as the
-    engine quantises them), in fp32: the reference an FP8 engine must match."""
+    """The tiny model with the weights its FP8 layers stand for (blocks of 128, as the engine quantises), in fp32:
+    the reference an FP8 engine must match."""
     hf = copy.deepcopy(reference_model)
-    for experts in [m for m in hf.modules() if all(hasattr(m, p) for p in fp8.PROJECTIONS)]:
-        for name in fp8.PROJECTIONS:
-            q, scale = fp8.quantize_blocks(getattr(experts, name).data)
-            getattr(experts, name).data = fp8.dequantize_blocks(q, scale)
-    return hf
+    fp8_weights.quantize(hf, fp8.BLOCK)
+    return dequantized_copy(hf)
 
 
 @pytest.mark.parametrize("moe_backend", ["eager", "triton"])
@@ -184,6 +205,9 @@ async def test_fp8_engine_matches_generate_on_the_dequantised_weights(tiny_confi
         quantized_modules = [m for s in stacks for m in s.modules() if fp8.is_quantized(m)]
         assert len(quantized_modules) == sum(len(s.layers) for s in stacks)
         assert all(m.gate_up_proj.dtype == m.down_proj.dtype == fp8.FP8 for m in quantized_modules)
+        linears = [m for s in stacks for m in s.modules() if isinstance(m, fp8.Fp8Linear)]
+        assert len(linears) == 4 * len(stacks[0].layers) + 7 * len(stacks[1].layers)  # attention; + shared experts
+        assert all(m.fused == (moe_backend == "triton") for m in linears)
         assert stacks[0].config._experts_implementation == (fp8.NAME if moe_backend == "eager" else moe.NAME)
         await assert_greedy_parity(eng, fp8_truth, f"fp8-{moe_backend}", "text")
 
@@ -201,7 +225,7 @@ def test_quantization_auto_follows_the_device(reference_model, monkeypatch):
         assert models._quantization("auto", reference_model, device) == want
     assert models._quantization("none", reference_model, device) == "none"
     quantized_model = copy.deepcopy(reference_model)
-    fp8.quantize_moe(quantized_model.thinker)
+    fp8_weights.quantize(quantized_model, 16)
     assert models._quantization("none", quantized_model, device) == "fp8"
     gpu = Platform("cuda", "cpu", "nccl", True)
     with pytest.raises(ValueError, match="cannot read FP8 experts"):
@@ -278,13 +302,10 @@ def test_an_fp8_checkpoint_loads_its_own_values_and_scales(fp8_checkpoint):
     quantized_modules = [m for m in hf.modules() if fp8.is_quantized(m)]
     assert len(quantized_modules) == 4 and all(m.weight_block_size == (CHECKPOINT_BLOCK,) * 2
                                                for m in quantized_modules)  # 2 Thinker layers, 2 Talker layers
+    assert sum(isinstance(m, fp8.Fp8Linear) for m in hf.modules()) == 4 * 2 + 7 * 2  # attention; + shared experts
     want = dict(truth.named_parameters())
-    for module_name, module in hf.named_modules():
-        for name, param in module.named_parameters(recurse=False):
-            if name.endswith("_scale_inv"):
-                continue
-            loaded = fp8.dequantized(module, name, slice(None), torch.float32) if param.dtype == fp8.FP8 else param
-            assert torch.equal(loaded, want[f"{module_name}.{name}"]), f"{module_name}.{name}"
+    for name, param in dequantized_copy(hf).named_parameters():
+        assert torch.equal(param, want[name]), name
 
 
 async def test_an_fp8_checkpoint_serves_as_generate_on_its_weights(tiny_config, fp8_checkpoint):
@@ -305,3 +326,22 @@ def test_fused_fp8_experts_compile_whole():
     with torch.inference_mode():
         out = compiled(hidden, index, weights)
     assert torch.allclose(out, run(truth, "eager", hidden, index, weights), atol=1e-5)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("rows,block,bias", [(1, 16, False), (37, 16, True), (5, 128, False)])
+def test_fp8_linear_kernel_matches_the_dequantised_linear(rows, block, bias):
+    """The Triton kernel (its interpreter here) and the widening path against F.linear on the weights the FP8 values
+    stand for; leading dimensions kept."""
+    g = torch.Generator().manual_seed(rows)
+    linear = torch.nn.Linear(72, 40, bias=bias)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(40, 72, generator=g) * 0.1)
+    x = torch.randn(rows, 3, 72, generator=g)
+    fused = fp8.Fp8Linear.quantized(linear, block, fused=True)
+    widened = fp8.Fp8Linear.quantized(linear, block, fused=False)
+    ref = torch.nn.functional.linear(x, fused.dequantized_weight(torch.float32), linear.bias)
+    with torch.inference_mode():
+        assert torch.allclose(fused(x), ref, atol=1e-5) and torch.equal(widened(x), ref)
+    assert fused(x).shape == (rows, 3, 40) and fused.weight.dtype == fp8.FP8
+    assert (fused.dequantized_weight(torch.float32) - linear.weight).abs().max() > 0  # rounded, not kept

@@ -1,20 +1,22 @@
-"""FP8 weights of MoE experts: block-scaled float8_e4m3fn, as the published FP8 checkpoints of Qwen3 MoE models hold
-theirs (`quantization_config`: `quant_method: fp8`, `fmt: e4m3`, `weight_block_size: [128, 128]`): each block of
-`block` x `block` weights shares one float32 `scale_inv`, and weight ~= fp8 value x scale_inv.
+"""FP8 weights of MoE experts and linear layers: block-scaled float8_e4m3fn, as the published FP8 checkpoints of
+Qwen3 MoE models hold theirs (`quantization_config`: `quant_method: fp8`, `fmt: e4m3`, `weight_block_size: [128,
+128]`): each block of `block` x `block` weights shares one float32 `scale_inv`, and weight ~= fp8 value x scale_inv.
 
 The experts hold most of an MoE model's weights (the Thinker's 48 layers x 128 experts are ~29 B of its ~30 B
 parameters), and a decode step reads each active expert's weights once: FP8 halves both the memory and the bytes a
-step reads. Only the experts are quantised: attention, the shared experts, the routers, the embeddings, the audio
-and vision encoders and Code2Wav keep the engine's dtype.
+step reads. Which layers a model quantises is the model's to say (`omnirt/pipeline/models/`).
 
 The arithmetic stays in the activations' dtype (weight-only FP8, "W8A16"): the fused Triton experts
-(`omnirt.pipeline.kernels.moe`) widen each weight tile and apply its block's scale in the accumulator, and where
-they do not run (the CPU) `dequantized_experts_forward` widens the hit experts' weights and runs the eager math.
+(`omnirt.pipeline.kernels.moe`) and `Fp8Linear`'s kernel (`triton_fp8.py`) widen each weight tile and apply its
+block's scale in the accumulator; where they do not run (the CPU), `dequantized_experts_forward` and `Fp8Linear`
+widen the weights and run the eager math.
 """
 
 from __future__ import annotations
 
 import torch
+
+from omnirt.pipeline.kernels.triton_runtime import INTERPRETER
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -49,25 +51,21 @@ def is_quantized(experts: torch.nn.Module) -> bool:
     return getattr(experts, "gate_up_proj_scale_inv", None) is not None
 
 
+def hold(module: torch.nn.Module, name: str, weight: torch.Tensor, scale_inv: torch.Tensor) -> None:
+    """FP8 weights `name` and their scales `<name>_scale_inv` as buffers, replacing a parameter of that name: a
+    transformers model's `dtype` (its first floating-point parameter) stays the engine's."""
+    if name in module._parameters:
+        delattr(module, name)
+    module.register_buffer(name, weight)
+    module.register_buffer(f"{name}_scale_inv", scale_inv)
+
+
 def quantize_experts(experts: torch.nn.Module, block: int = BLOCK) -> None:
     """Replace an experts module's weights by fp8 ones in place, with `<proj>_scale_inv` and `weight_block_size`
     beside them, as an FP8 checkpoint's experts load. Each projection's bf16 copy is freed as it goes."""
     for name in PROJECTIONS:
-        weight = getattr(experts, name)
-        q, scale = quantize_blocks(weight.data, block)
-        setattr(experts, name, torch.nn.Parameter(q, requires_grad=False))
-        setattr(experts, f"{name}_scale_inv", torch.nn.Parameter(scale, requires_grad=False))
-        del weight
+        hold(experts, name, *quantize_blocks(getattr(experts, name).data, block))
     experts.weight_block_size = (block, block)
-
-
-def quantize_moe(model: torch.nn.Module, block: int = BLOCK) -> int:
-    """Quantise every experts module of `model` held off the meta device and not FP8 already; returns how many."""
-    found = [m for m in model.modules() if all(isinstance(getattr(m, p, None), torch.Tensor) for p in PROJECTIONS)
-             and not m.gate_up_proj.is_meta and m.gate_up_proj.dim() == 3 and not is_quantized(m)]
-    for experts in found:
-        quantize_experts(experts, block)
-    return len(found)
 
 
 def dequantized(experts: torch.nn.Module, name: str, index: int | slice, dtype: torch.dtype) -> torch.Tensor:
@@ -96,3 +94,69 @@ def use_dequantized_experts() -> str:
 
     ExpertsInterface.register(NAME, dequantized_experts_forward)
     return NAME
+
+
+class Fp8Linear(torch.nn.Module):
+    """An `nn.Linear` whose weight is FP8 with block scales (`weight`, `weight_scale_inv`, as FP8 checkpoints name
+    them). `fused`: through the Triton kernel (a device, or the interpreter in tests); else the weight widened."""
+
+    def __init__(self, weight: torch.Tensor, scale_inv: torch.Tensor, block: int, bias: torch.Tensor | None,
+                 fused: bool):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        hold(self, "weight", weight, scale_inv)
+        self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
+        self.block, self.fused = block, fused
+
+    @classmethod
+    def quantized(cls, linear: torch.nn.Linear, block: int = BLOCK, fused: bool = False) -> Fp8Linear:
+        q, scale = quantize_blocks(linear.weight.data, block)
+        return cls(q, scale, block, None if linear.bias is None else linear.bias.data, fused)
+
+    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize_blocks(self.weight, self.weight_scale_inv, self.block, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return fp8_linear(x, self.weight, self.weight_scale_inv, self.block, self.bias)
+        return torch.nn.functional.linear(x, self.dequantized_weight(x.dtype), self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp8 blocks of {self.block}"
+
+
+LINEAR_TILES = (16, 64, 128, 4, 3)  # BLOCK_M, BLOCK_N, BLOCK_K (shrunk to the scale block), warps, stages
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: int,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ (FP8 weight [N, K] x its block scales)^T (+ bias), in x's dtype, through the Triton kernel."""
+    return _fp8_linear_op(x, weight, scale_inv, block, bias)
+
+
+@torch.library.custom_op("omnirt::fp8_linear", mutates_args=())
+def _fp8_linear_op(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: int,
+                   bias: torch.Tensor | None) -> torch.Tensor:
+    import math
+
+    import triton
+
+    from omnirt.pipeline.kernels.triton_fp8 import fp8_linear_kernel  # deferred: Triton is optional
+
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    (m, k), n = rows.shape, weight.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    block_m, block_n, block_k, warps, stages = LINEAR_TILES
+    block_k = math.gcd(block_k, block)
+    with INTERPRETER:
+        fp8_linear_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
+            rows, weight, scale_inv, weight if bias is None else bias, y, m, n, k, rows.stride(0), weight.stride(0),
+            scale_inv.stride(0), y.stride(0), HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+            BLOCK_K=block_k, SCALE_BLOCK=block, PRECISION="ieee" if x.dtype == torch.float32 else None,
+            num_warps=warps, num_stages=stages)
+    return y.view(*x.shape[:-1], n)
+
+
+@_fp8_linear_op.register_fake
+def _(x, weight, scale_inv, block, bias):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])

@@ -17,9 +17,10 @@ import torch
 from omnirt.pipeline.config import EngineConfig
 from omnirt.pipeline.kernels.attention import attend_in_place
 from omnirt.pipeline.kernels.fp8 import BLOCK as FP8_BLOCK
-from omnirt.pipeline.kernels.fp8 import is_quantized, quantize_moe, use_dequantized_experts
+from omnirt.pipeline.kernels.fp8 import use_dequantized_experts
 from omnirt.pipeline.kernels.moe import use_fused_experts
 from omnirt.pipeline.kernels.triton_runtime import available
+from omnirt.pipeline.models.qwen3_omni import fp8_weights
 from omnirt.pipeline.models.qwen3_omni.code2wav import Code2WavModel, frame_buckets
 from omnirt.pipeline.models.qwen3_omni.generate import generate
 from omnirt.pipeline.models.qwen3_omni.graph import build_graph
@@ -142,7 +143,7 @@ def _quantization(setting: str, hf, platform: Platform) -> str:
     """The experts' precision: "fp8" for a checkpoint published in FP8 or as set; with "auto", FP8 where the loaded
     weights take more than `AUTO_FP8_SHARE` of the device (an 80 GB GPU: the bf16 model leaves too little for KV
     caches and graphs), else the engine's dtype ("none")."""
-    if any(is_quantized(m) for m in hf.modules()):
+    if fp8_weights.is_fp8(hf):
         return "fp8"
     if setting != "auto":
         return setting
@@ -154,14 +155,20 @@ def _quantization(setting: str, hf, platform: Platform) -> str:
     return choice
 
 
-def _quantize(hf, quantization: str, platform: Platform, device: torch.device) -> None:
-    """The experts' weights in FP8 (`quantization: fp8`), quantised from those loaded."""
+def _quantize(hf, quantization: str, moe: str, platform: Platform, device: torch.device) -> None:
+    """The decoders' weights in FP8 (`quantization: fp8`), quantised from those loaded (an FP8 checkpoint's are
+    already); its linear layers through the Triton kernel where the experts are the fused ones."""
     if quantization != "fp8":
         return
+    fp8_weights.set_fused(hf, moe == use_fused_experts())
+    if fp8_weights.is_fp8(hf):  # a checkpoint published in FP8: its layers as it chose them
+        return
     before = platform.memory_allocated(device)
-    num = quantize_moe(hf)
-    log.info("fp8: %d experts modules quantised in blocks of %d (%.2f GiB -> %.2f GiB on %s)", num, FP8_BLOCK,
-             before / 2**30, platform.memory_allocated(device) / 2**30, device)
+    num_experts, num_dense = fp8_weights.quantize(hf, FP8_BLOCK)
+    fp8_weights.set_fused(hf, moe == use_fused_experts())
+    log.info("fp8: %d experts modules and %d linear layers quantised in blocks of %d (%.2f GiB -> %.2f GiB on "
+                 "%s)", num_experts, num_dense, FP8_BLOCK, before / 2**30, platform.memory_allocated(device) / 2**30,
+                 device)
 
 
 def load_models(cfg: EngineConfig, platform: Platform, stages: tuple[str, ...]) -> OmniModels:
@@ -172,7 +179,7 @@ def load_models(cfg: EngineConfig, platform: Platform, stages: tuple[str, ...]) 
     hf, tokenizer, path = load_hf_model(cfg.model, cfg.load_format, dtype, device, "eager", frozenset(stages))
     quantization = _quantization(cfg.quantization, hf, platform)
     moe = _experts(cfg.moe_backend, platform, quantization)
-    _quantize(hf, quantization, platform, device)
+    _quantize(hf, quantization, moe, platform, device)
     if moe != "eager":
         hf.set_experts_implementation(moe)
     # grouped_mm captures in bf16; other dtypes fall back to a kernel that reads group sizes on the host

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from omnirt.pipeline.models.qwen3_omni import released
-from omnirt.pipeline.models.qwen3_omni.fp8_checkpoint import apply_scales, fp8_block, read_scales
+from omnirt.pipeline.models.qwen3_omni.fp8_weights import apply_scales, fp8_block, read_scales
 from omnirt.pipeline.models.qwen3_omni.tiny import ensure_tiny_model, init_talker_experts
 from omnirt.pipeline.types import ModelNotFoundError
 
@@ -75,12 +75,12 @@ def _from_checkpoint(path: Path, dtype: torch.dtype):
 
 
 def _fp8_weights(hf, path: Path) -> None:
-    """An FP8 checkpoint's scales applied: its experts FP8 again, its other quantised layers scaled."""
+    """An FP8 checkpoint's scales applied: its quantised layers FP8 again, as it stores them."""
     if (block := fp8_block(path)) is None:
         return
     num_experts, num_dense = apply_scales(hf, read_scales(path), block)
-    log.info("fp8 checkpoint (blocks of %d): %d experts modules in FP8, %d other layers dequantised to %s",
-             block, num_experts, num_dense, next(hf.parameters()).dtype)
+    log.info("fp8 checkpoint (blocks of %d): %d experts modules and %d linear layers in FP8", block, num_experts,
+             num_dense)
 
 
 def _keep_parts(hf, parts: frozenset[str], device: torch.device) -> None:

@@ -1,11 +1,13 @@
-"""Qwen3-Omni checkpoints published in FP8: `quantization_config: {quant_method: fp8, fmt: e4m3,
-weight_block_size: [B, B]}`, each quantised linear layer of the Thinker's and Talker's decoders stored as
-`<layer>.weight` (float8_e4m3fn) beside `<layer>.weight_scale_inv` (float32, one per B x B block).
+"""Which of Qwen3-Omni's weights are FP8 (`omnirt.pipeline.kernels.fp8`): the Thinker's and the Talker's decoders,
+their experts and their attention and shared-expert projections (`DENSE`). Everything else (routers, norms,
+embeddings and LM heads, the encoders, the code predictor, Code2Wav) keeps the engine's dtype.
 
-transformers loads such a checkpoint without its quantizer (which needs kernels from the hub) as the fp8 values
-cast to the engine's dtype, exactly, and the scales unread; `apply_scales` then makes the experts FP8 again with the
-checkpoint's own values and scales (`omnirt.pipeline.kernels.fp8`), and multiplies the other layers by their
-scales (they run in the engine's dtype).
+They are FP8 either quantised as they load (`quantize`), or as a checkpoint published in FP8 stores them
+(`quantization_config: {quant_method: fp8, fmt: e4m3, weight_block_size: [B, B]}`, each quantised layer's
+`<layer>.weight` in float8_e4m3fn beside `<layer>.weight_scale_inv`, one float32 per B x B block). transformers loads
+such a checkpoint without its quantizer (which needs kernels from the hub) as the fp8 values cast to the engine's
+dtype, exactly, and the scales unread; `apply_scales` makes those layers FP8 again with the checkpoint's own values
+and scales.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from omnirt.pipeline.kernels.fp8 import FP8
+from omnirt.pipeline.kernels.fp8 import FP8, Fp8Linear, hold, quantize_experts
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +27,9 @@ SCALE_SUFFIX = ".weight_scale_inv"
 # the checkpoint's decoder stacks -> their module in Qwen3OmniMoeForConditionalGeneration
 STACKS = {"thinker.model.layers": "thinker.model.language_model.layers", "talker.model.layers": "talker.model.layers",
           "talker.code_predictor.model.layers": "talker.code_predictor.model.layers"}
+DENSE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+         "mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj")
+QUANTISED_STACKS = ("thinker.model.language_model.layers", "talker.model.layers")  # what `quantize` quantises
 _KEY = re.compile(r"^(?P<stack>.+?\.layers)\.(?P<layer>\d+)\.(?P<rest>.+)" + re.escape(SCALE_SUFFIX) + "$")
 _EXPERT = re.compile(r"^mlp\.experts\.(?P<expert>\d+)\.(?P<proj>gate|up|down)_proj$")
 
@@ -58,9 +63,54 @@ def read_scales(path: Path) -> dict[str, torch.Tensor]:
     return scales
 
 
+def quantize(hf: torch.nn.Module, block: int) -> tuple[int, int]:
+    """Quantise the loaded decoders' experts and `DENSE` layers (parts on the meta device are skipped); returns
+    (experts modules, linear layers). Each layer's copy in the engine's dtype is freed as it goes."""
+    num_experts = num_dense = 0
+    for layer in _loaded_layers(hf):
+        experts = getattr(layer.mlp, "experts", None)
+        if experts is not None and experts.gate_up_proj.dtype != FP8:
+            quantize_experts(experts, block)
+            num_experts += 1
+        for name in DENSE:
+            linear = _find(layer, name)
+            if isinstance(linear, torch.nn.Linear):
+                layer.set_submodule(name, Fp8Linear.quantized(linear, block))
+                num_dense += 1
+    return num_experts, num_dense
+
+
+def _loaded_layers(hf: torch.nn.Module) -> list[torch.nn.Module]:
+    layers = []
+    for name in QUANTISED_STACKS:
+        stack = _find(hf, name)
+        if stack is not None:
+            layers += [layer for layer in stack if not next(layer.parameters()).is_meta]
+    return layers
+
+
+def _find(module: torch.nn.Module, name: str) -> torch.nn.Module | None:
+    try:
+        return module.get_submodule(name)
+    except AttributeError:
+        return None
+
+
+def is_fp8(hf: torch.nn.Module) -> bool:
+    return any(isinstance(m, Fp8Linear) or getattr(m, "gate_up_proj_scale_inv", None) is not None
+               for m in hf.modules())
+
+
+def set_fused(hf: torch.nn.Module, fused: bool) -> None:
+    """FP8 linear layers through the Triton kernel (where the fused experts run) or widened."""
+    for module in hf.modules():
+        if isinstance(module, Fp8Linear):
+            module.fused = fused
+
+
 def apply_scales(hf: torch.nn.Module, scales: dict[str, torch.Tensor], block: int) -> tuple[int, int]:
-    """Make the loaded model what the checkpoint stores: experts in FP8 with their scales, other layers scaled.
-    Parts on the meta device (not loaded here) are skipped. Returns (experts modules, dense layers)."""
+    """Make the loaded model what the checkpoint stores: its quantised experts and linear layers FP8 with their
+    scales. Parts on the meta device (not loaded here) are skipped. Returns (experts modules, linear layers)."""
     experts: dict[str, dict[tuple[str, int], torch.Tensor]] = {}
     num_dense = 0
     for key, scale in scales.items():
@@ -71,9 +121,12 @@ def apply_scales(hf: torch.nn.Module, scales: dict[str, torch.Tensor], block: in
         if (expert := _EXPERT.match(match["rest"])) is not None:
             experts.setdefault(f"{layer}.mlp.experts", {})[expert["proj"], int(expert["expert"])] = scale
             continue
-        linear = hf.get_submodule(f"{layer}.{match['rest']}")
+        name = f"{layer}.{match['rest']}"
+        linear = hf.get_submodule(name)
         if not linear.weight.is_meta:
-            _scale_dense(linear.weight, scale, block)
+            weight = linear.weight.data.to(FP8)  # the checkpoint's values, cast back exactly
+            hf.set_submodule(name, Fp8Linear(weight, scale.float().to(weight.device), block,
+                                             None if linear.bias is None else linear.bias.data, fused=False))
             num_dense += 1
     num_experts = 0
     for name, by_proj in experts.items():
@@ -82,14 +135,6 @@ def apply_scales(hf: torch.nn.Module, scales: dict[str, torch.Tensor], block: in
             _make_fp8(module, by_proj, block)
             num_experts += 1
     return num_experts, num_dense
-
-
-def _scale_dense(weight: torch.Tensor, scale: torch.Tensor, block: int) -> None:
-    """The weight [N, K] holds the fp8 values (cast): times each block's scale, in place."""
-    n, k = weight.shape
-    expanded = scale.to(weight.device).repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
-    with torch.no_grad():
-        weight.copy_((weight.float() * expanded).to(weight.dtype))
 
 
 def _make_fp8(module: torch.nn.Module, by_proj: dict[tuple[str, int], torch.Tensor], block: int) -> None:
@@ -106,6 +151,5 @@ def _make_fp8(module: torch.nn.Module, by_proj: dict[tuple[str, int], torch.Tens
         raise Fp8CheckpointError(f"an FP8 expert without its scale: {exc}") from None
     device = module.gate_up_proj.device
     for name, scale in (("gate_up_proj", gate_up), ("down_proj", down)):
-        setattr(module, name, torch.nn.Parameter(getattr(module, name).data.to(FP8), requires_grad=False))
-        setattr(module, f"{name}_scale_inv", torch.nn.Parameter(scale.float().to(device), requires_grad=False))
+        hold(module, name, getattr(module, name).data.to(FP8), scale.float().to(device))
     module.weight_block_size = (block, block)
