@@ -18,7 +18,8 @@ import torch
 
 from omnirt.pipeline.kernels import fp8, moe
 from omnirt.pipeline.models.qwen3_omni import fp8_weights
-from tests.test_moe import SMALL_TILES, experts_module, inputs, run
+from tests.test_attention import cpu_only
+from tests.test_moe import DEVICE, SMALL_TILES, experts_module, inputs, run
 from tests.test_parity import assert_greedy_parity, started_engine
 
 # e4m3 keeps 3 mantissa bits: rounding moves a normal value by at most 2^-4 of itself, a subnormal (spacing 2^-9) by
@@ -197,7 +198,7 @@ def fp8_truth(reference_model):
     return dequantized_copy(hf)
 
 
-@pytest.mark.parametrize("moe_backend", ["eager", "triton"])
+@pytest.mark.parametrize("moe_backend", ["eager", pytest.param("triton", marks=cpu_only)])
 async def test_fp8_engine_matches_generate_on_the_dequantised_weights(tiny_config, fp8_truth, moe_backend):
     cfg = dataclasses.replace(tiny_config, quantization="fp8", moe_backend=moe_backend)
     with started_engine(cfg) as eng:
@@ -337,7 +338,7 @@ def test_fp8_linear_kernel_matches_the_dequantised_linear(rows, block, bias):
     linear = torch.nn.Linear(72, 40, bias=bias)
     with torch.no_grad():
         linear.weight.copy_(torch.randn(40, 72, generator=g) * 0.1)
-    x = torch.randn(rows, 3, 72, generator=g)
+    linear, x = linear.to(DEVICE), torch.randn(rows, 3, 72, generator=g).to(DEVICE)
     fused = fp8.Fp8Linear.quantized(linear, block, fused=True)
     widened = fp8.Fp8Linear.quantized(linear, block, fused=False)
     ref = torch.nn.functional.linear(x, fused.dequantized_weight(torch.float32), linear.bias)

@@ -49,10 +49,10 @@ GRAMMAR_KERNELS = check("grammar-kernels", "-m omnirt.loadtest.gpu.grammar_check
 
 SCENARIOS: dict[str, Scenario] = {
     # checks of the device's kernels and paths against the plain ones
-    "gpu-tests": Scenario("the GPU tests: Triton attention and MoE kernels, pinned staging, graphs against eager",
+    "gpu-tests": Scenario("the GPU tests: Triton attention, MoE and FP8 kernels, pinned staging, graphs against eager",
                           (check("gpu-tests", "-m pytest -q -p no:cacheprovider {tests}"),),
-                          {"tests": "tests/test_attention.py tests/test_moe.py tests/test_cudagraph.py "
-                                    "-k 'kernel or staging or cuda or fused or align'"}),
+                          {"tests": "tests/test_attention.py tests/test_moe.py tests/test_fp8.py "
+                                    "tests/test_cudagraph.py -k 'kernel or staging or cuda or fused or align'"}),
     "graph-check-tiny": Scenario("the tiny model served as on the device (graphs) against eager, same weights",
                                  (check("graph-check-tiny", "-m omnirt.loadtest.gpu_check --num-requests 6 -- "
                                         "--model tiny --dtype float32", "graph-check-tiny.json", 150),)),
