@@ -218,9 +218,10 @@ def test_quantization_auto_follows_the_device(reference_model, monkeypatch):
     """auto: FP8 where the weights take more than half the device, the engine's dtype otherwise; a checkpoint
     already in FP8 is FP8 whatever the setting; FP8 experts refuse an experts implementation that cannot read them."""
     import omnirt.pipeline.models.qwen3_omni.models as models
+    from omnirt.pipeline.models.qwen3_omni.memory import device_bytes
     from omnirt.pipeline.platform import Platform
 
-    weights = sum(p.numel() * p.element_size() for p in reference_model.parameters())
+    weights = device_bytes(reference_model)  # parameters and buffers
     for total, want in ((int(weights * 1.9), "fp8"), (int(weights * 2.1), "none")):
         device = types.SimpleNamespace(mem_get_info=lambda total=total: (total, total))
         assert models._quantization("auto", reference_model, device) == want

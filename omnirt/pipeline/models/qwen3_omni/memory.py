@@ -35,7 +35,7 @@ def stage_memory(hf, cfg: EngineConfig, stages: tuple[str, ...], graphs: bool) -
         slot, fixed, work = _costs(hc, name, sc, cfg, elt, getattr(hf, "has_talker", False))
         if graphs and not sc.enforce_eager:
             work += GRAPH_POOL_BYTES
-        out.append(StageMemory(name, sc.stage_id, sc.max_num_seqs, sc.max_model_len, _device_bytes(module), work,
+        out.append(StageMemory(name, sc.stage_id, sc.max_num_seqs, sc.max_model_len, device_bytes(module), work,
                                slot, fixed, sc.gpu_memory_utilization, bool(slot) and sc.prefix_caching))
     return out
 
@@ -74,7 +74,7 @@ def _ar_workspace(stack_config, sc: StageConfig, elt: int) -> int:
 
 
 
-def _device_bytes(module: torch.nn.Module) -> int:
+def device_bytes(module: torch.nn.Module) -> int:
     """Parameters and buffers that hold memory (not those left on the meta device)."""
     tensors = [*module.parameters(), *module.buffers()]
     return sum(t.numel() * t.element_size() for t in tensors if not t.is_meta)
