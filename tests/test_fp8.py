@@ -319,15 +319,21 @@ async def test_an_fp8_checkpoint_serves_as_generate_on_its_weights(tiny_config, 
 
 
 @pytest.mark.fast
-def test_fused_fp8_experts_compile_whole():
-    """torch.compile takes the fused kernels with their scales as one opaque op (fullgraph: no break), as the
-    engine's compiled decode layers do."""
+def test_fused_fp8_kernels_compile_whole():
+    """torch.compile takes the fused experts and the FP8 linear kernel with their scales as opaque ops (fullgraph:
+    no break), as the engine's compiled decode layers do."""
     g, hidden, index, weights = inputs("random", 5, 3, 8, torch.float32, 13)
     module, truth = quantized(experts_module("thinker", 8, 3, torch.float32, g), 16)
-    compiled = torch.compile(lambda *args: moe.experts_forward(module, *args, tiles=SMALL_TILES), fullgraph=True)
+    linear = fp8.Fp8Linear.quantized(torch.nn.Linear(40, 24).to(DEVICE), 16, fused=True)
+
+    def layer(x, index, weights):
+        return linear(moe.experts_forward(module, x, index, weights, tiles=SMALL_TILES))
+
     with torch.inference_mode():
-        out = compiled(hidden, index, weights)
-    assert torch.allclose(out, run(truth, "eager", hidden, index, weights), atol=1e-5)
+        out = torch.compile(layer, fullgraph=True)(hidden, index, weights)
+        ref = torch.nn.functional.linear(run(truth, "eager", hidden, index, weights),
+                                         linear.dequantized_weight(torch.float32), linear.bias)
+    assert torch.allclose(out, ref, atol=1e-5)
 
 
 @pytest.mark.fast
