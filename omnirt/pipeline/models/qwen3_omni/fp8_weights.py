@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from omnirt.pipeline.kernels.fp8 import FP8, Fp8Linear, hold, quantize_experts
+from omnirt.pipeline.kernels.fp8 import FP8, Fp8Linear, hold, is_quantized, quantize_experts
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ def quantize(hf: torch.nn.Module, block: int) -> tuple[int, int]:
     num_experts = num_dense = 0
     for layer in _loaded_layers(hf):
         experts = getattr(layer.mlp, "experts", None)
-        if experts is not None and experts.gate_up_proj.dtype != FP8:
+        if experts is not None and not is_quantized(experts):
             quantize_experts(experts, block)
             num_experts += 1
         for name in DENSE:
@@ -97,8 +97,7 @@ def _find(module: torch.nn.Module, name: str) -> torch.nn.Module | None:
 
 
 def is_fp8(hf: torch.nn.Module) -> bool:
-    return any(isinstance(m, Fp8Linear) or getattr(m, "gate_up_proj_scale_inv", None) is not None
-               for m in hf.modules())
+    return any(isinstance(m, Fp8Linear) or is_quantized(m) for m in hf.modules())
 
 
 def set_fused(hf: torch.nn.Module, fused: bool) -> None:

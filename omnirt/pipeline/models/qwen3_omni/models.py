@@ -39,7 +39,7 @@ from omnirt.pipeline.stage.memory_plan import MemoryPlan, log_capture, log_plan,
 from omnirt.pipeline.stage.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
-AUTO_FP8_SHARE = 0.5  # quantization auto: FP8 experts where the weights would take more of the device than this
+AUTO_FP8_SHARE = 0.5  # quantization auto: FP8 decoders where the weights would take more of the device than this
 OUTPUT_SAMPLE_RATE = 24000
 WARM_IMAGE_SIDE = 64  # pixels: the encoders' warm-up image, 128 x 64 (a few merged patches)
 

@@ -50,10 +50,12 @@ def load_hf_model(model: str, load_format: str, dtype: torch.dtype, device: torc
         path = resolve_model_path(model)
         tokenizer = _tokenizer(path)
         log.info("loading weights from %s (%s)", path, "+".join(p for p in PARTS if p in parts))
-        hf = _from_checkpoint(path, dtype)
+        block = fp8_block(path)
+        hf = _from_checkpoint(path, dtype, block is not None)
         _keep_parts(hf, parts, device)
         fix_config(hf.config)
-        _fp8_weights(hf, path)
+        if block is not None:
+            _fp8_weights(hf, path, block)
     hf.eval()
     if moe_backend != "eager":
         hf.set_experts_implementation(moe_backend)
@@ -61,12 +63,12 @@ def load_hf_model(model: str, load_format: str, dtype: torch.dtype, device: torc
     return hf, tokenizer, path
 
 
-def _from_checkpoint(path: Path, dtype: torch.dtype):
+def _from_checkpoint(path: Path, dtype: torch.dtype, is_fp8: bool):
     """The checkpoint's model; an FP8 one without transformers' quantizer (it needs kernels from the hub): its
     fp8 values cast to `dtype`, the scales read afterwards (`_fp8_weights`)."""
     from transformers import Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneration
 
-    if fp8_block(path) is None:
+    if not is_fp8:
         return Qwen3OmniMoeForConditionalGeneration.from_pretrained(path, dtype=dtype, local_files_only=True)
     config = Qwen3OmniMoeConfig.from_pretrained(path, local_files_only=True)
     del config.quantization_config
@@ -74,10 +76,8 @@ def _from_checkpoint(path: Path, dtype: torch.dtype):
                                                                  local_files_only=True)
 
 
-def _fp8_weights(hf, path: Path) -> None:
+def _fp8_weights(hf, path: Path, block: int) -> None:
     """An FP8 checkpoint's scales applied: its quantised layers FP8 again, as it stores them."""
-    if (block := fp8_block(path)) is None:
-        return
     num_experts, num_dense = apply_scales(hf, read_scales(path), block)
     log.info("fp8 checkpoint (blocks of %d): %d experts modules and %d linear layers in FP8", block, num_experts,
              num_dense)
