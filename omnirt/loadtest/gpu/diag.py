@@ -1,6 +1,7 @@
 """Full-size start-up plus a few timed requests in-process, with thread dumps if anything stalls."""
 import asyncio
 import faulthandler
+import logging
 import os
 import sys
 import time
@@ -9,6 +10,9 @@ from omnirt.app.cli import build_parser, engine_options
 from omnirt.pipeline.api import AudioChunk, Finished, OmniRequest, TextDelta
 from omnirt.pipeline.serving.core import build_engine
 
+if os.environ.get("DIAG_LOG"):  # DIAG_LOG=INFO: the engine's start-up lines (memory plan, precision, graphs)
+    logging.basicConfig(format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("omnirt").setLevel(os.environ["DIAG_LOG"])
 if os.environ.get("SWITCH_MS"):  # the interpreter's GIL switch interval (default 5 ms), for the host-path ablation
     sys.setswitchinterval(float(os.environ["SWITCH_MS"]) / 1000)
 # DIAG_SWITCHES="5 0.2": each round (and the spans round) once per switch interval, in this order, same process

@@ -241,6 +241,7 @@ def load_models(cfg: EngineConfig, platform: Platform, stages: tuple[str, ...]) 
 def memory_plan(hf, cfg: EngineConfig, stages: tuple[str, ...], platform: Platform) -> MemoryPlan:
     """The KV slots per stage from the device's memory after the weights (ProfileError when they cannot fit).
     The stages of a process run on its device 0, the current one."""
+    platform.empty_cache()
     free, total = platform.mem_get_info()
     plan = plan_memory(stage_memory(hf, cfg, stages, platform.supports_graphs), free, total,
                        cfg.gpu_memory_utilization, platform.device_name(0))
