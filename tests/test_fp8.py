@@ -1,6 +1,7 @@
 """FP8 experts (`omnirt/pipeline/kernels/fp8.py`): block quantisation within e4m3's rounding bound, the fused Triton
 kernels (its interpreter on the CPU) and the dequantising forward against the eager math on the weights the FP8
-values stand for, the tiny Thinker's logits within a bound stated before measuring, and the tiny engine with
+values stand for, the tiny Thinker's logits and the Talker's codec frames within a bound stated before measuring, and
+the tiny engine with
 `quantization: fp8` against transformers' generate() on the dequantised weights."""
 
 from __future__ import annotations
@@ -117,14 +118,14 @@ def test_dequantized_forward_matches_the_eager_math(routing_kind):
     assert torch.allclose(run(module, fp8.use_dequantized_experts(), hidden, index, weights), ref, atol=1e-6)
 
 
-def teacher_forced(hf, prompts: torch.Tensor) -> tuple[torch.Tensor, list[tuple]]:
-    """(the Thinker's logits, each experts module's inputs and output) of `prompts`, teacher-forced."""
+def teacher_forced(stack: torch.nn.Module, forward) -> tuple[torch.Tensor, list[tuple]]:
+    """(`forward()`'s logits, each experts module of `stack` with its inputs and output), teacher-forced."""
     calls = []
     hooks = [m.register_forward_hook(lambda m, args, out: calls.append((m, args, out)))
-             for m in hf.thinker.modules() if all(hasattr(m, p) for p in fp8.PROJECTIONS)]
+             for m in stack.modules() if all(hasattr(m, p) for p in fp8.PROJECTIONS)]
     try:
         with torch.inference_mode():
-            return hf.thinker(input_ids=prompts).logits.float(), calls
+            return forward(), calls
     finally:
         for hook in hooks:
             hook.remove()
@@ -132,6 +133,38 @@ def teacher_forced(hf, prompts: torch.Tensor) -> tuple[torch.Tensor, list[tuple]
 
 def relative_rms(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out - ref).square().mean().sqrt() / ref.square().mean().sqrt())
+
+
+def agree_where_decisive(out: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions whose reference top-2 gap exceeds 4x the logits' RMS error, whether out's top-1 is ref's)."""
+    top2 = ref.topk(2, dim=-1).values
+    decisive = top2[..., 0] - top2[..., 1] > 4 * (out - ref).square().mean().sqrt()
+    return decisive, out.argmax(-1) == ref.argmax(-1)
+
+
+class Fp8Copy:
+    """A copy of the tiny model with its decoders in FP8 (blocks of 16: several per weight, eager dequantising
+    experts), and the errors of its experts layers against the reference's on the reference's inputs."""
+
+    def __init__(self, reference: torch.nn.Module, stack: str):
+        self.hf = copy.deepcopy(reference)
+        self.same = {id(m): q for m, q in zip(getattr(reference, stack).modules(), getattr(self.hf, stack).modules())}
+        quantized = fp8_weights.quantize(self.hf, 16)[0]
+        assert quantized == sum(c.text_config.num_hidden_layers for c in (self.hf.config.thinker_config,
+                                                                            self.hf.config.talker_config))
+        self.impl = fp8.use_dequantized_experts()
+        for sub in (self.hf.thinker, self.hf.talker):
+            sub.config.text_config._experts_implementation = self.impl
+        self.stack = getattr(self.hf, stack)
+
+    def layer_errors(self, calls: list[tuple]) -> list[float]:
+        return [relative_rms(run(self.same[id(m)], self.impl, *args), out) for m, args, out in calls]
+
+    def break_scales(self) -> None:
+        """Each projection's block scales in reverse order: what the layers' bound must catch."""
+        for experts in (m for m in self.stack.modules() if fp8.is_quantized(m)):
+            for name in fp8.PROJECTIONS:
+                getattr(experts, f"{name}_scale_inv").copy_(reversed_blocks(getattr(experts, f"{name}_scale_inv")))
 
 
 @pytest.mark.fast
@@ -146,28 +179,74 @@ def test_tiny_thinker_stays_within_the_stated_bound(reference_model):
     Measured: 4.5 % in both layers (broken: 27-30 %); logits 3.6 %, 60 % of positions decisive, all agreeing."""
     vocab = reference_model.config.thinker_config.text_config.vocab_size
     prompts = torch.randint(0, vocab, (16, 24), generator=torch.Generator().manual_seed(0))
-    ref, calls = teacher_forced(reference_model, prompts)
-    hf = copy.deepcopy(reference_model)
-    layers = {id(m): q for m, q in zip(reference_model.thinker.modules(), hf.thinker.modules())}
-    num_layers = hf.thinker.config.text_config.num_hidden_layers
-    assert fp8_weights.quantize(hf, 16)[0] == len(calls) + hf.talker.config.text_config.num_hidden_layers
-    assert len(calls) == num_layers
-    impl = fp8.use_dequantized_experts()
-
-    def layer_errors() -> list[float]:
-        return [relative_rms(run(layers[id(m)], impl, *args), out) for m, args, out in calls]
-
-    hf.thinker.config.text_config._experts_implementation = impl
-    out, _ = teacher_forced(hf, prompts)
-    assert max(layer_errors()) <= LAYER_BOUND, layer_errors()
+    ref, calls = teacher_forced(reference_model.thinker, lambda: reference_model.thinker(input_ids=prompts).logits)
+    q = Fp8Copy(reference_model, "thinker")
+    assert len(calls) == q.hf.thinker.config.text_config.num_hidden_layers
+    out, _ = teacher_forced(q.stack, lambda: q.stack(input_ids=prompts).logits)
+    assert max(q.layer_errors(calls)) <= LAYER_BOUND, q.layer_errors(calls)
     assert 0 < relative_rms(out, ref) <= 0.05
-    top2 = ref.topk(2, dim=-1).values
-    decisive = top2[..., 0] - top2[..., 1] > 4 * (out - ref).square().mean().sqrt()
-    assert decisive.float().mean() > 0.5 and (out.argmax(-1) == ref.argmax(-1))[decisive].all()
-    for experts in (m for m in hf.thinker.modules() if fp8.is_quantized(m)):
-        for name in fp8.PROJECTIONS:
-            getattr(experts, f"{name}_scale_inv").copy_(reversed_blocks(getattr(experts, f"{name}_scale_inv")))
-    assert min(layer_errors()) > LAYER_BOUND, layer_errors()
+    decisive, same = agree_where_decisive(out, ref)
+    assert decisive.float().mean() > 0.5 and same[decisive].all()
+    q.break_scales()
+    assert min(q.layer_errors(calls)) > LAYER_BOUND, q.layer_errors(calls)
+
+
+def frame_logits(talker: torch.nn.Module, codes: torch.Tensor, frames: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits of every code of each position's frame, teacher-forced: the Talker on the embeddings of `codes`
+    (B, T) gives each position's first code; its code predictor, on that position's last hidden state and the
+    first G-1 codes of `frames` (B, T, G), the other G-1, as transformers' generate() feeds them.
+    Returns ((B, T, V0), (B, T, G-1, V))."""
+    b, t = codes.shape
+    out = talker(inputs_embeds=talker.get_input_embeddings()(codes), position_ids=torch.arange(t).expand(3, b, t),
+                 output_hidden_states=True)
+    predictor, flat = talker.code_predictor, frames.reshape(b * t, -1)
+    embeds = [talker.get_input_embeddings()(flat[:, :1]),
+              *(table(flat[:, i + 1:i + 2]) for i, table in enumerate(predictor.get_input_embeddings()[:-1]))]
+    states = predictor.model(inputs_embeds=torch.cat([out.hidden_states[0][-1].reshape(b * t, 1, -1), *embeds], 1))
+    rest = torch.stack([head(states.last_hidden_state[:, j + 1]) for j, head in enumerate(predictor.lm_head)], 1)
+    return out.logits.float(), rest.reshape(b, t, *rest.shape[1:]).float()
+
+
+def greedy_frames(talker: torch.nn.Module, codes: torch.Tensor, groups: int) -> torch.Tensor:
+    """The frame each position of `codes` decodes to greedily, one code group after another."""
+    frames = torch.zeros(*codes.shape, groups, dtype=torch.long)
+    with torch.inference_mode():
+        frames[..., 0] = frame_logits(talker, codes, frames)[0].argmax(-1)
+        for j in range(1, groups):
+            frames[..., j] = frame_logits(talker, codes, frames)[1][..., j - 1].argmax(-1)
+    return frames
+
+
+@pytest.mark.fast
+def test_tiny_talker_codec_frames_stay_within_the_stated_bound(reference_model):
+    """Codec-frame agreement: 16 sequences of 24 random codec tokens teacher-forced through the tiny Talker, fp32
+    against its decoder in FP8 (blocks of 16), the code predictor (not quantised) fed each model's own last hidden
+    state and the fp32 model's greedy frame. The bound, stated before measuring, is the Thinker's: each MoE layer
+    within `LAYER_BOUND`, the first code's logits and each residual group's within 5 % relative RMS, and the codes
+    the same wherever the fp32 model's top-2 gap exceeds 4x that group's RMS error, here on at least 99 % of those
+    (position, group) pairs: over 6,000 codes the errors' tails reach 6-10x their RMS. A broken scale fails the
+    layers' bound. Measured: layers 4.5 and 4.6 % (broken: 35 and 25 %); first code 3.7 %, residual groups 0.5-2.1 %;
+    88 % of codes decisive, 2 of them differing (gaps 4.2 and 4.4x); 77 % of whole frames equal (near-ties of random
+    weights included)."""
+    talker = reference_model.talker
+    groups = talker.config.num_code_groups
+    codes = torch.randint(0, talker.config.text_config.vocab_size, (16, 24), generator=torch.Generator().manual_seed(1))
+    frames = greedy_frames(talker, codes, groups)
+    (ref0, ref), calls = teacher_forced(talker, lambda: frame_logits(talker, codes, frames))
+    q = Fp8Copy(reference_model, "talker")
+    assert len(calls) == talker.config.text_config.num_hidden_layers
+    with torch.inference_mode():
+        out0, out = frame_logits(q.stack, codes, frames)
+    assert max(q.layer_errors(calls)) <= LAYER_BOUND, q.layer_errors(calls)
+    assert 0 < relative_rms(out0, ref0) <= 0.05
+    assert max(relative_rms(out[..., j, :], ref[..., j, :]) for j in range(groups - 1)) <= 0.05
+    pairs = [agree_where_decisive(out0, ref0), *(agree_where_decisive(out[..., j, :], ref[..., j, :])
+                                                  for j in range(groups - 1))]
+    decisive, same = (torch.stack(parts, -1) for parts in zip(*pairs, strict=True))
+    assert decisive.float().mean() > 0.5 and same[decisive].float().mean() >= 0.99
+    q.break_scales()
+    assert min(q.layer_errors(calls)) > LAYER_BOUND, q.layer_errors(calls)
 
 
 def dequantized_copy(hf: torch.nn.Module) -> torch.nn.Module:
