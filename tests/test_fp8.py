@@ -1,8 +1,7 @@
 """FP8 experts (`omnirt/pipeline/kernels/fp8.py`): block quantisation within e4m3's rounding bound, the fused Triton
 kernels (its interpreter on the CPU) and the dequantising forward against the eager math on the weights the FP8
 values stand for, the tiny Thinker's logits and the Talker's codec frames within a bound stated before measuring, and
-the tiny engine with
-`quantization: fp8` against transformers' generate() on the dequantised weights."""
+the tiny engine with `quantization: fp8` against transformers' generate() on the dequantised weights."""
 
 from __future__ import annotations
 
