@@ -122,6 +122,17 @@ SCENARIOS: dict[str, Scenario] = {
                                                "{steady_limit}")), VOICE_SERVER),),
                          {"variant": "profile", "sessions": "1 64", "concurrency": "64", "converse_limit": "330",
                           "steady_limit": "200", "reply": "--reply-frames 100 --reply-tokens 60"}),
+    "precision": Scenario("bf16 against FP8 weights on one machine: a server per variant, each with the headline's "
+                          "two benches (conversing sessions, replies capped as there; the chat steady state, a shorter "
+                          "window)",
+                          (ForEach("variants", (Serve("{each}", (
+                              ("converse-{each}", "voice --sessions {sessions} {reply}", "{converse_limit}"),
+                              ("steady-{each}", "chat --prompt-lens 16-640 --concurrency {concurrency} --warmup-s "
+                                                "{warmup_s} --window-s {window_s}", "{steady_limit}")),
+                              VOICE_SERVER, log_level="info", log_grep="quantization|fp8:|memory plan|KV cache:"),)),),
+                          {"variants": "fp8 bf16", "sessions": "64", "concurrency": "64", "converse_limit": "170",
+                           "steady_limit": "90", "warmup_s": "10", "window_s": "40",
+                           "reply": "--reply-frames 100 --reply-tokens 60"}),
     "voice": Scenario("voice sessions, each reply cancelled at its first audio (diagnostic: a warm-up turn, then 3), "
                       "then conversing sessions with replies capped at reply_frames",
                       (Serve("{variant}", (VOICE, VOICE_CONVERSE), VOICE_SERVER),),
