@@ -38,6 +38,7 @@ ABLATION = ForEach("variants", (Serve(
 ABLATION_PARAMS = {"concurrency": "64", "prompt": "160", "point_limit": "200", "log_level": "warning", "log_grep": ""}
 
 
+PRECISION_LINES = "quantization|fp8:|memory plan|KV cache:|graphs captured"  # the server's precision and memory
 PARITY_VARIANT = "four-requests"  # the parity check's server (omnirt/loadtest/variants.py)
 
 
@@ -119,7 +120,8 @@ SCENARIOS: dict[str, Scenario] = {
                          "one of their own (the profile's own caps would make each 80 s of speech)",
                          (Serve("{variant}", (("converse", "voice --sessions {sessions} {reply}", "{converse_limit}"),
                                               ("steady", "chat --prompt-lens 16-640 --concurrency {concurrency}",
-                                               "{steady_limit}")), VOICE_SERVER),),
+                                               "{steady_limit}")), VOICE_SERVER, log_level="info",
+                                log_grep=PRECISION_LINES),),
                          {"variant": "profile", "sessions": "1 64", "concurrency": "64", "converse_limit": "330",
                           "steady_limit": "200", "reply": "--reply-frames 100 --reply-tokens 60"}),
     "precision": Scenario("bf16 against FP8 weights on one machine: a server per variant, each with the headline's "
@@ -129,7 +131,7 @@ SCENARIOS: dict[str, Scenario] = {
                               ("converse-{each}", "voice --sessions {sessions} {reply}", "{converse_limit}"),
                               ("steady-{each}", "chat --prompt-lens 16-640 --concurrency {concurrency} --warmup-s "
                                                 "{warmup_s} --window-s {window_s}", "{steady_limit}")),
-                              VOICE_SERVER, log_level="info", log_grep="quantization|fp8:|memory plan|KV cache:"),)),),
+                              VOICE_SERVER, log_level="info", log_grep=PRECISION_LINES),)),),
                           {"variants": "fp8 bf16", "sessions": "64", "concurrency": "64", "converse_limit": "170",
                            "steady_limit": "90", "warmup_s": "10", "window_s": "40",
                            "reply": "--reply-frames 100 --reply-tokens 60"}),
