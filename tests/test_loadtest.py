@@ -299,6 +299,16 @@ def test_gpu_driver_resolves_every_scenario(tmp_path):
     assert stray.returncode == 2 and "sessions: no parameter of sweep" in stray.stderr, stray.stderr
 
 
+def test_gpu_driver_exits_non_zero_naming_a_failed_step(tmp_path):
+    """A step that fails does not stop the others, and the driver's exit says which failed (a device call's
+    exit status is what its caller reads first)."""
+    run = subprocess.run([sys.executable, "-m", "omnirt.loadtest.gpu", "--tiny", "--out", str(tmp_path), "gpu-tests",
+                          "diag", "tests=tests/no_such_test.py", "concurrency=1"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert run.returncode == 1 and run.stderr.strip().endswith("failed: gpu-tests (exit 4)"), run.stderr[-2000:]
+    assert "diag-profile rc=0" in (tmp_path / "diag-profile.txt").read_text()
+
+
 def test_only_the_variants_table_spells_the_ablation_settings():
     """The serve settings of the ablations (`--set`, `--enforce-eager`) appear in omnirt/loadtest/ only in
     omnirt/loadtest/variants.py: one place to change; the flags they replaced appear nowhere."""

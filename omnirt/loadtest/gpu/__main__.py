@@ -11,6 +11,7 @@ The server is the full-size architecture with dummy weights on the 1-GPU profile
 try a scenario on a CPU). Results go to --out (default: $OUT, else bench-results/gpu-<date>-<time>/). Python
 packages the GPU machine lacks travel as wheels in `.whl/` (CPython 3.12, manylinux, one version each; never
 fetched from the network there): they are installed once into /tmp/site, again when the set of wheels changes.
+It exits non-zero, naming them, where a step failed or a server did not start; the other steps still run.
 """
 
 from __future__ import annotations
@@ -110,6 +111,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"== {name}: {SCENARIOS[name].about}", flush=True)
         runner.run_all(SCENARIOS[name].steps)
     print(f"results: {out}")
+    if failed := [step for _, runner in runners for step in runner.failed]:
+        sys.exit(f"failed: {', '.join(failed)}")
 
 
 if __name__ == "__main__":

@@ -88,6 +88,7 @@ class Runner:
     def __init__(self, values: dict[str, str], out: Path, env: dict[str, str], dry: bool = False,
                  pack: str | None = None):
         self.values, self.out, self.env, self.dry, self.pack_to = values, out, env, dry, pack
+        self.failed: list[str] = []  # steps that exited non-zero, servers that did not start
 
     def fill(self, text: str, **more: str) -> str:
         """`{name}` of a value filled in (a value may name others); other braces (JSON) are left as written."""
@@ -143,6 +144,10 @@ class Runner:
                 print(f"{name}: {exc}", flush=True)
                 return 127
 
+    def note(self, name: str, rc: int) -> None:
+        if rc:
+            self.failed.append(f"{name} (exit {rc})")
+
     def check(self, step: Check, **more: str) -> None:
         name = self.fill(step.name, **more)
         argv = self.argv(step.argv, **more) + (serve_args(self.fill(step.variant, **more))
@@ -150,6 +155,7 @@ class Runner:
         env = self.pairs(step.env, **more)
         path = self.out / (self.fill(step.out, **more) or f"{name}.txt")
         rc = self.program(name, argv, int(self.fill(str(step.limit_s), **more)), path, env)
+        self.note(name, rc)
         if not self.dry:
             with path.open("a") as f:
                 print(f"{name} rc={rc}", file=f)  # ends a run of the file (omnirt.loadtest.plot steps)
@@ -186,6 +192,7 @@ class Runner:
                 print(f"server {name} ready after {server.start(float(self.values['start_limit'])):.0f} s", flush=True)
             except RuntimeError as exc:
                 print(exc, flush=True)
+                self.failed.append(f"server {name}")
                 return
             self.say(name, _gpu_memory())
         try:
@@ -222,6 +229,7 @@ class Runner:
                           "--out {out}", "run": ""}[verb]
         argv = self.argv(f"{bench} {rest} {{{verb}_args}}", url=server.url, **{"run_args": "", **more})
         rc = self.program(name, argv, limit_s, self.out / f"{name}.out")
+        self.note(name, rc)
         if not self.dry:
             lines = (self.out / f"{name}.out").read_text(errors="replace").splitlines()
             shown = lines[-40:] if verb == "run" else dict.fromkeys(  # a voice bench prints each point twice
