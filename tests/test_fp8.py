@@ -96,6 +96,56 @@ def test_fused_fp8_experts_match_the_eager_math_on_their_weights(module_kind, to
 
 
 @pytest.mark.fast
+@pytest.mark.parametrize("shape,block", [((3, 40, 24), 16), ((200, 40), 128), ((2, 33, 17), 8)])
+def test_widened_weights_are_the_eager_dequantisation(shape, block):
+    """The widening kernel (its interpreter here) gives dequantize_blocks' values, edge blocks included: exactly in
+    float32; in bf16 within one bf16 step of them (a device rounds to nearest, the interpreter truncates)."""
+    w = torch.randn(shape, generator=torch.Generator().manual_seed(block)) * 0.05
+    q, scale = (t.to(DEVICE) for t in fp8.quantize_blocks(w, block))
+    exact = fp8.dequantize_blocks(q, scale, block)
+    out = fp8.widened(q, scale, block, torch.float32)
+    assert out.shape == shape and torch.equal(out, exact)
+    assert not torch.equal(out, fp8.dequantize_blocks(q, reversed_blocks(scale), block))
+    narrow = fp8.widened(q, scale, block, torch.bfloat16)
+    assert narrow.dtype == torch.bfloat16 and ((narrow.float() - exact).abs() <= exact.abs() * 2.0 ** -7).all()
+
+
+@pytest.mark.fast
+def test_long_prefill_chunks_of_fp8_experts_take_grouped_mm_on_widened_weights(monkeypatch):
+    """Past MAX_FUSED_PAIRS the fused kernels (decode tiles) step aside for grouped_mm on the weights widened for
+    the call; the module keeps its FP8 weights."""
+    tokens = moe.MAX_FUSED_PAIRS // 3 + 1
+    g, hidden, index, weights = inputs("random", tokens, 3, 8, torch.float32, 7)
+    module, truth = quantized(experts_module("thinker", 8, 3, torch.float32, g), 16)
+    ref = run(truth, "eager", hidden, index, weights)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the fused kernels ran past MAX_FUSED_PAIRS")
+
+    monkeypatch.setattr(moe, "fused_experts", refuse)
+    with torch.inference_mode():
+        out = moe.experts_forward(module, hidden, index, weights)
+    assert torch.allclose(out, ref, atol=1e-4) and ref.abs().max() > 0.1
+    assert module.gate_up_proj.dtype == module.down_proj.dtype == fp8.FP8
+
+
+@pytest.mark.fast
+def test_fp8_linear_widens_its_weight_for_many_rows(monkeypatch):
+    """Up to WIDE_ROWS rows the FP8 kernel runs; past them F.linear on the widened weight, with the same values."""
+    linear = fp8.Fp8Linear.quantized(torch.nn.Linear(40, 24).to(DEVICE), 16, fused=True)
+    calls = []
+    kernel = fp8.fp8_linear
+    monkeypatch.setattr(fp8, "fp8_linear", lambda *args: calls.append(args[0].shape) or kernel(*args))
+    g = torch.Generator().manual_seed(3)
+    for rows in (fp8.WIDE_ROWS, fp8.WIDE_ROWS + 1):
+        x = torch.randn(rows, 40, generator=g).to(DEVICE)
+        ref = torch.nn.functional.linear(x, linear.dequantized_weight(torch.float32), linear.bias)
+        with torch.inference_mode():
+            assert torch.allclose(linear(x), ref, atol=1e-5)
+    assert calls == [(fp8.WIDE_ROWS, 40)]
+
+
+@pytest.mark.fast
 def test_fused_fp8_tiles_stay_within_a_scale_block():
     """Through transformers' interface the reduction tile shrinks to the scale block (16 here, 128 by default);
     called directly with a tile across blocks, the kernels refuse."""

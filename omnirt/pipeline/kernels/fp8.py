@@ -10,6 +10,11 @@ The arithmetic stays in the activations' dtype (weight-only FP8, "W8A16"): the f
 (`omnirt.pipeline.kernels.moe`) and `Fp8Linear`'s kernel (`triton_fp8.py`) widen each weight tile and apply its
 block's scale in the accumulator; where they do not run (the CPU), `dequantized_experts_forward` and `Fp8Linear`
 widen the weights and run the eager math.
+
+Those kernels are made for decode steps (a few rows, bound by reading the weights). A prefill chunk of thousands of
+rows is bound by arithmetic instead, where their small row tiles waste the tensor cores: past `WIDE_ROWS` rows (a
+linear layer) or `moe.MAX_FUSED_PAIRS` pairs (experts), the weights are widened on the device in one pass
+(`widened`, about a millisecond for a Thinker experts layer) and cuBLAS or grouped_mm runs on them, as in bf16.
 """
 
 from __future__ import annotations
@@ -45,6 +50,51 @@ def dequantize_blocks(q: torch.Tensor, scale_inv: torch.Tensor, block: int = BLO
     n, k = q.shape[-2:]
     scale = scale_inv.repeat_interleave(block, dim=-2)[..., :n, :].repeat_interleave(block, dim=-1)[..., :k]
     return (q.float() * scale).to(dtype)
+
+
+WIDE_ROWS = 256  # rows past which Fp8Linear widens its weight (decode steps have at most 64 rows, two tokens each)
+WIDEN_TILE = 64  # rows and columns of widen_kernel's tile
+
+
+def widened(q: torch.Tensor, scale_inv: torch.Tensor, block: int, dtype: torch.dtype) -> torch.Tensor:
+    """`dequantize_blocks` through the Triton kernel: one read of the fp8 weights [..., N, K] and one write in
+    `dtype`, with no float32 copies (the eager formula holds about 5 GB at once for a Thinker experts layer)."""
+    return _widen_op(q, scale_inv, block, dtype)
+
+
+@torch.library.custom_op("omnirt::widen_fp8", mutates_args=())
+def _widen_op(q: torch.Tensor, scale_inv: torch.Tensor, block: int, dtype: torch.dtype) -> torch.Tensor:
+    import triton
+
+    from omnirt.pipeline.kernels.triton_fp8 import widen_kernel  # deferred: Triton is optional
+
+    *lead, n, k = q.shape
+    q3, s3 = q.reshape(-1, n, k).contiguous(), scale_inv.reshape(-1, *scale_inv.shape[-2:])
+    out = torch.empty(q3.shape, dtype=dtype, device=q.device)
+    with INTERPRETER:
+        widen_kernel[(q3.shape[0], triton.cdiv(n, WIDEN_TILE), triton.cdiv(k, WIDEN_TILE))](
+            q3, s3, out, n, k, q3.stride(0), s3.stride(0), s3.stride(1), SCALE_BLOCK=block, BLOCK_N=WIDEN_TILE,
+            BLOCK_K=WIDEN_TILE)
+    return out.view(q.shape)
+
+
+@_widen_op.register_fake
+def _(q, scale_inv, block, dtype):
+    return q.new_empty(q.shape, dtype=dtype)
+
+
+class WidenedExperts:
+    """An FP8 experts module seen with its projections widened to `dtype` (the rest is the module's own): what
+    transformers' grouped_mm forward reads for a prefill chunk."""
+
+    def __init__(self, experts: torch.nn.Module, dtype: torch.dtype):
+        self._experts = experts
+        block = experts.weight_block_size[0]
+        for name in PROJECTIONS:
+            setattr(self, name, widened(getattr(experts, name), getattr(experts, f"{name}_scale_inv"), block, dtype))
+
+    def __getattr__(self, name: str):
+        return getattr(self._experts, name)
 
 
 def is_quantized(experts: torch.nn.Module) -> bool:
@@ -117,9 +167,12 @@ class Fp8Linear(torch.nn.Module):
         return dequantize_blocks(self.weight, self.weight_scale_inv, self.block, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused:
-            return fp8_linear(x, self.weight, self.weight_scale_inv, self.block, self.bias)
-        return torch.nn.functional.linear(x, self.dequantized_weight(x.dtype), self.bias)
+        if not self.fused:
+            return torch.nn.functional.linear(x, self.dequantized_weight(x.dtype), self.bias)
+        if x.numel() > WIDE_ROWS * self.in_features:
+            weight = widened(self.weight, self.weight_scale_inv, self.block, x.dtype)
+            return torch.nn.functional.linear(x, weight, self.bias)
+        return fp8_linear(x, self.weight, self.weight_scale_inv, self.block, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8 blocks of {self.block}"

@@ -132,20 +132,21 @@ def _strides(weight: torch.Tensor, transposed: bool) -> tuple[int, int, int]:
 def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                     tiles: Tiles = DECODE_TILES) -> torch.Tensor:
     """transformers' experts interface (`grouped_mm_experts_forward`'s signature), on the module's own
-    weights and layout; grouped_mm past `MAX_FUSED_PAIRS`. FP8 experts (`omnirt.pipeline.kernels.fp8`) always
-    take the fused kernels, which alone read them. `tiles`: for timing other tile sizes."""
+    weights and layout; grouped_mm past `MAX_FUSED_PAIRS`, on FP8 experts (`omnirt.pipeline.kernels.fp8`) widened
+    for the call. `tiles`: for timing other tile sizes."""
     from transformers.integrations.moe import grouped_mm_experts_forward
 
-    from omnirt.pipeline.kernels.fp8 import is_quantized
+    from omnirt.pipeline.kernels.fp8 import WidenedExperts, is_quantized
 
     _check_fusable(self)
+    if top_k_index.numel() > MAX_FUSED_PAIRS:
+        experts = WidenedExperts(self, hidden_states.dtype) if is_quantized(self) else self
+        return grouped_mm_experts_forward(experts, hidden_states, top_k_index, top_k_weights)
     scales = None
     if is_quantized(self):
         block = self.weight_block_size[0]
         scales = (self.gate_up_proj_scale_inv, self.down_proj_scale_inv, block)
         tiles = dataclasses.replace(tiles, block_k=math.gcd(tiles.block_k, block))  # a tile within a scale block
-    elif top_k_index.numel() > MAX_FUSED_PAIRS:
-        return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
     return fused_experts(hidden_states, self.gate_up_proj, self.down_proj, top_k_index, top_k_weights,
                          self.is_transposed, tiles, scales)
 

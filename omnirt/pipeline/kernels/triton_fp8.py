@@ -4,6 +4,9 @@ with one float32 scale per SCALE_BLOCK x SCALE_BLOCK block, x [M, K] in the acti
 Program (row tile, column tile) walks the reduction in tiles of BLOCK_K (which divides SCALE_BLOCK, so a tile lies
 in one scale block): it widens the weight tile to x's dtype, multiplies, and scales each column of the product by
 its block's scale in the fp32 accumulator. A decode step's M is small: the kernel is bound by reading W once.
+
+`widen_kernel` writes FP8 weights out in a wider dtype, for calls with many rows (prefill chunks), which cuBLAS and
+grouped_mm then take at full matrix rate.
 """
 
 import triton
@@ -28,3 +31,19 @@ def fp8_linear_kernel(X, W, S, Bias, Y, M, N, K, stride_xm, stride_wn, stride_sn
     if HAS_BIAS:
         acc += tl.load(Bias + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(Y + m[:, None] * stride_ym + n[None, :], acc.to(Y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def widen_kernel(Q, S, Out, N, K, stride_qe, stride_se, stride_sn, SCALE_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    """Program (matrix e, row tile, column tile) of FP8 weights Q [E, N, K] (rows contiguous): each value times its
+    block's scale in fp32, stored once in Out's dtype."""
+    e = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.program_id(2) * BLOCK_K + tl.arange(0, BLOCK_K)
+    ok = (n < N)[:, None] & (k < K)[None, :]
+    at = e * stride_qe + n[:, None] * K + k[None, :]
+    scale = tl.load(S + e * stride_se + (n // SCALE_BLOCK)[:, None] * stride_sn + (k // SCALE_BLOCK)[None, :], mask=ok,
+                    other=0.0)
+    w = tl.load(Q + at, mask=ok, other=0.0).to(tl.float32) * scale
+    tl.store(Out + at, w.to(Out.dtype.element_ty), mask=ok)
