@@ -10,7 +10,8 @@ root.
 The server is the full-size architecture with dummy weights on the 1-GPU profile (`--tiny`: the tiny model, to
 try a scenario on a CPU). Results go to --out (default: $OUT, else bench-results/gpu-<date>-<time>/). Python
 packages the GPU machine lacks travel as wheels in `.whl/` (CPython 3.12, manylinux, one version each; never
-fetched from the network there): they are installed once into /tmp/site, again when the set of wheels changes.
+fetched from the network there): they are installed once into /tmp/site, again when the set of wheels changes
+(not with --tiny, which runs on this machine's own packages).
 It exits non-zero, naming them, where a step failed or a server did not start; the other steps still run.
 """
 
@@ -99,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
     names = [w for w in args.words if "=" not in w]
     out = Path(args.out or ROOT / "bench-results" / f"gpu-{'-'.join(names)}-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
-    env = environment([] if args.dry_run else install_wheels())
+    env = environment([] if args.dry_run or args.tiny else install_wheels())  # the wheels are the device's (3.12)
     model, model_args = ("tiny", "--model tiny --threads 1") if args.tiny else ("qwen3-omni-30b-a3b", FULL_SIZE)
     runners = [(name, Runner({**COMMON, **SCENARIOS[name].params, **given, "python": sys.executable, "out": str(out),
                               "model": model, "model_args": model_args, "scenario": name}, out, env, args.dry_run,

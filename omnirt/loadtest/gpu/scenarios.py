@@ -166,6 +166,15 @@ SCENARIOS: dict[str, Scenario] = {
                               VOICE_SERVER, src="{each_value}", name="{each_key}"),)),),
                           {"builds": "new=. base=build/base", "variant": "profile", "concurrency": "1 16 64",
                            "sessions": "1 32"}),
+    "ab-steady": Scenario("builds side by side in one call, as ab-builds, each with the chat steady state (a shorter "
+                          "window) and its precision logged",
+                          (ForEach("builds", (Serve("{variant}", (
+                              ("{each_key}-steady", "chat --prompt-lens 16-640 --concurrency {concurrency} --warmup-s "
+                                                    "{warmup_s} --window-s {window_s}", "{steady_limit}"),),
+                              VOICE_SERVER, src="{each_value}", name="{each_key}", log_level="info",
+                              log_grep=PRECISION_LINES),)),),
+                          {"builds": "new=. base=build/base", "variant": "profile", "concurrency": "64",
+                           "warmup_s": "10", "window_s": "40", "steady_limit": "90"}),
     "points": Scenario("one server, one bench run per point (N sessions cancelled at first audio, convN conversing "
                        "sessions, cN chat), each point's span printed for --step-log, compiles counted",
                        (Serve("{variant}", (("point", "points {points}", "{point_limit}"),), VOICE_SERVER,
