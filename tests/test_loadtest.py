@@ -332,3 +332,28 @@ def test_tiny_voice_figures_of_a_known_signal():
     negative = float(re.search(r"negative ([\d.]+)%", said).group(1))
     assert abs(negative - 100 * np.mean(x < 0)) < 0.1 and 20 < negative < 30  # asin(0.7)/pi below zero: 25 %
     assert "8-10 kHz 100%" in energy_bands(x) and "0-2 kHz 0%" in energy_bands(x)
+
+
+def test_ab_log_plot_reads_the_chat_points_a_driver_log_printed(tmp_path):
+    """`plot ab-log`: each chat row and its engine-steps line (as `omnirt bench` prints them into a driver log) give
+    one point; other lines (the server's log, the other stages' steps) are passed over."""
+    from omnirt.loadtest.plot import ab_log, log_points
+
+    log = tmp_path / "ab.log"
+    log.write_text(
+        "server new ready after 158 s\n"
+        "new-steady | 16-640 | distinct | 64 | steady | T 0.7, top-p 0.8, top-k 20 | 40.0 | 642 | 17.65 | 987 | 1175 | "
+        "1296 | 0.314 | 0 | 27.5 (63) / 54.0 (64) / 13.8 (34) | 3644 | 747 | 11.6 | 103 (23-651) | thinker 530 |\n"
+        "new-steady - prompt 16-640, c=64, engine steps over the window: thinker: 62 prefill steps x 168.2 ms, 966 "
+        "decode x 18.9 ms; talker: 62 prefill steps x 53.9 ms\n"
+        "new 2026-12-07T13:08:42.799Z INFO omnirt.memory: memory plan on cuda:0: 79.18 GiB total\n"
+        "base-steady | 16-640 | distinct | 64 | steady | T 0.7, top-p 0.8, top-k 20 | 43.8 | 512 | 13.17 | 2827 | "
+        "3009 | 3115 | 0.459 | 26 | 38.1 (64) / 54.8 (64) / 9.4 (34) | 5320 | 965 | 11.6 | 94 (23-656) | x |\n")
+    points = log_points(log.read_text())
+    assert points == {
+        "new-steady": {"c": 64, "req/s": 17.65, "TTFP p50": 987, "TTFP p90": 1175, "TTFP p99": 1296, "RTF": 0.314,
+                       "underruns": 0, "Thinker prefill step": 168.2},
+        "base-steady": {"c": 64, "req/s": 13.17, "TTFP p50": 2827, "TTFP p90": 3009, "TTFP p99": 3115, "RTF": 0.459,
+                        "underruns": 26}}
+    ab_log(str(tmp_path / "ab.png"), str(log))
+    assert (tmp_path / "ab.png").stat().st_size > 10_000

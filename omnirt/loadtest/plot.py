@@ -6,6 +6,8 @@
                                                                       concurrency, beside vLLM-Omni's published row
     python -m omnirt.loadtest.plot steps OUT.png DIAG.txt                    captured decode steps per stage and batch
     python -m omnirt.loadtest.plot variants OUT.png C2W.jsonl                Code2Wav variants' speed-up per shape
+    python -m omnirt.loadtest.plot ab-log OUT.png DRIVER.log                 the chat points a GPU driver log printed,
+                                                                      side by side (req/s, TTFP, prefill steps)
 
 RUN.json is what `omnirt bench` or `omnirt bench realtime` wrote; a run's label is the given one, else the file's
 name. `omnirt bench` draws `chat`, `omnirt bench realtime` `voice` and `python -m omnirt.loadtest.step_log`
@@ -263,6 +265,38 @@ def variants(out: str, path: str) -> None:
     _save(fig, out)
 
 
+# a chat row as `omnirt bench` prints it: name | prompt tokens | prompts | c | load | sampling | window s | ok |
+# req/s | TTFP p50 | p90 | p99 | RTF | underruns | ...; and its engine-steps line
+CHAT_ROW = re.compile(r"^(\S+) \| [^|]+ \| [^|]+ \| (\d+) \|(?: [^|]+ \|){4} ([\d.]+) \| (\d+) \| (\d+) \| (\d+) \| "
+                      r"([\d.]+) \| (\d+) \|")
+PREFILL = re.compile(r"^(\S+) - .*engine steps over the window: thinker: \d+ prefill steps x ([\d.]+) ms")
+
+
+def log_points(text: str) -> dict[str, dict[str, float]]:
+    """name -> the figures of that chat point, from the rows and engine-steps lines of a driver log."""
+    points: dict[str, dict[str, float]] = {}
+    for line in text.splitlines():
+        if m := CHAT_ROW.match(line):
+            points[m[1]] = dict(zip(("c", "req/s", "TTFP p50", "TTFP p90", "TTFP p99", "RTF", "underruns"),
+                                    map(float, m.groups()[1:])))
+        elif (m := PREFILL.match(line)) and m[1] in points:
+            points[m[1]]["Thinker prefill step"] = float(m[2])
+    return points
+
+
+def ab_log(out: str, path: str) -> None:
+    """The chat points of one driver log (e.g. `ab-steady`'s builds) side by side: req/s, TTFP and the Thinker's
+    prefill step time."""
+    points = log_points(Path(path).read_text())
+    panels = [("requests / s", ["req/s"]), ("ms", ["TTFP p50", "TTFP p90", "TTFP p99", "Thinker prefill step"])]
+    fig, axes = _figure(1, 2, 5.5, 3.8)
+    for ax, (unit, keys) in zip(axes[0], panels):
+        grouped_bars(ax, keys, {name: [p.get(k, 0) for k in keys] for name, p in points.items()}, labels=True)
+        ax.set(ylabel=unit)
+        ax.tick_params(axis="x", labelsize=8)
+    _save(fig, out, f"chat steady state, c={int(next(iter(points.values()))['c'])}")
+
+
 def prefill_steps(spans: list[tuple[str, list]], path: Path, stage: str = "thinker") -> None:
     """A step log's prefill steps of one stage: ms against tokens, a colour per span; requests per step over
     each span's time."""
@@ -280,7 +314,8 @@ def prefill_steps(spans: list[tuple[str, list]], path: Path, stage: str = "think
     _save(fig, path)
 
 
-KINDS = {"compare": compare, "first-packet": first_packet, "ablation": ablation, "steps": steps, "variants": variants}
+KINDS = {"compare": compare, "first-packet": first_packet, "ablation": ablation, "steps": steps, "variants": variants,
+         "ab-log": ab_log}
 
 if __name__ == "__main__":
     if len(sys.argv) < 4 or sys.argv[1] not in KINDS:
