@@ -68,7 +68,7 @@ def _widen_op(q: torch.Tensor, scale_inv: torch.Tensor, block: int, dtype: torch
 
     from omnirt.pipeline.kernels.triton_fp8 import widen_kernel  # deferred: Triton is optional
 
-    *lead, n, k = q.shape
+    n, k = q.shape[-2:]
     q3, s3 = q.reshape(-1, n, k).contiguous(), scale_inv.reshape(-1, *scale_inv.shape[-2:])
     out = torch.empty(q3.shape, dtype=dtype, device=q.device)
     with INTERPRETER:
