@@ -117,3 +117,31 @@ async def test_a_backlog_pauses_reading_until_the_app_takes_it_and_nothing_is_lo
     assert sizes == [len(m) for m in sent]
     assert counts["pauses"] >= 1 and counts["resumes"] >= 1
     assert counts["pauses"] < len(sent) // 2  # not one a message
+
+
+async def test_a_client_that_reads_nothing_holds_a_bounded_amount_before_sends_wait():
+    """The server's send buffer is bounded (`SEND_BUFFER_BYTES`), so a send to a client that stopped reading waits
+    (and `--slow-client-timeout` can fire) after some hundreds of KiB, not the 4 MiB Linux would let queue."""
+    import socket
+
+    message, sent = "z" * 16 * 2**10, {"bytes": 0}
+
+    async def flood(ws):
+        await ws.accept()
+        with contextlib.suppress(TimeoutError):
+            while True:
+                async with asyncio.timeout(5):  # a send that waits this long: the buffers are full
+                    await ws.send_text(message)
+                sent["bytes"] += len(message)
+
+    async with _server(flood) as (url, _):
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # the client's kernel holds little
+        sock.connect(("127.0.0.1", int(url.rsplit(":", 1)[1].split("/")[0])))
+        async with websockets.connect(url, sock=sock, compression=None, max_queue=1, max_size=2**22):
+            last = -1
+            while sent["bytes"] != last:  # reads nothing, until the server's sends stop
+                last = sent["bytes"]
+                await asyncio.sleep(6)
+    kernel_and_transport = 2 * ws_protocol.SEND_BUFFER_BYTES + 2**16  # Linux doubles SO_SNDBUF; asyncio's high water
+    assert 2**16 <= sent["bytes"] <= kernel_and_transport + 2**18, sent  # + what the client side holds

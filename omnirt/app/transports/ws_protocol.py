@@ -8,6 +8,11 @@ Two changes to `WebSocketsSansIOProtocol`, the protocol uvicorn picks where `web
   not after every message (uvicorn's pause and resume are two `epoll_ctl` calls per message). It resumes, as
   uvicorn's does, once the app has taken every queued message: what a connection holds stays bounded.
 
+It also bounds what the kernel holds for a connection that does not read: each WebSocket's send buffer is set to
+`SEND_BUFFER_BYTES`, where Linux would grow it to 4 MiB (over a minute of base64 audio). Past that a send waits, so
+`--slow-client-timeout` closes a client that stopped reading within seconds of the buffer filling, and not after
+the keepalive's ping timeout (40 s), which counts it as a dropped connection rather than a slow client.
+
 Everything else (the handshake, control frames, close, UTF-8 checks, the size limit) is uvicorn's. Where uvicorn
 lacks the sans-I/O protocol, `PROTOCOL` is None and uvicorn's default serves.
 """
@@ -15,6 +20,8 @@ lacks the sans-I/O protocol, `PROTOCOL` is None and uvicorn's default serves.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
 
 try:
     from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
@@ -24,6 +31,8 @@ except ImportError:  # uvicorn before the sans-I/O protocol, or without `websock
 READ_BUFFER_BYTES = 16 * 2**10  # one read's most: a 20 ms append is ~1.4 KB; larger messages take several reads
 MAX_QUEUED_MESSAGES = 8
 LARGE_MESSAGE_BYTES = 64 * 2**10
+# ~4 s of a reply's base64 audio (64 KB/s); bounds a connection's throughput at sndbuf / RTT, 2.5 MB/s at 100 ms
+SEND_BUFFER_BYTES = 256 * 2**10
 
 if WebSocketsSansIOProtocol is not None:
 
@@ -33,6 +42,13 @@ if WebSocketsSansIOProtocol is not None:
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self._read_buffer = memoryview(bytearray(READ_BUFFER_BYTES))
+
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            super().connection_made(transport)
+            sock = transport.get_extra_info("socket")
+            if sock is not None:  # not under a test transport
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
 
         def get_buffer(self, sizehint: int) -> memoryview:
             return self._read_buffer
