@@ -108,13 +108,18 @@ SCENARIOS: dict[str, Scenario] = {
     "distinct": Scenario("diagnostic: one wave at c=64 of distinct prompts the server has not seen, greedy",
                          (Serve("{variant}", (DISTINCT,), VOICE_SERVER),), {"variant": "profile"}),
     "converse": Scenario("the headline: conversing sessions (distinct utterances, replies played whole and unpinned, "
-                         "think times, out of step; a warm-up turn, then 5), then the capacity search at the bound",
-                         (Serve("{variant}", (("converse", "voice --sessions {sessions}", "{converse_limit}"),
-                                              ("capacity", "voice --capacity --sessions {capacity_from} "
-                                                           "--latency-bound {bound_ms}", "{capacity_limit}")),
-                                VOICE_SERVER),),
+                         "think times, out of step; a warm-up turn, then 5), then the capacity search at the bound "
+                         "(`sessions=` empty: the search alone; `reply=`: a cap for dummy weights, as `headline`)",
+                         (Serve("{variant}", (("converse", "?sessions voice --sessions {sessions} {reply}",
+                                               "{converse_limit}"),
+                                              ("capacity", "voice --capacity --sessions {capacity_from} --max-sessions "
+                                                           "{capacity_to} --latency-bound {bound_ms} {reply}",
+                                               "{capacity_limit}")),
+                                "--realtime-max-sessions {max_sessions}", log_level="info",
+                                log_grep=PRECISION_LINES),),
                          {"variant": "profile", "sessions": "1 16 32", "converse_limit": "300", "capacity_from": "8",
-                          "bound_ms": "800", "capacity_limit": "590"}),
+                          "capacity_to": "512", "bound_ms": "800", "capacity_limit": "590", "max_sessions": "600",
+                          "reply": ""}),
     "headline": Scenario("the two headline benches on one server: conversing sessions (a warm-up turn, then 5), "
                          "then the chat steady state; voice replies capped (`reply`), since dummy weights never end "
                          "one of their own (the profile's own caps would make each 80 s of speech)",
