@@ -11,6 +11,7 @@ import json
 import re
 import shutil
 import types
+import weakref
 from pathlib import Path
 
 import pytest
@@ -343,8 +344,8 @@ async def test_fp8_engine_matches_generate_on_the_dequantised_weights(tiny_confi
 
 @pytest.mark.fast
 def test_quantization_auto_follows_the_device(reference_model, monkeypatch):
-    """auto: FP8 where the weights take more than half the device, the engine's dtype otherwise; a checkpoint
-    already in FP8 is FP8 whatever the setting; FP8 experts refuse an experts implementation that cannot read them."""
+    """auto: FP8 where the weights take more than half the device, the engine's dtype otherwise; FP8 experts refuse
+    an experts implementation that cannot read them."""
     import omnirt.pipeline.models.qwen3_omni.models as models
     from omnirt.pipeline.models.qwen3_omni.memory import device_bytes
     from omnirt.pipeline.platform import Platform
@@ -352,11 +353,8 @@ def test_quantization_auto_follows_the_device(reference_model, monkeypatch):
     weights = device_bytes(reference_model)  # parameters and buffers
     for total, want in ((int(weights * 1.9), "fp8"), (int(weights * 2.1), "none")):
         device = types.SimpleNamespace(mem_get_info=lambda total=total: (total, total))
-        assert models._quantization("auto", reference_model, device) == want
-    assert models._quantization("none", reference_model, device) == "none"
-    quantized_model = copy.deepcopy(reference_model)
-    fp8_weights.quantize(quantized_model, 16)
-    assert models._quantization("none", quantized_model, device) == "fp8"
+        assert models._quantization("auto", weights, device) == want
+    assert models._quantization("none", weights, device) == "none"
     gpu = Platform("cuda", "cpu", "nccl", True)
     with pytest.raises(ValueError, match="cannot read FP8 experts"):
         models._experts("grouped_mm", gpu, "fp8")
@@ -481,3 +479,92 @@ def test_fp8_linear_kernel_matches_the_dequantised_linear(rows, block, bias):
         assert torch.allclose(fused(x), ref, atol=1e-5) and torch.equal(widened(x), ref)
     assert fused(x).shape == (rows, 3, 40) and fused.weight.dtype == fp8.FP8
     assert (fused.dequantized_weight(torch.float32) - linear.weight).abs().max() > 0  # rounded, not kept
+
+
+class _LiveExperts:
+    """Decoder experts modules built while it is on, for counting those still in the engine's dtype."""
+
+    def __init__(self, monkeypatch):
+        from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as modeling
+
+        self.built: weakref.WeakSet = weakref.WeakSet()
+        for cls in (modeling.Qwen3OmniMoeThinkerTextExperts, modeling.Qwen3OmniMoeTalkerTextExperts):
+            monkeypatch.setattr(cls, "__init__", self._registering(cls.__init__))
+
+    def _registering(self, init):
+        def registered(module, *args, **kwargs):
+            init(module, *args, **kwargs)
+            self.built.add(module)
+        return registered
+
+    def unquantised(self) -> int:
+        """Those holding memory (not on the meta device) in the engine's dtype."""
+        return sum(not fp8.is_quantized(m) and not m.gate_up_proj.is_meta for m in self.built)
+
+
+@pytest.mark.fast
+def test_dummy_weights_reach_the_device_in_fp8_a_layer_at_a_time(monkeypatch):
+    """Dummy weights with an FP8 choice: each decoder layer is built, initialised and quantised before the next is
+    built, so the device never holds more than one in the engine's dtype (the whole build, then quantising, holds
+    all four of the tiny model); its weights are initialised as the whole build's are (finite, std 0.02, norms 1),
+    the same on every start, and the choice is asked with the bytes of the whole build."""
+    from omnirt.pipeline.models.qwen3_omni import weights
+    from omnirt.pipeline.models.qwen3_omni.memory import device_bytes
+
+    live, seen, asked = _LiveExperts(monkeypatch), [], []
+    quantize_layer = fp8_weights.quantize_layer
+
+    def counting(layer, block):
+        seen.append(live.unquantised())
+        return quantize_layer(layer, block)
+
+    monkeypatch.setattr(fp8_weights, "quantize_layer", counting)
+    monkeypatch.setattr(weights, "quantize_layer", counting)
+    whole, *_ = weights.load_hf_model("tiny", "dummy", torch.float32, torch.device("cpu"))
+    whole_bytes = weights.parts_bytes(whole, frozenset(weights.PARTS))
+    fp8_weights.quantize(whole, 16)
+    assert seen == [4, 3, 2, 1]  # the control: built whole, then quantised
+    seen.clear()
+    built = [weights.load_hf_model("tiny", "dummy", torch.float32, torch.device("cpu"),
+                                   fp8=lambda n: asked.append(n) or 16)[0] for _ in range(2)]
+    assert seen == [1] * 8 and asked == [whole_bytes] * 2
+    assert [type(m).__name__ for m in built[0].modules() if fp8.is_quantized(m)] == [
+        "Qwen3OmniMoeThinkerTextExperts"] * 2 + ["Qwen3OmniMoeTalkerTextExperts"] * 2
+    assert device_bytes(built[0]) == device_bytes(whole) < whole_bytes  # as small as the whole build quantised
+    tensors = [dict(b.state_dict()) for b in built]
+    assert tensors[0].keys() == tensors[1].keys() == dict(whole.state_dict()).keys()
+    for name, tensor in tensors[0].items():
+        assert torch.equal(tensor, tensors[1][name]), name  # seeded: every start the same
+        wide = tensor.float()
+        assert torch.isfinite(wide).all(), name
+    layer = built[0].thinker.model.language_model.layers[1]
+    assert torch.equal(layer.input_layernorm.weight, torch.ones_like(layer.input_layernorm.weight))
+    gate_up = fp8.dequantized(layer.mlp.experts, "gate_up_proj", slice(None), torch.float32)
+    assert 0.018 < gate_up.std() < 0.022 and 0.018 < layer.self_attn.q_proj.dequantized_weight(torch.float32).std()
+
+
+@pytest.mark.fast
+def test_a_checkpoint_quantised_as_it_moves_equals_one_quantised_whole(monkeypatch, reference_model):
+    """A bf16 (here fp32) checkpoint with an FP8 choice: each decoder layer moves to the device and is quantised
+    before the next moves, and the result is exactly the whole model quantised after loading."""
+    from omnirt.pipeline.models.qwen3_omni import weights
+
+    events, moved = [], torch.nn.Module.to
+
+    def to(module, *args, **kwargs):
+        if type(module).__name__.endswith("DecoderLayer"):
+            events.append("move")
+        return moved(module, *args, **kwargs)
+
+    quantize_layer = fp8_weights.quantize_layer
+    monkeypatch.setattr(torch.nn.Module, "to", to)
+    monkeypatch.setattr(fp8_weights, "quantize_layer", lambda layer, block: events.append("quantise")
+                        or quantize_layer(layer, block))
+    hf, *_ = weights.load_hf_model("tiny", "auto", torch.float32, torch.device("cpu"), fp8=lambda n: 16)
+    assert events == ["move", "quantise"] * 4
+    want = copy.deepcopy(reference_model)
+    fp8_weights.quantize(want, 16)
+    got, want = dict(hf.state_dict()), dict(want.state_dict())
+    assert got.keys() == want.keys()
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), name

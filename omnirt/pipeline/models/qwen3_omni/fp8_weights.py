@@ -63,20 +63,31 @@ def read_scales(path: Path) -> dict[str, torch.Tensor]:
     return scales
 
 
-def quantize(hf: torch.nn.Module, block: int) -> tuple[int, int]:
+def quantize(hf: torch.nn.Module, block: int, device: torch.device | None = None) -> tuple[int, int]:
     """Quantise the loaded decoders' experts and `DENSE` layers (parts on the meta device are skipped); returns
-    (experts modules, linear layers). Each layer's copy in the engine's dtype is freed as it goes."""
+    (experts modules, linear layers). Each layer's copy in the engine's dtype is freed as it goes; with `device`,
+    each layer moves there just before it is quantised, so the device holds one such copy at most."""
     num_experts = num_dense = 0
     for layer in _loaded_layers(hf):
-        experts = getattr(layer.mlp, "experts", None)
-        if experts is not None and not is_quantized(experts):
-            quantize_experts(experts, block)
-            num_experts += 1
-        for name in DENSE:
-            linear = _find(layer, name)
-            if isinstance(linear, torch.nn.Linear):
-                layer.set_submodule(name, Fp8Linear.quantized(linear, block))
-                num_dense += 1
+        if device is not None:
+            layer.to(device)
+        experts, dense = quantize_layer(layer, block)
+        num_experts, num_dense = num_experts + experts, num_dense + dense
+    return num_experts, num_dense
+
+
+def quantize_layer(layer: torch.nn.Module, block: int) -> tuple[int, int]:
+    """One decoder layer's experts and `DENSE` layers in FP8; returns (experts modules, linear layers)."""
+    num_experts = num_dense = 0
+    experts = getattr(layer.mlp, "experts", None)
+    if experts is not None and not is_quantized(experts):
+        quantize_experts(experts, block)
+        num_experts += 1
+    for name in DENSE:
+        linear = _find(layer, name)
+        if isinstance(linear, torch.nn.Linear):
+            layer.set_submodule(name, Fp8Linear.quantized(linear, block))
+            num_dense += 1
     return num_experts, num_dense
 
 

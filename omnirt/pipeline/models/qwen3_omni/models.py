@@ -24,7 +24,7 @@ from omnirt.pipeline.models.qwen3_omni import fp8_weights
 from omnirt.pipeline.models.qwen3_omni.code2wav import Code2WavModel, frame_buckets
 from omnirt.pipeline.models.qwen3_omni.generate import generate
 from omnirt.pipeline.models.qwen3_omni.graph import build_graph
-from omnirt.pipeline.models.qwen3_omni.memory import device_bytes, stage_memory
+from omnirt.pipeline.models.qwen3_omni.memory import stage_memory
 from omnirt.pipeline.models.qwen3_omni.prompt import PromptEncoder
 from omnirt.pipeline.models.qwen3_omni.stages import CODE2WAV, TALKER, THINKER
 from omnirt.pipeline.models.qwen3_omni.talker import TalkerModel
@@ -139,15 +139,12 @@ def _experts(backend: str, platform: Platform, quantization: str = "none") -> st
     return use_dequantized_experts() if quantization == "fp8" else backend
 
 
-def _quantization(setting: str, hf, platform: Platform) -> str:
-    """The decoders' precision: "fp8" for a checkpoint published in FP8 or as set; with "auto", FP8 where the loaded
-    weights take more than `AUTO_FP8_SHARE` of the device (an 80 GB GPU: the bf16 model leaves too little for KV
-    caches and graphs), else the engine's dtype ("none")."""
-    if fp8_weights.is_fp8(hf):
-        return "fp8"
+def _quantization(setting: str, weights: int, platform: Platform) -> str:
+    """The decoders' precision for `weights` bytes in the engine's dtype: "fp8" as set, or with "auto" where they
+    would take more than `AUTO_FP8_SHARE` of the device (an 80 GB GPU: the bf16 model leaves too little for KV
+    caches and graphs), else the engine's dtype ("none"). A checkpoint published in FP8 is FP8 whatever this says."""
     if setting != "auto":
         return setting
-    weights = device_bytes(hf)
     _, total = platform.mem_get_info()
     choice = "fp8" if weights > AUTO_FP8_SHARE * total else "none"
     log.info("quantization auto: %.1f GiB of weights on a %.0f GiB device -> %s", weights / 2**30, total / 2**30,
@@ -155,28 +152,18 @@ def _quantization(setting: str, hf, platform: Platform) -> str:
     return choice
 
 
-def _quantize(hf, quantization: str, moe: str, device: torch.device) -> None:
-    """The decoders' weights in FP8 (`quantization: fp8`), quantised from those loaded (an FP8 checkpoint's are
-    already, as it chose them); its linear layers through the Triton kernel where the experts are the fused ones."""
-    if quantization != "fp8":
-        return
-    if not fp8_weights.is_fp8(hf):
-        before = device_bytes(hf)
-        num_experts, num_dense = fp8_weights.quantize(hf, FP8_BLOCK)
-        log.info("fp8: %d experts modules and %d linear layers quantised in blocks of %d: weights %.2f GiB -> %.2f "
-                 "GiB on %s", num_experts, num_dense, FP8_BLOCK, before / 2**30, device_bytes(hf) / 2**30, device)
-    fp8_weights.set_fused(hf, moe == use_fused_experts())
-
-
 def load_models(cfg: EngineConfig, platform: Platform, stages: tuple[str, ...]) -> OmniModels:
     """The models of `stages` (the others are not loaded), the prompt encoder, and the stage graph."""
     dtype = getattr(torch, cfg.dtype)
     device = platform.device(0)
     in_place = _in_place(cfg.attention, platform)
-    hf, tokenizer, path = load_hf_model(cfg.model, cfg.load_format, dtype, device, "eager", frozenset(stages))
-    quantization = _quantization(cfg.quantization, hf, platform)
+    hf, tokenizer, path = load_hf_model(
+        cfg.model, cfg.load_format, dtype, device, "eager", frozenset(stages),
+        lambda weights: FP8_BLOCK if _quantization(cfg.quantization, weights, platform) == "fp8" else None)
+    quantization = "fp8" if fp8_weights.is_fp8(hf) else "none"
     moe = _experts(cfg.moe_backend, platform, quantization)
-    _quantize(hf, quantization, moe, device)
+    if quantization == "fp8":  # the linear layers through the Triton kernel where the experts are the fused ones
+        fp8_weights.set_fused(hf, moe == use_fused_experts())
     if moe != "eager":
         hf.set_experts_implementation(moe)
     # grouped_mm captures in bf16; other dtypes fall back to a kernel that reads group sizes on the host

@@ -108,16 +108,16 @@ def _save_prompt_config(out: Path) -> None:
     (out / "preprocessor_config.json").write_text(json.dumps(config, indent=2))
 
 
-def init_talker_experts(talker: torch.nn.Module) -> None:
+def init_talker_experts(talker: torch.nn.Module, std: float | None = None) -> None:
     """transformers leaves the Talker's fused expert weights as allocated (uninitialised memory: a build that
     differs run to run, NaN at times); they get the init every other weight gets (normal, std 0.02). Used
-    for the tiny model's build and for `--load-format dummy`."""
+    for the tiny model's build and for `--load-format dummy`. `talker`: the Talker, or a part of it with `std`."""
     from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeTalkerTextExperts
 
     for module in talker.modules():
         if isinstance(module, Qwen3OmniMoeTalkerTextExperts):
             for param in module.parameters():
-                torch.nn.init.normal_(param, std=talker.config.initializer_range)
+                torch.nn.init.normal_(param, std=std or talker.config.initializer_range)
 
 
 def _audible_code2wav(code2wav: torch.nn.Module) -> None:

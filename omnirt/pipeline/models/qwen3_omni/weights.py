@@ -5,12 +5,21 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from omnirt.pipeline.models.qwen3_omni import released
-from omnirt.pipeline.models.qwen3_omni.fp8_weights import apply_scales, fp8_block, read_scales
+from omnirt.pipeline.models.qwen3_omni.fp8_weights import (
+    QUANTISED_STACKS,
+    apply_scales,
+    fp8_block,
+    quantize,
+    quantize_layer,
+    read_scales,
+)
+from omnirt.pipeline.models.qwen3_omni.memory import device_bytes
 from omnirt.pipeline.models.qwen3_omni.tiny import ensure_tiny_model, init_talker_experts
 from omnirt.pipeline.types import ModelNotFoundError
 
@@ -35,27 +44,37 @@ def resolve_model_path(model: str) -> Path:
 
 PARTS = ("thinker", "talker", "code2wav")  # the submodules of Qwen3OmniMoeForConditionalGeneration
 SLOW_CPU_BUILD_PARAMS = 1_000_000_000  # random weights of this many parameters take minutes to fill on a CPU
+# Given the bytes the loaded parts' weights take in the engine's dtype: the block size to quantise the decoders to
+# FP8 in as they reach the device, or None to keep the dtype
+Fp8Choice = Callable[[int], "int | None"]
 
 
 def load_hf_model(model: str, load_format: str, dtype: torch.dtype, device: torch.device,
-                  moe_backend: str = "eager", parts: frozenset[str] = frozenset(PARTS)):
+                  moe_backend: str = "eager", parts: frozenset[str] = frozenset(PARTS), fp8: Fp8Choice | None = None):
     """Returns (Qwen3OmniMoeForConditionalGeneration in eval mode, tokenizer, the folder the tokenizer and the
     prompt configuration come from: the checkpoint's, or the tiny model's for dummy weights of the released
     architecture without a checkpoint). Only the
     submodules in `parts` hold weights on `device`; the others are left on the meta device (no memory).
-    A checkpoint is read whole into host memory (memory-mapped safetensors), then pared down."""
+    A checkpoint is read whole into host memory (memory-mapped safetensors), then pared down. Decoders in FP8
+    (`fp8`'s choice, or an FP8 checkpoint's) reach the device in FP8, a layer at a time, so the device never holds
+    the model in the engine's dtype: the released model's 65.7 GiB of bf16 load onto a 48 GB GPU as 34.9 GiB."""
     if load_format == "dummy":
-        hf, tokenizer, path = _dummy(model, dtype, device, parts)
+        hf, tokenizer, path = _dummy(model, dtype, device, parts, fp8)
     else:
         path = resolve_model_path(model)
         tokenizer = _tokenizer(path)
         log.info("loading weights from %s (%s)", path, "+".join(p for p in PARTS if p in parts))
         block = fp8_block(path)
         hf = _from_checkpoint(path, dtype, block is not None)
-        _keep_parts(hf, parts, device)
         fix_config(hf.config)
+        _drop_parts(hf, parts)
         if block is not None:
-            _fp8_weights(hf, path, block)
+            _fp8_weights(hf, path, block)  # in host memory: they move to the device in FP8
+        elif fp8 is not None and (block := fp8(before := parts_bytes(hf, parts))) is not None:
+            _log_fp8(quantize(hf, block, device), block, before, hf, device, "quantised")
+        for part in parts:
+            if hasattr(hf, part):
+                getattr(hf, part).to(device)
     hf.eval()
     if moe_backend != "eager":
         hf.set_experts_implementation(moe_backend)
@@ -83,20 +102,28 @@ def _fp8_weights(hf, path: Path, block: int) -> None:
              num_dense)
 
 
-def _keep_parts(hf, parts: frozenset[str], device: torch.device) -> None:
-    """Move `parts` to the device and the rest to the meta device, except the Thinker's token embedding
-    table (host memory), three rows of which the Talker reads."""
+def _drop_parts(hf, parts: frozenset[str]) -> None:
+    """Move the parts not in `parts` to the meta device (no memory), except the Thinker's token embedding table
+    (host memory), three rows of which the Talker reads."""
     for part in PARTS:
         module = getattr(hf, part, None)
-        if module is None:
-            continue
-        if part in parts:
-            module.to(device)
+        if module is None or part in parts:
             continue
         table = module.get_input_embeddings().weight.data if part == "thinker" else None
         module.to("meta")
         if table is not None:
             module.get_input_embeddings().weight = torch.nn.Parameter(table, requires_grad=False)
+
+
+def parts_bytes(hf, parts: frozenset[str]) -> int:
+    """What the weights of `parts` take in their dtype, wherever they are (the meta device included)."""
+    return sum(p.numel() * p.element_size() for part in PARTS if part in parts and hasattr(hf, part)
+               for p in getattr(hf, part).parameters())
+
+
+def _log_fp8(counts: tuple[int, int], block: int, before: int, hf, device: torch.device, how: str) -> None:
+    log.info("fp8: %d experts modules and %d linear layers %s in blocks of %d, a layer at a time: weights %.2f GiB "
+             "-> %.2f GiB on %s", *counts, how, block, before / 2**30, device_bytes(hf) / 2**30, device)
 
 
 def _tokenizer(path: Path):
@@ -117,7 +144,7 @@ def warn_if_slow(hf, parts: frozenset[str], dtype: torch.dtype, device: torch.de
                 num_params / 1e9, num_params * dtype.itemsize / 2**30, str(dtype).removeprefix("torch."))
 
 
-def _dummy(model: str, dtype: torch.dtype, device: torch.device, parts: frozenset[str]):
+def _dummy(model: str, dtype: torch.dtype, device: torch.device, parts: frozenset[str], fp8: Fp8Choice | None):
     """The real architecture with random weights: from a checkpoint's config when one is at hand, else
     (for the released model's names) from the built-in architecture with the tiny tokenizer's ids."""
     from transformers import Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneration
@@ -139,19 +166,63 @@ def _dummy(model: str, dtype: torch.dtype, device: torch.device, parts: frozense
         with torch.device("meta"):
             hf = Qwen3OmniMoeForConditionalGeneration._from_config(config, dtype=dtype)
         warn_if_slow(hf, parts, dtype, device)
+        block = None if fp8 is None else fp8(before := parts_bytes(hf, parts))
+        counts = (0, 0)
         # seeded, so that every start builds the same random weights (runs compare on the same near-ties)
         cuda = [device] if torch.device(device).type == "cuda" else []
         with torch.random.fork_rng(devices=cuda), torch.device(device):
             torch.manual_seed(0)
             for part in PARTS:
                 if part in parts and hasattr(hf, part):
-                    setattr(hf, part, type(getattr(hf, part))._from_config(getattr(config, f"{part}_config"),
-                                                                           dtype=dtype))
-            if "talker" in parts and hasattr(hf, "talker"):
-                init_talker_experts(hf.talker)
+                    module, made = _dummy_part(part, getattr(hf, part), getattr(config, f"{part}_config"), dtype,
+                                               device, block)
+                    setattr(hf, part, module)
+                    counts = (counts[0] + made[0], counts[1] + made[1])
     finally:
         torch.set_default_dtype(default)
+    if block is not None:
+        _log_fp8(counts, block, before, hf, device, "built")
     return hf, tokenizer, path
+
+
+DECODER_STACKS = {part: name.removeprefix(f"{part}.") for name in QUANTISED_STACKS for part in PARTS
+          if name.startswith(f"{part}.")}  # a part's decoder layers that FP8 quantises, by part
+
+
+def _dummy_part(part: str, meta: torch.nn.Module, config, dtype: torch.dtype, device: torch.device,
+                block: int | None) -> tuple[torch.nn.Module, tuple[int, int]]:
+    """One part with random weights on `device`, and the (experts modules, linear layers) made FP8. With a
+    `block`, the part is built without its decoder layers, which are then built one at a time (`meta`'s class),
+    each initialised and quantised before the next."""
+    stack = DECODER_STACKS.get(part) if block is not None else None
+    module = _without_layers(type(meta), config, dtype) if stack else type(meta)._from_config(config, dtype=dtype)
+    if part == "talker":
+        init_talker_experts(module)
+    counts = (0, 0)
+    if stack is not None:
+        layers, text_model = module.get_submodule(stack), module.get_submodule(stack.rsplit(".", 1)[0])
+        layer_class = type(meta.get_submodule(stack)[0])
+        for index in range(config.text_config.num_hidden_layers):
+            layer = layer_class(text_model.config, index)  # on `device`, its own init, then the model's (post_init)
+            with torch.no_grad():
+                for sub in layer.modules():
+                    module._init_weights(sub)
+            if part == "talker":
+                init_talker_experts(layer, module.config.initializer_range)
+            made = quantize_layer(layer, block)
+            layers.append(layer)
+            counts = (counts[0] + made[0], counts[1] + made[1])
+    return module, counts
+
+
+def _without_layers(cls, config, dtype: torch.dtype) -> torch.nn.Module:
+    """A part built with no decoder layers (its text config's `num_hidden_layers` 0 while it is built)."""
+    text = config.text_config
+    num_layers, text.num_hidden_layers = text.num_hidden_layers, 0
+    try:
+        return cls._from_config(config, dtype=dtype)
+    finally:
+        text.num_hidden_layers = num_layers
 
 
 def fix_config(config):
