@@ -275,6 +275,19 @@ def test_variants_join_and_their_settings_reach_the_engine_config():
     assert serve_args("profile") == [] and "reference" in VARIANTS
     with pytest.raises(SystemExit, match="unknown variant 'no-such'"):
         serve_args("profile+no-such")
+    small = config("48g")  # a 48 GB card: FP8, KV for 8 requests only
+    assert (small.quantization, small.gpu_memory_utilization) == ("fp8", None)
+    assert [small.stage(s).max_num_seqs for s in ("thinker", "talker", "code2wav")] == [8, 8, 8]
+
+
+def test_ballast_leaves_what_it_is_asked_to_or_refuses():
+    """`omnirt.loadtest.gpu.ballast` (a larger GPU standing in for a smaller one): it holds the free memory beyond
+    what it leaves, and refuses a card with less free than that."""
+    from omnirt.loadtest.gpu.ballast import GIB, hold_bytes
+
+    assert hold_bytes(int(78.5 * GIB), 44.4) == int(78.5 * GIB) - int(44.4 * GIB)
+    with pytest.raises(SystemExit, match="less than the 44.4 GiB"):
+        hold_bytes(40 * GIB, 44.4)
 
 
 def test_gpu_driver_resolves_every_scenario(tmp_path):

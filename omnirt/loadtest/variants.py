@@ -64,6 +64,11 @@ VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
                       "prefill graph", _set("gpu_memory_utilization=null", "stages.thinker.max_num_seqs=4",
                                             "stages.talker.max_num_seqs=4", "stages.code2wav.max_num_seqs=4",
                                             "stages.talker.prefill_graph_tokens=4096")),
+    # a 48 GB card (L40S): FP8 decoders (34.9 GiB) leave ~9 GiB; KV for 8 requests, Code2Wav graphs for 8
+    "48g": ("FP8 decoders, room for 8 requests, KV for them only, a 4096-token Talker prefill graph (a 48 GB card)",
+            _set("quantization=fp8", "gpu_memory_utilization=null", "stages.thinker.max_num_seqs=8",
+                 "stages.talker.max_num_seqs=8", "stages.code2wav.max_num_seqs=8",
+                 "stages.talker.prefill_graph_tokens=4096")),
     **{f"budget-{b}": (f"prefill budget {b} tokens a step (Thinker), {max(b, 8192)} (Talker)",
                        _set(f"stages.thinker.max_num_batched_tokens={b}",
                             f"stages.talker.max_num_batched_tokens={max(b, 8192)}"))

@@ -58,6 +58,12 @@ class Platform:
             return 0
         return self._module().memory_allocated(device)
 
+    def max_memory_allocated(self, device: torch.device | None = None) -> int:
+        """The most allocated at once since the process started (0 on the CPU): what loading the weights needed."""
+        if self.device_type == "cpu":
+            return 0
+        return self._module().max_memory_allocated(device)
+
     def mem_get_info(self, device: torch.device | None = None) -> tuple[int, int]:
         """(free, total) bytes of the device; on the CPU, of the host: what the kernel counts as available
         (MemAvailable: free plus reclaimable caches) and the physical memory."""

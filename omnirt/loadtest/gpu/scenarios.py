@@ -38,7 +38,8 @@ ABLATION = ForEach("variants", (Serve(
 ABLATION_PARAMS = {"concurrency": "64", "prompt": "160", "point_limit": "200", "log_level": "warning", "log_grep": ""}
 
 
-PRECISION_LINES = "quantization|fp8:|memory plan|KV cache:|graphs captured"  # the server's precision and memory
+# the server's precision and memory
+PRECISION_LINES = "quantization|fp8:|weights of|memory plan|KV cache:|graphs captured"
 PARITY_VARIANT = "four-requests"  # the parity check's server (omnirt/loadtest/variants.py)
 
 
@@ -84,6 +85,13 @@ SCENARIOS: dict[str, Scenario] = {
                              {"shapes": "1x50 16x50 64x50", "c2w_args": ""}),
     "grammar-kernels": Scenario("constrained decoding at the released vocabulary: in a graph, its device and host "
                                 "cost", (GRAMMAR_KERNELS,)),
+    "fit-48g": Scenario("an 80 GB GPU standing in for a 48 GB one (all but leave_gib of its free memory held by "
+                        "another process, omnirt/loadtest/gpu/ballast.py): the variant's start-up, memory plan and "
+                        "steps in process (diag)",
+                        (check("fit-48g", "-m omnirt.loadtest.gpu.ballast --leave-gib {leave_gib} -- {python} -m "
+                               "omnirt.loadtest.gpu.diag {model_args}", limit_s="{diag_limit}", variant="{variant}",
+                               env="OUT={out} DIAG_CONC='{concurrency}' DIAG_TIMEOUT=280 DIAG_LOG=INFO"),),
+                        {"leave_gib": "44.4", "variant": "48g", "concurrency": "1 8", "diag_limit": "300"}),
     "stage-memory": Scenario("device memory of each stage's weights loaded alone (what a replica worker holds)",
                              (check("stage-memory", "-m omnirt.loadtest.gpu.stage_memory {model_args}"),)),
     "diag": Scenario("in process, no HTTP: per-stage step times and req/s per concurrency, an engine per variant; "

@@ -168,8 +168,9 @@ def load_models(cfg: EngineConfig, platform: Platform, stages: tuple[str, ...]) 
         hf.set_experts_implementation(moe)
     # grouped_mm captures in bf16; other dtypes fall back to a kernel that reads group sizes on the host
     graph_moe = "batched_mm" if moe == "grouped_mm" and dtype != torch.bfloat16 else None
-    log.info("weights of %s: %.2f GiB on %s (%s, experts: %s%s, attention: %s, compile: %s)", "+".join(stages),
-             platform.memory_allocated(device) / 2**30, device, cfg.dtype, moe,
+    log.info("weights of %s: %.2f GiB on %s, %.2f GiB at most while loading (%s, experts: %s%s, attention: %s, "
+             "compile: %s)", "+".join(stages), platform.memory_allocated(device) / 2**30, device,
+             platform.max_memory_allocated(device) / 2**30, cfg.dtype, moe,
              " in fp8" if quantization == "fp8" else "", "slots" if in_place else "dense", cfg.compile)
     hc = hf.config
     plan = memory_plan(hf, cfg, stages, platform)
