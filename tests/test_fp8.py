@@ -17,6 +17,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from omnirt.loadtest.gpu.fp8_accuracy import (
+    LAYER_BOUND,
+    agree_where_decisive,
+    frame_logits,
+    greedy_frames,
+    relative_rms,
+    reverse_scales,
+    reversed_blocks,
+    teacher_forced,
+)
 from omnirt.pipeline.kernels import fp8, moe
 from omnirt.pipeline.models.qwen3_omni import fp8_weights
 from tests.test_attention import cpu_only
@@ -26,7 +36,6 @@ from tests.test_parity import assert_greedy_parity, started_engine
 # e4m3 keeps 3 mantissa bits: rounding moves a normal value by at most 2^-4 of itself, a subnormal (spacing 2^-9) by
 # at most 2^-10; in weight units, times the block's scale
 REL, ABS = 2.0 ** -4, 2.0 ** -10
-LAYER_BOUND = 0.08  # an MoE layer's relative RMS error in FP8 (`test_tiny_thinker_stays_within_the_stated_bound`)
 
 
 def rounding_bound(weight: torch.Tensor, scale: torch.Tensor, block: int) -> torch.Tensor:
@@ -34,10 +43,6 @@ def rounding_bound(weight: torch.Tensor, scale: torch.Tensor, block: int) -> tor
     n, k = weight.shape[-2:]
     per_weight = scale.repeat_interleave(block, -2)[..., :n, :].repeat_interleave(block, -1)[..., :k]
     return REL * weight.abs() + ABS * per_weight
-
-
-def reversed_blocks(scale: torch.Tensor) -> torch.Tensor:
-    return scale.flatten().flip(0).reshape(scale.shape)
 
 
 @pytest.mark.fast
@@ -168,30 +173,6 @@ def test_dequantized_forward_matches_the_eager_math(routing_kind):
     assert torch.allclose(run(module, fp8.use_dequantized_experts(), hidden, index, weights), ref, atol=1e-6)
 
 
-def teacher_forced(stack: torch.nn.Module, forward) -> tuple[torch.Tensor, list[tuple]]:
-    """(`forward()`'s logits, each experts module of `stack` with its inputs and output), teacher-forced."""
-    calls = []
-    hooks = [m.register_forward_hook(lambda m, args, out: calls.append((m, args, out)))
-             for m in stack.modules() if all(hasattr(m, p) for p in fp8.PROJECTIONS)]
-    try:
-        with torch.inference_mode():
-            return forward(), calls
-    finally:
-        for hook in hooks:
-            hook.remove()
-
-
-def relative_rms(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((out - ref).square().mean().sqrt() / ref.square().mean().sqrt())
-
-
-def agree_where_decisive(out: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(positions whose reference top-2 gap exceeds 4x the logits' RMS error, whether out's top-1 is ref's)."""
-    top2 = ref.topk(2, dim=-1).values
-    decisive = top2[..., 0] - top2[..., 1] > 4 * (out - ref).square().mean().sqrt()
-    return decisive, out.argmax(-1) == ref.argmax(-1)
-
-
 class Fp8Copy:
     """A copy of the tiny model with its decoders in FP8 (blocks of 16: several per weight, eager dequantising
     experts), and the errors of its experts layers against the reference's on the reference's inputs."""
@@ -212,9 +193,7 @@ class Fp8Copy:
 
     def break_scales(self) -> None:
         """Each projection's block scales in reverse order: what the layers' bound must catch."""
-        for experts in (m for m in self.stack.modules() if fp8.is_quantized(m)):
-            for name in fp8.PROJECTIONS:
-                getattr(experts, f"{name}_scale_inv").copy_(reversed_blocks(getattr(experts, f"{name}_scale_inv")))
+        reverse_scales(self.stack)
 
 
 @pytest.mark.fast
@@ -239,33 +218,6 @@ def test_tiny_thinker_stays_within_the_stated_bound(reference_model):
     assert decisive.float().mean() > 0.5 and same[decisive].all()
     q.break_scales()
     assert min(q.layer_errors(calls)) > LAYER_BOUND, q.layer_errors(calls)
-
-
-def frame_logits(talker: torch.nn.Module, codes: torch.Tensor, frames: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The logits of every code of each position's frame, teacher-forced: the Talker on the embeddings of `codes`
-    (B, T) gives each position's first code; its code predictor, on that position's last hidden state and the
-    first G-1 codes of `frames` (B, T, G), the other G-1, as transformers' generate() feeds them.
-    Returns ((B, T, V0), (B, T, G-1, V))."""
-    b, t = codes.shape
-    out = talker(inputs_embeds=talker.get_input_embeddings()(codes), position_ids=torch.arange(t).expand(3, b, t),
-                 output_hidden_states=True)
-    predictor, flat = talker.code_predictor, frames.reshape(b * t, -1)
-    embeds = [talker.get_input_embeddings()(flat[:, :1]),
-              *(table(flat[:, i + 1:i + 2]) for i, table in enumerate(predictor.get_input_embeddings()[:-1]))]
-    states = predictor.model(inputs_embeds=torch.cat([out.hidden_states[0][-1].reshape(b * t, 1, -1), *embeds], 1))
-    rest = torch.stack([head(states.last_hidden_state[:, j + 1]) for j, head in enumerate(predictor.lm_head)], 1)
-    return out.logits.float(), rest.reshape(b, t, *rest.shape[1:]).float()
-
-
-def greedy_frames(talker: torch.nn.Module, codes: torch.Tensor, groups: int) -> torch.Tensor:
-    """The frame each position of `codes` decodes to greedily, one code group after another."""
-    frames = torch.zeros(*codes.shape, groups, dtype=torch.long)
-    with torch.inference_mode():
-        frames[..., 0] = frame_logits(talker, codes, frames)[0].argmax(-1)
-        for j in range(1, groups):
-            frames[..., j] = frame_logits(talker, codes, frames)[1][..., j - 1].argmax(-1)
-    return frames
 
 
 @pytest.mark.fast
@@ -479,6 +431,22 @@ def test_fp8_linear_kernel_matches_the_dequantised_linear(rows, block, bias):
         assert torch.allclose(fused(x), ref, atol=1e-5) and torch.equal(widened(x), ref)
     assert fused(x).shape == (rows, 3, 40) and fused.weight.dtype == fp8.FP8
     assert (fused.dequantized_weight(torch.float32) - linear.weight).abs().max() > 0  # rounded, not kept
+
+
+@pytest.mark.fast
+def test_the_full_size_accuracy_check_runs_on_the_tiny_model(tmp_path):
+    """`python -m omnirt.loadtest.gpu.fp8_accuracy` (FP8 against the engine's dtype, teacher-forced; on the device at
+    full size) on the tiny model: every MoE layer within the bound and every broken one outside it, the logits'
+    errors and agreement reported, the JSON written, exit 0."""
+    from omnirt.loadtest.gpu.fp8_accuracy import main
+
+    out = tmp_path / "fp8-accuracy.json"
+    assert main(["--model", "tiny", "--prompts", "4", "--tokens", "12", "--block", "16", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [len(result["layers"][s]) for s in ("thinker", "talker")] == [2, 2] and result["fails"] == []
+    assert max(max(e) for e in result["layers"].values()) <= LAYER_BOUND < min(min(e) for e in
+                                                                                result["broken_layers"].values())
+    assert 0 < result["thinker"]["relative_rms"][0] < 0.05 and len(result["talker"]["relative_rms"]) == 16
 
 
 class _LiveExperts:

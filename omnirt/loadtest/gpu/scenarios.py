@@ -92,6 +92,12 @@ SCENARIOS: dict[str, Scenario] = {
                                "omnirt.loadtest.gpu.diag {model_args}", limit_s="{diag_limit}", variant="{variant}",
                                env="OUT={out} DIAG_CONC='{concurrency}' DIAG_TIMEOUT=280 DIAG_LOG=INFO"),),
                         {"leave_gib": "44.4", "variant": "48g", "concurrency": "1 8", "diag_limit": "300"}),
+    "fp8-accuracy": Scenario("FP8 against bf16 on the same dummy weights at full size, teacher-forced: each MoE "
+                             "layer, the Thinker's logits, the Talker's codec frames, against a bound stated in "
+                             "advance, with its negative control (omnirt/loadtest/gpu/fp8_accuracy.py)",
+                             (check("fp8-accuracy", "-m omnirt.loadtest.gpu.fp8_accuracy --prompts {prompts} "
+                                    "--tokens {tokens} --out {out}/fp8-accuracy.json", limit_s=240),),
+                             {"prompts": "16", "tokens": "64"}),
     "stage-memory": Scenario("device memory of each stage's weights loaded alone (what a replica worker holds)",
                              (check("stage-memory", "-m omnirt.loadtest.gpu.stage_memory {model_args}"),)),
     "diag": Scenario("in process, no HTTP: per-stage step times and req/s per concurrency, an engine per variant; "
