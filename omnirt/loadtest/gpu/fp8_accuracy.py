@@ -26,6 +26,7 @@ from omnirt.pipeline.kernels import fp8
 
 LAYER_BOUND = 0.08  # an MoE layer's relative RMS error in FP8: two projections of e4m3 rounding (3.6 % RMS each)
 AGREE = 0.99  # the share of decisive positions whose top-1 must agree
+DECODE_ROWS = 16  # rows of a decode step: the fused FP8 kernels (a prompt's thousand rows take widened weights)
 
 
 def teacher_forced(stack: torch.nn.Module, forward) -> tuple:
@@ -81,13 +82,14 @@ def greedy_frames(talker: torch.nn.Module, codes: torch.Tensor, groups: int) -> 
     return frames
 
 
-def layer_errors(calls: list[tuple], impl: str) -> list[float]:
-    """Each recorded experts module, now FP8, on its recorded inputs against its recorded output."""
+def layer_errors(calls: list[tuple], impl: str, rows: int | None = None) -> list[float]:
+    """Each recorded experts module, now FP8, on its recorded inputs against its recorded output; `rows`: on the
+    first rows only, a decode step's batch (the fused kernels; a whole prompt takes the widened weights)."""
     errors = []
     for module, args, out in calls:
         module.config._experts_implementation = impl
         with torch.inference_mode():
-            errors.append(round(relative_rms(module(*args), out), 5))
+            errors.append(round(relative_rms(module(*(a[:rows] for a in args)), out[:rows]), 5))
     return errors
 
 
@@ -136,19 +138,22 @@ def measure(hf, args: argparse.Namespace, device: torch.device) -> dict:
     with torch.inference_mode():
         out_text = thinker(input_ids=prompts).logits.float()
         out_codes = frame_logits(talker, codes, frames)
-    layers = {"thinker": layer_errors(text_calls, impl), "talker": layer_errors(code_calls, impl)}
+    calls = {"thinker": text_calls, "talker": code_calls}
+    layers = {stack: layer_errors(c, impl) for stack, c in calls.items()}
+    step = {stack: layer_errors(c, impl, DECODE_ROWS) for stack, c in calls.items()}
     reverse_scales(hf)
-    broken = {"thinker": layer_errors(text_calls, impl), "talker": layer_errors(code_calls, impl)}
+    broken = {stack: layer_errors(c, impl) for stack, c in calls.items()}
     groups = [out_codes[1][..., j, :] for j in range(out_codes[1].shape[-2])]
     ref_groups = [ref_codes[1][..., j, :] for j in range(ref_codes[1].shape[-2])]
-    return {"experts": impl, "layers": layers, "broken_layers": broken, "thinker": agreement([out_text], [ref_text]),
+    return {"experts": impl, "layers": layers, "decode_layers": step, "broken_layers": broken,
+            "thinker": agreement([out_text], [ref_text]),
             "talker": agreement([out_codes[0], *groups], [ref_codes[0], *ref_groups])}
 
 
 def verdict(result: dict) -> list[str]:
     """What fails the bound stated in advance (empty: it holds)."""
-    why = [f"{stack} layer {i}: {e:.3f} > {LAYER_BOUND}" for stack, errors in result["layers"].items()
-           for i, e in enumerate(errors) if e > LAYER_BOUND]
+    why = [f"{stack} {kind} {i}: {e:.3f} > {LAYER_BOUND}" for kind in ("layers", "decode_layers")
+           for stack, errors in result[kind].items() for i, e in enumerate(errors) if e > LAYER_BOUND]
     why += [f"{stack} broken layer {i}: {e:.3f} within the bound" for stack, errors in result["broken_layers"].items()
             for i, e in enumerate(errors) if e <= LAYER_BOUND]
     for stack in ("thinker", "talker"):
@@ -187,8 +192,10 @@ def summary(result: dict) -> str:
              f"{result['experts']}): {result['prompts']} x {result['tokens']} tokens teacher-forced"]
     for stack in ("thinker", "talker"):
         layers, broken, logits = result["layers"][stack], result["broken_layers"][stack], result[stack]
+        step = result["decode_layers"][stack]
         lines.append(f"{stack}: {len(layers)} MoE layers, relative RMS mean {sum(layers) / len(layers):.4f} max "
-                     f"{max(layers):.4f} (bound {LAYER_BOUND}; reversed scales: min {min(broken):.4f}); logits "
+                     f"{max(layers):.4f}, on {DECODE_ROWS} rows max {max(step):.4f} (bound {LAYER_BOUND}; reversed "
+                     f"scales: min {min(broken):.4f}); logits "
                      f"{', '.join(f'{e:.4f}' for e in logits['relative_rms'][:4])}"
                      f"{' ...' if len(logits['relative_rms']) > 4 else ''}; top-1 agrees on {logits['top1_agree']:.2%}"
                      f", on {logits['agree_where_decisive']:.2%} of the decisive ({logits['decisive']:.0%} of all)")
