@@ -437,7 +437,7 @@ def test_fp8_linear_kernel_matches_the_dequantised_linear(rows, block, bias):
 def test_the_full_size_accuracy_check_runs_on_the_tiny_model(tmp_path):
     """`python -m omnirt.loadtest.gpu.fp8_accuracy` (FP8 against the engine's dtype, teacher-forced; on the device at
     full size) on the tiny model: every MoE layer within the bound and every broken one outside it, the logits'
-    errors and agreement reported, the JSON written, exit 0."""
+    errors and agreement reported, the JSON written (and drawn by `plot fp8-accuracy`), exit 0."""
     from omnirt.loadtest.gpu.fp8_accuracy import main
 
     out = tmp_path / "fp8-accuracy.json"
@@ -447,6 +447,10 @@ def test_the_full_size_accuracy_check_runs_on_the_tiny_model(tmp_path):
     assert max(max(e) for e in result["layers"].values()) <= LAYER_BOUND < min(min(e) for e in
                                                                                 result["broken_layers"].values())
     assert 0 < result["thinker"]["relative_rms"][0] < 0.05 and len(result["talker"]["relative_rms"]) == 16
+    from omnirt.loadtest.plot import fp8_accuracy
+
+    fp8_accuracy(str(tmp_path / "fp8.png"), str(out))
+    assert (tmp_path / "fp8.png").stat().st_size > 10_000
 
 
 class _LiveExperts:

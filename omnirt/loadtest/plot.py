@@ -8,6 +8,8 @@
     python -m omnirt.loadtest.plot variants OUT.png C2W.jsonl                Code2Wav variants' speed-up per shape
     python -m omnirt.loadtest.plot ab-log OUT.png DRIVER.log                 the chat points a GPU driver log printed,
                                                                       side by side (req/s, TTFP, prefill steps)
+    python -m omnirt.loadtest.plot fp8-accuracy OUT.png RESULT.json          each MoE layer's FP8 error against its
+                                                                      bound and the reversed-scale control
 
 RUN.json is what `omnirt bench` or `omnirt bench realtime` wrote; a run's label is the given one, else the file's
 name. `omnirt bench` draws `chat`, `omnirt bench realtime` `voice` and `python -m omnirt.loadtest.step_log`
@@ -297,6 +299,27 @@ def ab_log(out: str, path: str) -> None:
     _save(fig, out, f"chat steady state, c={int(next(iter(points.values()))['c'])}")
 
 
+def fp8_accuracy(out: str, path: str) -> None:
+    """Each MoE layer's relative RMS error in FP8 (a prompt's rows, a decode step's, and with reversed scales),
+    against the bound, a panel per stack (`omnirt.loadtest.gpu.fp8_accuracy`'s JSON)."""
+    from omnirt.loadtest.gpu.fp8_accuracy import DECODE_ROWS, LAYER_BOUND
+
+    result = json.loads(Path(path).read_text())
+    series = (("layers", f"{result['prompts']} x {result['tokens']} rows", "o"),
+              ("decode_layers", f"{DECODE_ROWS} rows (a decode step)", "."), ("broken_layers", "scales reversed", "x"))
+    fig, axes = _figure(1, 2, 5.5, 3.8)
+    for ax, stack in zip(axes[0], ("thinker", "talker")):
+        for key, label, marker in series:
+            ax.plot([100 * e for e in result[key][stack]], marker, ms=4, label=label)
+        ax.axhline(100 * LAYER_BOUND, color="grey", linestyle="--", linewidth=0.8, label="bound")
+        logits = result[stack]
+        ax.set(title=f"{stack}: logits {100 * logits['relative_rms'][0]:.1f} %, top-1 same on "
+                     f"{100 * logits['agree_where_decisive']:.1f} % of decisive", ylim=(0, None))
+        ax.title.set_fontsize(9)
+        _grid(ax, "MoE layer", "relative RMS error (%)")
+    _save(fig, out, f"{result['model']}: FP8 against {result['dtype']}, same weights, teacher-forced")
+
+
 def prefill_steps(spans: list[tuple[str, list]], path: Path, stage: str = "thinker") -> None:
     """A step log's prefill steps of one stage: ms against tokens, a colour per span; requests per step over
     each span's time."""
@@ -315,7 +338,7 @@ def prefill_steps(spans: list[tuple[str, list]], path: Path, stage: str = "think
 
 
 KINDS = {"compare": compare, "first-packet": first_packet, "ablation": ablation, "steps": steps, "variants": variants,
-         "ab-log": ab_log}
+         "ab-log": ab_log, "fp8-accuracy": fp8_accuracy}
 
 if __name__ == "__main__":
     if len(sys.argv) < 4 or sys.argv[1] not in KINDS:
