@@ -178,6 +178,8 @@ def _dummy(model: str, dtype: torch.dtype, device: torch.device, parts: frozense
                                                device, block)
                     setattr(hf, part, module)
                     counts = (counts[0] + made[0], counts[1] + made[1])
+            if "talker" in parts and hasattr(hf, "talker"):  # last, as before FP8: the same bf16 weights as ever
+                init_talker_experts(hf.talker)
     finally:
         torch.set_default_dtype(default)
     if block is not None:
@@ -185,8 +187,9 @@ def _dummy(model: str, dtype: torch.dtype, device: torch.device, parts: frozense
     return hf, tokenizer, path
 
 
+# a part's decoder layers that FP8 quantises, by part
 DECODER_STACKS = {part: name.removeprefix(f"{part}.") for name in QUANTISED_STACKS for part in PARTS
-          if name.startswith(f"{part}.")}  # a part's decoder layers that FP8 quantises, by part
+                  if name.startswith(f"{part}.")}
 
 
 def _dummy_part(part: str, meta: torch.nn.Module, config, dtype: torch.dtype, device: torch.device,
@@ -196,8 +199,6 @@ def _dummy_part(part: str, meta: torch.nn.Module, config, dtype: torch.dtype, de
     each initialised and quantised before the next."""
     stack = DECODER_STACKS.get(part) if block is not None else None
     module = _without_layers(type(meta), config, dtype) if stack else type(meta)._from_config(config, dtype=dtype)
-    if part == "talker":
-        init_talker_experts(module)
     counts = (0, 0)
     if stack is not None:
         layers, text_model = module.get_submodule(stack), module.get_submodule(stack.rsplit(".", 1)[0])
