@@ -24,12 +24,28 @@ engine = build_engine(engine_options(build_parser().parse_args(["serve", *sys.ar
 print(f"engine ready {time.perf_counter() - t0:.1f}s", flush=True)
 
 
+UTTERANCES = None  # DIAG_AUDIO=1: the shipped utterances (16 kHz), a spoken turn's prompt instead of the text one
+
+
+def content(i: int) -> str | list[dict]:
+    """Request i's user content: 150 words of text, or with DIAG_AUDIO one of the shipped utterances (a voice
+    turn: the audio encoder runs in its first prefill step, as at a Realtime turn's `speech_stopped`)."""
+    global UTTERANCES
+    if not os.environ.get("DIAG_AUDIO"):
+        return "hello " * 150
+    if UTTERANCES is None:
+        from omnirt.loadtest.utterances import load
+
+        UTTERANCES = load(16000)
+    return [{"type": "audio", "audio": UTTERANCES[i % len(UTTERANCES)]}]
+
+
 async def one(i: int, frames: int, first_audio_seen: asyncio.Event | None = None, waiting: list | None = None
               ) -> tuple[float, float, float]:
     """One request; returns (TTFP, total seconds, audio seconds). With `waiting` (a one-item count of the
     requests still owed their first audio), `first_audio_seen` is set once the last of them got it."""
     t = time.perf_counter()
-    req = OmniRequest(f"d{i}", [{"role": "user", "content": "hello " * 150}], ("text", "audio"),
+    req = OmniRequest(f"d{i}", [{"role": "user", "content": content(i)}], ("text", "audio"),
                       thinker_sampling={"max_tokens": 40, "min_tokens": 40, "temperature": 0.0},
                       talker_sampling={"max_tokens": frames + 1, "min_tokens": frames + 1})
     first_text = first_audio = None
@@ -282,7 +298,8 @@ async def spans_round(c: int, suffix: str = "") -> None:
     """DIAG_SPANS=c: one more round of c requests with the stage threads' main methods timed on the host (wall
     time per call, until the round's last first packet: where a first packet's time goes inside each step), and
     the first Thinker prefill step of 8 rows or more run under torch.profiler (its own thread's ops, with the
-    spans as ranges; a device sync before and after it): spans-c{c}.txt, thinker-prefill-profile.txt."""
+    spans as ranges; a device sync before and after it): spans-c{c}.txt, thinker-prefill-profile.txt. Below c=16
+    the first prefill step of c/2 rows or more is profiled."""
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -301,7 +318,7 @@ async def spans_round(c: int, suffix: str = "") -> None:
 
     def profiling(fn):
         def wrapper(batch):
-            if profiled or not batch.is_prefill or len(batch.requests) < 8:
+            if profiled or not batch.is_prefill or len(batch.requests) < min(8, max(1, c // 2)):
                 return fn(batch)
             sync = torch.cuda.synchronize if torch.cuda.is_available() else lambda: None
             sync()
@@ -340,7 +357,7 @@ async def spans_round(c: int, suffix: str = "") -> None:
         f.writelines(f"{label} {1e3 * a:.1f} {1e3 * b:.1f}\n" for label, a, b in early)
     with open(os.path.join(out, f"thinker-prefill-profile{suffix}.txt"), "w") as f:
         if not profiled:
-            f.write("no Thinker prefill step of 8 rows or more\n")
+            f.write(f"no Thinker prefill step of {min(8, max(1, c // 2))} rows or more\n")
         for head, prof in profiled:
             table = prof.key_averages()
             f.write(head + table.table(sort_by="cpu_time_total", row_limit=45, max_name_column_width=70) + "\n\n"
