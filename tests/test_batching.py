@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 from omnirt.pipeline.api import AudioChunk, OmniRequest, collect_reply
 from tests.conftest import until
@@ -79,18 +80,14 @@ def test_audio_of_requests_that_prefill_together_is_encoded_in_one_batch(engine)
             [{"role": "user", "content": "Only text."}] for n in (16000, 0, 9000, 24000)]
     prompts = [models.encoder.encode(m) for m in msgs]
     thinker, calls = models.thinker, []
-    encode = thinker.thinker.model.get_audio_features
-    thinker.thinker.model.get_audio_features = lambda *a, **kw: calls.append(a[0].shape[0]) or encode(*a, **kw)
-    try:
+    with _spied_audio_encoder(calls):
         alone = [StageRequest(f"a{i}", None, ThinkerInput(p, False)) for i, p in enumerate(prompts)]
         for r in alone:
             thinker.prepare([r])
         together = [StageRequest(f"t{i}", None, ThinkerInput(p, False)) for i, p in enumerate(prompts)]
         calls.clear()
         thinker.prepare(together)
-    finally:
-        thinker.thinker.model.get_audio_features = encode
-    assert calls == [3]  # one encoder call for the three audios
+    assert [len(c) for c in calls] == [3]  # one encoder call for the three audios
     for a, t in zip(alone, together):
         assert torch.allclose(a.state.embeds, t.state.embeds, atol=1e-5)
         assert torch.equal(a.state.position_ids, t.state.position_ids)
@@ -126,16 +123,62 @@ async def test_step_log_has_a_line_per_step_of_every_stage(tiny_config, tmp_path
 def test_encoders_warm_up_once_each_on_a_dummy_prompt(engine):
     """Start-up on a device runs the audio and vision encoders once (their first call there sets up what later
     calls reuse): one second of audio, one image, nothing written to any stage's slots."""
-    model, calls = engine.models.thinker.thinker.model, []
-    encoders = {name: getattr(model, name) for name in ("get_audio_features", "get_image_features")}
-    for name, fn in encoders.items():
-        setattr(model, name, lambda *a, _n=name, _f=fn, **kw: calls.append((_n, tuple(a[0].shape))) or _f(*a, **kw))
+    model, audio_frames, images = engine.models.thinker.thinker.model, [], []
+    encode_images = model.get_image_features
+    model.get_image_features = lambda *a, **kw: images.append(tuple(a[0].shape)) or encode_images(*a, **kw)
     free = engine.num_free_slots()
     try:
-        engine.models.warm_encoders()
+        with _spied_audio_encoder(audio_frames):
+            engine.models.warm_encoders()
     finally:
-        for name in encoders:
-            delattr(model, name)
+        del model.get_image_features
     rate, hop = engine.models.input_sample_rate, engine.models.encoder.features.hop_length
-    assert [n for n, _ in calls] == ["get_audio_features", "get_image_features"], calls
-    assert calls[0][1][-1] == rate // hop and engine.num_free_slots() == free
+    assert audio_frames == [[rate // hop]] and len(images) == 1, (audio_frames, images)
+    assert engine.num_free_slots() == free
+
+
+def test_audio_rows_equal_transformers_encoder_with_no_device_reads(engine):
+    """`audio_tower_rows` gives the rows transformers' `get_audio_features` gives (bit for bit: audios of one and
+    two attention windows, chunks cut short, a batch of four), and works out every length on the host: on the meta
+    device, where reading a tensor back fails, it runs, and transformers' own call does not."""
+    import copy
+
+    import numpy as np
+    import pytest
+    import torch
+
+    from omnirt.pipeline.models.qwen3_omni.encoders import audio_tower_rows
+
+    models, rng = engine.models, np.random.default_rng(3)
+    audios = [rng.standard_normal(int(s * 16000)).astype(np.float32) * 0.1 for s in (9.5, 1.0, 0.33, 2.57)]
+    prompt = models.encoder.encode([{"role": "user", "content": [{"type": "audio", "audio": a} for a in audios]}])
+    model = models.thinker.thinker.model
+    features, mask = prompt.input_features, prompt.feature_mask
+    with torch.inference_mode():
+        ours = audio_tower_rows(model.audio_tower, features, mask, torch.device("cpu"), features.dtype)
+        theirs = model.get_audio_features(features, mask, return_dict=True).last_hidden_state
+        assert ours.shape == theirs.shape == (prompt.num_audio_tokens, ours.shape[-1])
+        assert torch.equal(ours, theirs)
+        meta = copy.deepcopy(model).to("meta")
+        assert audio_tower_rows(meta.audio_tower, features, mask, torch.device("meta"), features.dtype).shape \
+            == ours.shape
+        with pytest.raises((NotImplementedError, RuntimeError)):
+            meta.get_audio_features(features.to("meta"), mask.to("meta"), return_dict=True)
+
+
+@contextlib.contextmanager
+def _spied_audio_encoder(calls: list):
+    """While inside, each call of the audio encoder appends the mel frames of each audio it is given."""
+    from omnirt.pipeline.models.qwen3_omni import encoders
+
+    original = encoders.audio_tower_rows
+
+    def spy(tower, features, mask, *args):
+        calls.append([int(n) for n in mask.sum(-1)])
+        return original(tower, features, mask, *args)
+
+    encoders.audio_tower_rows = spy
+    try:
+        yield
+    finally:
+        encoders.audio_tower_rows = original

@@ -127,18 +127,20 @@ async def _prefill(engine, rid: str, messages: list[dict]) -> Finished:
 @contextlib.contextmanager
 def _encoded_frames(engine):
     """The mel frames of each audio the engine's audio encoder is given, while inside."""
-    model = engine.models.hf.thinker.model
-    seen, original = [], model.get_audio_features
+    from omnirt.pipeline.models.qwen3_omni import encoders
 
-    def spy(features, mask, **kw):
-        seen.extend(int(n) for n in mask.sum(-1))
-        return original(features, mask, **kw)
+    seen, original, mine = [], encoders.audio_tower_rows, engine.models.hf.thinker.model.audio_tower
 
-    model.get_audio_features = spy
+    def spy(tower, features, mask, *args):
+        if tower is mine:
+            seen.extend(int(n) for n in mask.sum(-1))
+        return original(tower, features, mask, *args)
+
+    encoders.audio_tower_rows = spy
     try:
         yield seen
     finally:
-        del model.get_audio_features
+        encoders.audio_tower_rows = original
 
 
 @pytest.mark.parametrize("loud_last_s", [0.0, 1.0])

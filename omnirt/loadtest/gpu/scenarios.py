@@ -83,6 +83,9 @@ SCENARIOS: dict[str, Scenario] = {
                              (check("c2w-variants", "-m omnirt.loadtest.gpu.c2w_variants --shapes {shapes} {c2w_args}",
                                     "c2w-variants.jsonl"),),
                              {"shapes": "1x50 16x50 64x50", "c2w_args": ""}),
+    "audio-encoder": Scenario("the audio encoder at full size: transformers' call against the engine's (lengths worked "
+                              "out on the host), the same rows, host and ready times on an idle and a busy device",
+                              (check("audio-encoder", "-m omnirt.loadtest.gpu.audio_encoder_check", limit_s=200),)),
     "grammar-kernels": Scenario("constrained decoding at the released vocabulary: in a graph, its device and host "
                                 "cost", (GRAMMAR_KERNELS,)),
     "fit-48g": Scenario("an 80 GB GPU standing in for a 48 GB one (all but leave_gib of its free memory held by "

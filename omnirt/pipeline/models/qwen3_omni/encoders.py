@@ -9,6 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
+    _get_feat_extract_output_lengths,
+    get_audio_cu_seqlens,
+)
 
 from omnirt.pipeline.models.qwen3_omni.prompt import EncodedPrompt
 
@@ -53,11 +57,35 @@ def encode_audio(thinker, device: torch.device, prompts: list[EncodedPrompt], st
     if not todo:
         return [None] * len(prompts)
     frames = max(p.input_features.shape[-1] for p, _ in todo)
-    features = torch.cat([_from(p.input_features, s, frames) for p, s in todo]).to(device, thinker.dtype)
-    mask = torch.cat([_from(p.feature_mask, s, frames) for p, s in todo]).to(device)
-    rows = thinker.model.get_audio_features(features, mask, return_dict=True).last_hidden_state
+    features = torch.cat([_from(p.input_features, s, frames) for p, s in todo])
+    mask = torch.cat([_from(p.feature_mask, s, frames) for p, s in todo])
+    rows = audio_tower_rows(thinker.model.audio_tower, features, mask, device, thinker.dtype)
     parts = iter(rows.split([sum(b - a for a, b in p.audio_spans[s.first:]) - s.skip_tokens for p, s in todo]))
     return [next(parts) if _has_more(p.input_features, s.first) else None for p, s in zip(prompts, starts)]
+
+
+def audio_tower_rows(tower, features: torch.Tensor, mask: torch.Tensor, device: torch.device, dtype: torch.dtype
+                     ) -> torch.Tensor:
+    """The audio encoder's rows [tokens, H] for `features` [audios, mel, frames] and `mask` [audios, frames] (host
+    tensors), as transformers' `get_audio_features` computes them, with every length worked out on the host.
+
+    Why: given device tensors, transformers' encoder reads their lengths back to the host about 45 times a call
+    (the chunking, the valid positions, the attention windows, and each of its 32 layers' window split), and each
+    read waits for the device to finish the encoder's work so far. The encoder takes these precomputed values
+    (`padded_feature`, `chunk_lengths`, `valid_indices`, `cu_seqlens`, `max_seqlen`); with the windows' bounds
+    left on the host, its layers split by them without asking the device."""
+    lens = mask.sum(-1)
+    packed = features.permute(0, 2, 1)[mask.bool()]  # [frames of all audios, mel]
+    chunk = 2 * tower.n_window
+    chunk_lengths = torch.tensor([min(chunk, n - a) for n in lens.tolist() for a in range(0, n, chunk)])
+    padded = torch.nn.utils.rnn.pad_sequence(packed.split(chunk_lengths.tolist()), batch_first=True).transpose(1, 2)
+    after_cnn = _get_feat_extract_output_lengths(chunk_lengths, tower.n_window)
+    valid = (torch.arange(int(after_cnn.max())) < after_cnn[:, None]).flatten().nonzero().squeeze(-1)
+    cu_seqlens = get_audio_cu_seqlens(chunk_lengths, lens, tower.n_window_infer, tower.n_window)
+    flash = "flash" in (tower.config._attn_implementation or "")  # flash attention reads the bounds on the device
+    return tower(padded_feature=padded.to(device, dtype), chunk_lengths=chunk_lengths, valid_indices=valid.to(device),
+                 cu_seqlens=cu_seqlens.to(device) if flash else cu_seqlens,
+                 max_seqlen=int((cu_seqlens[1:] - cu_seqlens[:-1]).max()), return_dict=True).last_hidden_state
 
 
 def _from(per_audio: torch.Tensor, start: AudioStart, frames: int) -> torch.Tensor:
