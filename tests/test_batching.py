@@ -138,9 +138,9 @@ def test_encoders_warm_up_once_each_on_a_dummy_prompt(engine):
 
 
 def test_audio_rows_equal_transformers_encoder_with_no_device_reads(engine):
-    """`audio_tower_rows` gives the rows transformers' `get_audio_features` gives (bit for bit: audios of one and
-    two attention windows, chunks cut short, a batch of four), and works out every length on the host: on the meta
-    device, where reading a tensor back fails, it runs, and transformers' own call does not."""
+    """On the CPU `audio_tower_rows` gives the rows transformers' `get_audio_features` gives (bit for bit: audios of
+    one and two attention windows, chunks cut short, a batch of four), and works out every length on the host: on the
+    meta device, where reading a tensor back fails, it runs, and transformers' own call does not."""
     import copy
 
     import numpy as np

@@ -1,13 +1,16 @@
 """The audio encoder at full size: transformers' call (lengths read back from the device) against the engine's
-(`audio_tower_rows`: lengths worked out on the host), the same rows, and what each costs a voice turn's prefill.
+(`audio_tower_rows`: lengths worked out on the host, attention off cuDNN), their rows, and what each costs a voice
+turn's prefill.
 
     python -m omnirt.loadtest.gpu.audio_encoder_check   (the GPU driver's `audio-encoder` scenario)
 
 Builds the released audio encoder (random weights, bf16) and encodes batches of 1 and 8 utterances of the bench's
-lengths (1.4-7.7 s; random features, a prefix mask). Per batch, one JSON line: whether the rows are equal, and for
-each call the host's time in it (what the Thinker's stage thread spends before it can launch the prefill) and the
-time until its rows are ready, on an idle device and beside a stream kept busy with other work (as the Talker's
-and Code2Wav's steps keep it while a turn is prefilled).
+lengths (1.4-7.7 s; random features, a prefix mask). Per batch, one JSON line: whether the rows are equal and their
+relative RMS difference (the engine's attention avoids cuDNN's kernels: `ENCODER_ATTENTION`), and for each call the
+host's time in it (what the Thinker's stage thread spends before it can launch the prefill) and the time until its
+rows are ready, on an idle device and beside a stream kept busy with other work (as the Talker's and Code2Wav's
+steps keep it while a turn is prefilled). Each timed call has lengths one frame longer than the last, as every
+turn's utterance is new: cuDNN's attention builds a plan for each new shape.
 """
 
 from __future__ import annotations
@@ -35,8 +38,8 @@ def transformers_rows(tower, features: torch.Tensor, mask: torch.Tensor, device,
     return tower(packed, feature_lens=mask.sum(-1), return_dict=True).last_hidden_state
 
 
-def batch(n: int, mel: int) -> tuple[torch.Tensor, torch.Tensor]:
-    frames = [int(s / HOP_S) for s in SECONDS[:n]]
+def batch(n: int, mel: int, extra: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    frames = [int(s / HOP_S) + extra for s in SECONDS[:n]]
     g = torch.Generator().manual_seed(n)
     features = torch.randn(n, mel, max(frames), generator=g)
     mask = (torch.arange(max(frames)) < torch.tensor(frames)[:, None]).long()
@@ -100,13 +103,19 @@ def main() -> None:
 def measure(tower, n: int, device, dtype, repeats: int) -> dict:
     features, mask = batch(n, tower.config.num_mel_bins)
 
-    def ours():
-        return audio_tower_rows(tower, features, mask, device, dtype)
+    calls = iter(range(1, 10**6))
 
-    def theirs():
-        return transformers_rows(tower, features, mask, device, dtype)
+    def ours(new: bool = True):  # each call lengths not seen before, as every turn's utterance has
+        f, m = batch(n, tower.config.num_mel_bins, next(calls)) if new else (features, mask)
+        return audio_tower_rows(tower, f, m, device, dtype)
 
-    row = {"audios": n, "seconds": round(sum(SECONDS[:n]), 1), "equal": bool(torch.equal(ours(), theirs()))}
+    def theirs(new: bool = True):
+        f, m = batch(n, tower.config.num_mel_bins, next(calls)) if new else (features, mask)
+        return transformers_rows(tower, f, m, device, dtype)
+
+    a, b = ours(False).float(), theirs(False).float()
+    row = {"audios": n, "seconds": round(sum(SECONDS[:n]), 1), "equal": bool(torch.equal(a, b)),
+           "rel_rms": float((a - b).norm() / b.norm())}
     row |= {"transformers_idle": timed(theirs, repeats), "engine_idle": timed(ours, repeats)}
     with BusyStream(device):
         time.sleep(0.2)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
     _get_feat_extract_output_lengths,
     get_audio_cu_seqlens,
@@ -25,6 +26,11 @@ class VisualRows:
     positions: torch.Tensor  # [V] prompt positions of the placeholders (host)
     embeds: torch.Tensor  # [V, H]
     deepstack: torch.Tensor  # [num_deepstack_layers, V, H]
+
+# the audio encoder's attention: each window of each audio is its own call, of a length new to the process as often
+# as not, and cuDNN's attention (SDPA's first choice on an H100) spent ~1 ms of host time on each such call, 32 a
+# window: 222 of the 266 ms that 7 spoken turns' first prefill step took (docs/benchmarks.md, "What bounds capacity")
+ENCODER_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def num_encoded(spans: tuple[tuple[int, int], ...], num_cached: int) -> int:
@@ -67,7 +73,9 @@ def encode_audio(thinker, device: torch.device, prompts: list[EncodedPrompt], st
 def audio_tower_rows(tower, features: torch.Tensor, mask: torch.Tensor, device: torch.device, dtype: torch.dtype
                      ) -> torch.Tensor:
     """The audio encoder's rows [tokens, H] for `features` [audios, mel, frames] and `mask` [audios, frames] (host
-    tensors), as transformers' `get_audio_features` computes them, with every length worked out on the host.
+    tensors), as transformers' `get_audio_features` computes them (bit for bit on the CPU; on a GPU the attention
+    runs on flash or memory-efficient kernels, not cuDNN's: `ENCODER_ATTENTION`), with every length worked out on
+    the host.
 
     Why: given device tensors, transformers' encoder reads their lengths back to the host about 45 times a call
     (the chunking, the valid positions, the attention windows, and each of its 32 layers' window split), and each
@@ -83,9 +91,11 @@ def audio_tower_rows(tower, features: torch.Tensor, mask: torch.Tensor, device: 
     valid = (torch.arange(int(after_cnn.max())) < after_cnn[:, None]).flatten().nonzero().squeeze(-1)
     cu_seqlens = get_audio_cu_seqlens(chunk_lengths, lens, tower.n_window_infer, tower.n_window)
     flash = "flash" in (tower.config._attn_implementation or "")  # flash attention reads the bounds on the device
-    return tower(padded_feature=padded.to(device, dtype), chunk_lengths=chunk_lengths, valid_indices=valid.to(device),
-                 cu_seqlens=cu_seqlens.to(device) if flash else cu_seqlens,
-                 max_seqlen=int((cu_seqlens[1:] - cu_seqlens[:-1]).max()), return_dict=True).last_hidden_state
+    bounds = cu_seqlens.to(device) if flash else cu_seqlens
+    with sdpa_kernel(ENCODER_ATTENTION):
+        return tower(padded_feature=padded.to(device, dtype), chunk_lengths=chunk_lengths,
+                     valid_indices=valid.to(device), cu_seqlens=bounds,
+                     max_seqlen=int((cu_seqlens[1:] - cu_seqlens[:-1]).max()), return_dict=True).last_hidden_state
 
 
 def _from(per_audio: torch.Tensor, start: AudioStart, frames: int) -> torch.Tensor:
