@@ -370,3 +370,25 @@ def test_ab_log_plot_reads_the_chat_points_a_driver_log_printed(tmp_path):
                         "underruns": 26}}
     ab_log(str(tmp_path / "ab.png"), str(log))
     assert (tmp_path / "ab.png").stat().st_size > 10_000
+
+
+def test_audio_encoder_plot_reads_the_checks_json_lines(tmp_path, monkeypatch):
+    """`plot audio-encoder`: a panel per batch line of `audio_encoder_check`'s output, each bar the ready time (the
+    second figure of each pair); its other lines (the model line, the driver's rc line) are passed over."""
+    from omnirt.loadtest import plot
+
+    drawn = []
+    monkeypatch.setattr(plot, "grouped_bars", lambda ax, groups, series, labels=False: drawn.append(series))
+    check = tmp_path / "audio-encoder.txt"
+    check.write_text('{"layers": 32, "params_m": 648, "attention": "sdpa"}\n'
+                     '{"audios": 1, "seconds": 1.4, "equal": false, "transformers_idle": [27.68, 27.75], '
+                     '"engine_idle": [15.49, 15.55], "transformers_busy": [43.32, 44.41], '
+                     '"engine_busy": [48.7, 53.71]}\n'
+                     '{"audios": 8, "seconds": 32.9, "equal": false, "transformers_idle": [91.63, 91.71], '
+                     '"engine_idle": [34.36, 34.45], "transformers_busy": [132.86, 134.23], '
+                     '"engine_busy": [78.99, 83.69]}\n'
+                     "audio-encoder rc=0\n")
+    plot.audio_encoder(str(tmp_path / "enc.png"), str(check))
+    assert drawn == [{"transformers": [27.75, 44.41], "engine": [15.55, 53.71]},
+                     {"transformers": [91.71, 134.23], "engine": [34.45, 83.69]}]
+    assert (tmp_path / "enc.png").stat().st_size > 10_000

@@ -10,6 +10,8 @@
                                                                       side by side (req/s, TTFP, prefill steps)
     python -m omnirt.loadtest.plot fp8-accuracy OUT.png RESULT.json          each MoE layer's FP8 error against its
                                                                       bound and the reversed-scale control
+    python -m omnirt.loadtest.plot audio-encoder OUT.png CHECK.txt           the audio encoder: transformers' call
+                                                                      against the engine's, idle and busy
 
 RUN.json is what `omnirt bench` or `omnirt bench realtime` wrote; a run's label is the given one, else the file's
 name. `omnirt bench` draws `chat`, `omnirt bench realtime` `voice` and `python -m omnirt.loadtest.step_log`
@@ -320,6 +322,19 @@ def fp8_accuracy(out: str, path: str) -> None:
     _save(fig, out, f"{result['model']}: FP8 against {result['dtype']}, same weights, teacher-forced")
 
 
+def audio_encoder(out: str, path: str) -> None:
+    """Milliseconds until the audio encoder's rows are ready, transformers' call against the engine's, on an idle
+    and a busy device, a panel per batch (`omnirt.loadtest.gpu.audio_encoder_check`'s JSON lines)."""
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.startswith('{"audios"')]
+    fig, axes = _figure(1, len(rows), 4.5, 3.8)
+    for ax, row in zip(axes[0], rows):
+        grouped_bars(ax, ["idle", "busy device"], {who: [row[f"{who}_{load}"][1] for load in ("idle", "busy")]
+                                                    for who in ("transformers", "engine")}, labels=True)
+        ax.set(title=f"{row['audios']} audio(s), {row['seconds']} s")
+        _grid(ax, "", "ms until the rows are ready", legend=False)
+    _save(fig, out, "audio encoder, full size: one call")
+
+
 def prefill_steps(spans: list[tuple[str, list]], path: Path, stage: str = "thinker") -> None:
     """A step log's prefill steps of one stage: ms against tokens, a colour per span; requests per step over
     each span's time."""
@@ -338,7 +353,7 @@ def prefill_steps(spans: list[tuple[str, list]], path: Path, stage: str = "think
 
 
 KINDS = {"compare": compare, "first-packet": first_packet, "ablation": ablation, "steps": steps, "variants": variants,
-         "ab-log": ab_log, "fp8-accuracy": fp8_accuracy}
+         "ab-log": ab_log, "fp8-accuracy": fp8_accuracy, "audio-encoder": audio_encoder}
 
 if __name__ == "__main__":
     if len(sys.argv) < 4 or sys.argv[1] not in KINDS:
