@@ -166,6 +166,41 @@ def test_audio_rows_equal_transformers_encoder_with_no_device_reads(engine):
             meta.get_audio_features(features.to("meta"), mask.to("meta"), return_dict=True)
 
 
+def test_audio_windows_attend_in_one_call_a_layer(engine, monkeypatch):
+    """With `one_call` (the default off the CPU) each encoder layer attends over every window of every audio in one
+    SDPA call, where transformers makes one a window, and the rows equal transformers' (fp32, to 1e-5 of the largest: the
+    padded batch sums in another order, so not bit for bit); with the padding left unmasked they would not."""
+    import dataclasses
+
+    import numpy as np
+    import torch
+
+    from omnirt.pipeline.models.qwen3_omni import encoders
+
+    models, rng = engine.models, np.random.default_rng(5)
+    audios = [rng.standard_normal(int(s * 16000)).astype(np.float32) * 0.1 for s in (9.5, 1.0, 0.33, 2.57)]
+    prompt = models.encoder.encode([{"role": "user", "content": [{"type": "audio", "audio": a} for a in audios]}])
+    model, calls = models.thinker.thinker.model, []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda q, *a, **kw: calls.append(q.shape[0]) or sdpa(q, *a, **kw))
+    args = (model.audio_tower, prompt.input_features, prompt.feature_mask, torch.device("cpu"), torch.float32)
+    with torch.inference_mode():
+        theirs = encoders.audio_tower_rows(*args)
+        per_window, calls[:] = list(calls), []
+        ours = encoders.audio_tower_rows(*args, one_call=True)
+        one_call, calls[:] = list(calls), []
+        of = encoders.AudioWindows.of
+        monkeypatch.setattr(encoders.AudioWindows, "of", lambda *a: dataclasses.replace(
+            w := of(*a), keep=torch.ones_like(w.keep)))
+        unmasked = encoders.audio_tower_rows(*args, one_call=True)
+    layers, windows = len(model.audio_tower.layers), 5  # 9.5 s: two 8 s windows; the other three one each
+    assert len(per_window) == layers * windows and one_call == [windows] * layers, (per_window, one_call)
+    assert model.audio_tower.config._attn_implementation not in (None, encoders.AudioWindows.NAME)  # put back
+    error, leak = ((rows - theirs).abs().max() / theirs.abs().max() for rows in (ours, unmasked))
+    assert error < 1e-5 < 1e-3 < leak, (error, leak)
+
+
 @contextlib.contextmanager
 def _spied_audio_encoder(calls: list):
     """While inside, each call of the audio encoder appends the mel frames of each audio it is given."""

@@ -6,10 +6,14 @@ the encoder's windows are independent of each other: `audio_windows.py`)."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from transformers.modeling_utils import AttentionInterface
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
     _get_feat_extract_output_lengths,
     get_audio_cu_seqlens,
@@ -70,12 +74,13 @@ def encode_audio(thinker, device: torch.device, prompts: list[EncodedPrompt], st
     return [next(parts) if _has_more(p.input_features, s.first) else None for p, s in zip(prompts, starts)]
 
 
-def audio_tower_rows(tower, features: torch.Tensor, mask: torch.Tensor, device: torch.device, dtype: torch.dtype
-                     ) -> torch.Tensor:
+def audio_tower_rows(tower, features: torch.Tensor, mask: torch.Tensor, device: torch.device, dtype: torch.dtype,
+                     one_call: bool | None = None) -> torch.Tensor:
     """The audio encoder's rows [tokens, H] for `features` [audios, mel, frames] and `mask` [audios, frames] (host
-    tensors), as transformers' `get_audio_features` computes them (bit for bit on the CPU; on a GPU the attention
-    runs on flash or memory-efficient kernels, not cuDNN's: `ENCODER_ATTENTION`), with every length worked out on
-    the host.
+    tensors), as transformers' `get_audio_features` computes them (bit for bit on the CPU), with every length worked
+    out on the host. With `one_call` (the default off the CPU) each layer attends over all the windows in one call
+    (`AudioWindows`); otherwise per window, as transformers does, on flash or memory-efficient kernels (not cuDNN's:
+    `ENCODER_ATTENTION`).
 
     Why: given device tensors, transformers' encoder reads their lengths back to the host about 45 times a call
     (the chunking, the valid positions, the attention windows, and each of its 32 layers' window split), and each
@@ -90,12 +95,66 @@ def audio_tower_rows(tower, features: torch.Tensor, mask: torch.Tensor, device: 
     after_cnn = _get_feat_extract_output_lengths(chunk_lengths, tower.n_window)
     valid = (torch.arange(int(after_cnn.max())) < after_cnn[:, None]).flatten().nonzero().squeeze(-1)
     cu_seqlens = get_audio_cu_seqlens(chunk_lengths, lens, tower.n_window_infer, tower.n_window)
+    one_call = device.type != "cpu" if one_call is None else one_call
     flash = "flash" in (tower.config._attn_implementation or "")  # flash attention reads the bounds on the device
-    bounds = cu_seqlens.to(device) if flash else cu_seqlens
-    with sdpa_kernel(ENCODER_ATTENTION):
+    bounds = AudioWindows.of(cu_seqlens, device) if one_call else cu_seqlens.to(device) if flash else cu_seqlens
+    with sdpa_kernel(ENCODER_ATTENTION), _attention(tower, AudioWindows.NAME if one_call else None):
         return tower(padded_feature=padded.to(device, dtype), chunk_lengths=chunk_lengths,
                      valid_indices=valid.to(device), cu_seqlens=bounds,
                      max_seqlen=int((cu_seqlens[1:] - cu_seqlens[:-1]).max()), return_dict=True).last_hidden_state
+
+
+@dataclass(slots=True, frozen=True)
+class AudioWindows:
+    """The audio encoder's attention windows as one padded batch [windows, longest window], so that each layer
+    attends in one call: one window a call (transformers' way with SDPA) is ~5 kernel launches a window, 32 layers
+    a spoken turn's window, and host time is what a prefill step with speech in it waits on.
+
+    It stands in for `cu_seqlens` in the encoder's call: an attention implementation whose name holds "flash" gets the
+    windows' bounds whole (transformers' varlen branch), and `attend` is that implementation."""
+
+    NAME = "omnirt_flash_windows"  # "flash": transformers' varlen branch; the kernels are SDPA's
+
+    gather: torch.Tensor  # [W, L] the token at each padded position (padding: token 0, masked)
+    keep: torch.Tensor  # [W, 1, 1, L] a real token (the keys a window's queries attend to)
+    scatter: torch.Tensor  # [tokens] each token's position in the flattened [W * L] batch
+
+    @classmethod
+    def of(cls, cu_seqlens: torch.Tensor, device: torch.device) -> AudioWindows:
+        """From the windows' bounds (host), moved to `device` once for every layer."""
+        starts, lengths = cu_seqlens[:-1], cu_seqlens[1:] - cu_seqlens[:-1]
+        offsets = torch.arange(int(lengths.max()))
+        real = offsets < lengths[:, None]
+        gather = torch.where(real, starts[:, None] + offsets, 0)
+        return cls(gather.to(device), real[:, None, None].to(device), real.flatten().nonzero().squeeze(-1).to(device))
+
+    @staticmethod
+    def attend(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask=None,
+               scaling: float | None = None, dropout: float = 0.0, cu_seq_lens_q: AudioWindows | None = None,
+               **_) -> tuple[torch.Tensor, None]:
+        """transformers' attention interface: [1, heads, tokens, head_dim] in, [tokens, heads, head_dim] out."""
+        w = cu_seq_lens_q
+        q, k, v = (t[0][:, w.gather].transpose(0, 1) for t in (query, key, value))  # [W, heads, L, head_dim]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=w.keep, scale=scaling)
+        return out.transpose(1, 2).flatten(0, 1)[w.scatter], None
+
+
+AttentionInterface.register(AudioWindows.NAME, AudioWindows.attend)
+
+
+@contextlib.contextmanager
+def _attention(tower, name: str | None) -> Iterator[None]:
+    """The encoder's attention implementation `name` for one call (None: its own); the module stays transformers'
+    everywhere else (the reference engine and the parity tests call it as transformers does)."""
+    if name is None:
+        yield
+        return
+    config, own = tower.config, tower.config._attn_implementation
+    config._attn_implementation = name
+    try:
+        yield
+    finally:
+        config._attn_implementation = own
 
 
 def _from(per_audio: torch.Tensor, start: AudioStart, frames: int) -> torch.Tensor:
