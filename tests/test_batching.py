@@ -168,8 +168,9 @@ def test_audio_rows_equal_transformers_encoder_with_no_device_reads(engine):
 
 def test_audio_windows_attend_in_one_call_a_layer(engine, monkeypatch):
     """With `one_call` (the default off the CPU) each encoder layer attends over every window of every audio in one
-    SDPA call, where transformers makes one a window, and the rows equal transformers' (fp32, to 1e-5 of the largest: the
-    padded batch sums in another order, so not bit for bit); with the padding left unmasked they would not."""
+    SDPA call, where transformers makes one a window, and the rows equal transformers' (fp32, to 1e-5 of the
+    largest: the padded batch sums in another order, so not bit for bit); with the padding left unmasked they
+    would not."""
     import dataclasses
 
     import numpy as np

@@ -35,6 +35,9 @@ class Held:
     def num_tokens(self) -> int:
         return len(self.key)
 
+    def to(self, device):
+        return self
+
 
 class IdsReuse:
     """A slot holds the ids it computed (prompt, then fed outputs); `req.state` is the prompt's ids."""
@@ -53,8 +56,8 @@ class IdsReuse:
         pass
 
 
-def _setup(slots: int = 3, max_len: int = 64):
-    kv = SlotKVCache(1, slots, 1, max_len, 2, torch.float32, "cpu")
+def _setup(slots: int = 3, max_len: int = 64, host_bytes: int = 0):
+    kv = SlotKVCache(1, slots, 1, max_len, 2, torch.float32, "cpu", host_bytes=host_bytes)
     return kv, SlotScheduler(kv, max_num_seqs=slots, max_num_batched_tokens=8, eos_ids=[99], is_ready=lambda r: True,
                              reuse=IdsReuse())
 
@@ -172,12 +175,63 @@ def test_an_abort_during_a_step_parks_what_was_issued_up_to_it_and_a_failure_par
     assert not kv.resident and kv.num_free_slots == kv.num_slots
 
 
+def _mark(kv: SlotKVCache, slot: int, base: float) -> torch.Tensor:
+    """Distinct K and V values in every position of `slot`; returns its K."""
+    kv.k[:, slot] = base + torch.arange(kv.k[:, slot].numel(), dtype=torch.float32).view_as(kv.k[:, slot])
+    kv.v[:, slot] = -kv.k[:, slot]
+    return kv.k[:, slot].clone()
+
+
+def test_a_given_up_slot_goes_to_the_host_tier_and_its_next_turn_gets_it_back():
+    """With a host tier a resident slot given up for another request keeps its prefix on the host; the
+    conversation's next turn has it copied back into a slot (the KV exactly) and prefills only what is new."""
+    kv, s = _setup(slots=1, host_bytes=2**20)
+    _run(s, _req("a", [1, 2, 3, 4, 5, 6]))  # holds [1..6, 5]
+    k_a = _mark(kv, 0, 100.0)
+    _run(s, _req("b", [7, 7, 7]))  # the one slot: a's prefix goes to the host
+    assert [e.held.key.tolist() for e in kv.host.entries] == [[1, 2, 3, 4, 5, 6, 5]]
+    _mark(kv, 0, 900.0)
+    nxt = _req("a2", [1, 2, 3, 4, 5, 6, 5, 8])
+    s.add(nxt)
+    batch = s.schedule()
+    assert nxt.slot == 0 and nxt.num_cached_tokens == 7 and batch.num_new_tokens == [1]
+    assert torch.equal(kv.k[:, 0, :, :7], k_a[:, :, :7]) and torch.equal(kv.v[:, 0, :, :7], -k_a[:, :, :7])
+    assert [e.held.key.tolist() for e in kv.host.entries] == [[7, 7, 7, 5]]  # b's, given up for a2; a's taken
+    stats = s.prefix_stats()
+    assert (stats.num_cached_tokens, stats.num_restored_tokens, stats.num_offloaded) == (7, 7, 1)
+    assert stats.num_offloaded_bytes == 2 * 4 * 2 * 4  # K and V, 4 positions of 2 floats
+
+
+def test_a_partial_match_in_the_host_tier_is_copied_and_stays_there():
+    kv, s = _setup(slots=1, host_bytes=2**20)
+    _run(s, _req("a", [1, 2, 3, 4, 5, 6]))
+    _run(s, _req("b", [7, 7, 7]))
+    other = _req("c", [1, 2, 3, 9])  # another conversation with a's start: it copies, a's whole prefix stays
+    s.add(other)
+    s.schedule()
+    assert other.num_cached_tokens == 3
+    assert sorted(e.held.key[0] for e in kv.host.entries) == [1, 7]
+
+
+def test_the_host_tier_gives_up_its_least_recently_used_prefixes_past_its_bytes():
+    entry_bytes = 2 * 4 * 2 * 4  # K and V of a prompt of 3 with its fed token: 4 positions of 2 floats
+    kv, s = _setup(slots=1, host_bytes=2 * entry_bytes)
+    for i in range(4):
+        _run(s, _req(f"r{i}", [10 + i] * 3))
+    assert [e.held.key[0] for e in kv.host.entries] == [11, 12] and kv.host.num_bytes == 2 * entry_bytes
+    kv, s = _setup(slots=1, host_bytes=entry_bytes - 1)  # smaller than one prefix: nothing is kept
+    for i in range(2):
+        _run(s, _req(f"r{i}", [10 + i] * 3))
+    assert not kv.host.entries and kv.host.num_bytes == 0
+
+
 # ---- the engine: a conversation with and without reuse ----------------------------------------------------
 
-def _with(cfg, reuse: bool):
+def _with(cfg, reuse: bool, offload_gib: float = 0.0):
     """The tiny profile with a 1024-token Thinker of 2 slots (a few long turns overflow it; three
-    conversations do not fit), prefix reuse on or off."""
-    stages = [dataclasses.replace(s, prefix_caching=reuse) for s in cfg.stages]
+    conversations do not fit), prefix reuse on or off, a host tier of `offload_gib` behind the slots."""
+    stages = [dataclasses.replace(s, prefix_caching=reuse, kv_offload_gib=offload_gib if s.stage_id < 2 else 0.0)
+              for s in cfg.stages]
     stages[0] = dataclasses.replace(stages[0], max_model_len=1024, max_num_seqs=2)
     return dataclasses.replace(cfg, stages=tuple(stages))
 
@@ -313,6 +367,26 @@ async def test_resident_slots_are_evicted_under_pressure_and_answers_stay_the_sa
     # ...then its last turn finds the one before resident again, and reuses all of it
     assert cached[7] >= with_reuse[6][1].prompt_tokens, cached
     assert len(on.stage("thinker").scheduler.kv.resident) <= 2 and on.num_free_slots() == on.num_slots()
+
+
+async def test_with_a_host_tier_every_turn_reuses_its_whole_conversation_and_answers_the_same(engines,
+                                                                                               tiny_config):
+    """The same round robin with a host tier behind the two slots: a given-up conversation's prefix comes back
+    from the host, so every later turn reuses all of its conversation so far, and the answers are those of full
+    prefills."""
+    _, off = engines
+    topics = ("dragons", "castles", "rivers")
+    order = [(c, f"{topics[c]}: conversation {c}, turn {t}") for t in range(3) for c in range(3)]
+    with started_engine(_with(tiny_config, True, offload_gib=0.05)) as tiered:
+        with_tier, without = await _text_turns(tiered, "tier", order), await _text_turns(off, "tier-full", order)
+        stats = tiered.stage("thinker").scheduler.prefix_stats()
+        host = tiered.stage("thinker").scheduler.kv.host
+    assert [t for t, _ in with_tier] == [t for t, _ in without]
+    usage = [u for _, u in with_tier]
+    for n in range(3, len(order)):  # the turn three before is this conversation's last one
+        assert usage[n - 3].prompt_tokens <= usage[n].cached_tokens < usage[n].prompt_tokens, (n, usage)
+    assert stats.num_restored_tokens == sum(u.cached_tokens for u in usage[3:])  # each from the host tier
+    assert stats.num_offloaded == len(host.entries) > 0 and stats.num_offloaded_bytes == host.num_bytes
 
 
 async def test_an_aborted_reply_leaves_a_prefix_the_next_turn_reuses_exactly(engines):

@@ -21,7 +21,8 @@ from omnirt.pipeline.types import (
 )
 
 ENGINES = ("omnirt", "reference")  # reference: transformers' own generate(), one request at a time (the baseline)
-AR_ONLY_KEYS = ("max_num_batched_tokens", "max_model_len", "prefix_caching", "default_sampling_params")
+AR_ONLY_KEYS = ("max_num_batched_tokens", "max_model_len", "prefix_caching", "kv_offload_gib",
+                "default_sampling_params")
 PACINGS = ("fixed", "adaptive")
 ROUTING = ("least_loaded", "round_robin")
 SAMPLING_KEYS = ("temperature", "top_k", "top_p", "repetition_penalty", "max_tokens", "min_tokens", "seed")
@@ -75,6 +76,7 @@ class StageConfig:
     device_ipc: bool = True  # device tensors to/from its workers through shared device memory where the platform can
     ray_resources: dict[str, float] = field(default_factory=dict)  # per replica actor, e.g. {num_gpus: 1}
     prefix_caching: bool = True  # an ended request's KV stays resident for a prompt that starts the same way
+    kv_offload_gib: float = 0.0  # host memory for resident prefixes given up for a slot (0: dropped; host_tier.py)
     compile: str | None = None  # this stage's torch.compile (auto | on | off); None: the engine's `compile`
     compiled_prefill: bool = True  # where the decode layers are compiled, prefill chunks run them too (warmed)
     prefill_graph_tokens: int = 2048  # graphs on: a prefill batch of at most this many padded tokens replays one
@@ -106,6 +108,7 @@ class StageConfig:
         check_key(self.prefill_graph_tokens >= 0, f"stages[{self.stage_id}].prefill_graph_tokens", "must be >= 0")
         check_key(self.max_waiting >= 0, f"stages[{self.stage_id}].max_waiting", "must be >= 0")
         check_key(self.max_model_len >= 16, f"stages[{self.stage_id}].max_model_len", "must be >= 16")
+        check_key(self.kv_offload_gib >= 0, f"stages[{self.stage_id}].kv_offload_gib", "must be >= 0")
         key = f"stages[{self.stage_id}]"
         _check_fraction(self.gpu_memory_utilization, f"{key}.gpu_memory_utilization")
         devices = [d.strip() for d in str(self.devices).split(",")]

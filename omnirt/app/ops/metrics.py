@@ -206,12 +206,21 @@ def _prefix_reuse(stages: list[StageStats]):
                                  "reuse (counted as free: given up when a slot is needed)", labels=["stage"])
     held = GaugeMetricFamily("omnirt_stage_resident_bytes", "Memory resident slots keep beyond the KV cache",
                              labels=["stage"])
+    offloaded = GaugeMetricFamily("omnirt_stage_offloaded_prefixes", "Resident slots' prefixes given up for a "
+                                  "slot and kept in host memory (kv_offload_gib)", labels=["stage"])
+    offloaded_bytes = GaugeMetricFamily("omnirt_stage_offloaded_bytes", "Host memory those prefixes take",
+                                        labels=["stage"])
+    restored = CounterMetricFamily("omnirt_stage_restored_tokens", "Prompt tokens copied back into a slot from "
+                                   "host memory (counted in the cached ones)", labels=["stage"])
     for st in stages:
         tokens.add_metric([st.name, "computed"], st.prefill_tokens)
         tokens.add_metric([st.name, "cached"], st.cached_tokens)
         resident.add_metric([st.name], st.resident_slots)
         held.add_metric([st.name], st.resident_bytes)
-    yield from (tokens, resident, held)
+        offloaded.add_metric([st.name], st.offloaded)
+        offloaded_bytes.add_metric([st.name], st.offloaded_bytes)
+        restored.add_metric([st.name], st.restored_tokens)
+    yield from (tokens, resident, held, offloaded, offloaded_bytes, restored)
 
 
 def _waits(stages: list[StageStats]):

@@ -40,6 +40,8 @@ ABLATION_PARAMS = {"concurrency": "64", "prompt": "160", "point_limit": "200", "
 
 # the server's precision and memory
 PRECISION_LINES = "quantization|fp8:|weights of|memory plan|KV cache:|graphs captured"
+# what prefix reuse did: prompt tokens computed and reused, resident slots, the host tier behind them
+PREFIX_METRICS = "omnirt_stage_prefill omnirt_stage_resident omnirt_stage_offloaded omnirt_stage_restored"
 PARITY_VARIANT = "four-requests"  # the parity check's server (omnirt/loadtest/variants.py)
 
 
@@ -131,7 +133,8 @@ SCENARIOS: dict[str, Scenario] = {
                                                "{converse_limit}"),
                                               ("capacity", "voice --capacity --sessions {capacity_from} --max-sessions "
                                                            "{capacity_to} --latency-bound {bound_ms} {reply}",
-                                               "{capacity_limit}")),
+                                               "{capacity_limit}"),
+                                              ("converse-metrics", f"metrics {PREFIX_METRICS}", 30)),
                                 "--realtime-max-sessions {max_sessions}", log_level="info",
                                 log_grep=PRECISION_LINES),),
                          {"variant": "profile", "sessions": "1 16 32", "converse_limit": "300", "capacity_from": "8",
@@ -216,7 +219,7 @@ SCENARIOS: dict[str, Scenario] = {
                              (ForEach("variants", (Serve("{each}", (
                                  ("turns-{each}", "voice --sessions {sessions} --turns 10 --mode cancel",
                                   "{point_limit}"),
-                                 ("turns-metrics-{each}", "metrics omnirt_stage_prefill omnirt_stage_resident", 30)),
+                                 ("turns-metrics-{each}", f"metrics {PREFIX_METRICS}", 30)),
                                  VOICE_SERVER, log_level="info", log_grep="KV cache:"),)),),
                              {"variants": "profile no-prefix-caching", "sessions": "1 32", "point_limit": "400"}),
     "memory-plan": Scenario("the start-up memory plan, free memory after start-up and after 64 concurrent requests, "

@@ -10,11 +10,12 @@ scratch slot (index `num_slots`) absorbs the writes of padded rows in captured g
 
 A slot is free, in use, or *resident*: a finished request's KV kept for a later prompt that begins the
 same way (`omnirt/pipeline/stage/prefix_cache.py`). Resident slots count as free; `allocate` gives up the least
-recently used one when no slot is free.
+recently used one when no slot is free, to the host tier where there is one (`omnirt/pipeline/stage/host_tier.py`).
 """
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict, deque
 from typing import Any
 
@@ -22,6 +23,7 @@ import torch
 
 from omnirt.pipeline.kernels.attention import SlotMask
 from omnirt.pipeline.stage.cudagraph import length_buckets
+from omnirt.pipeline.stage.host_tier import HostTier, Offloaded
 from omnirt.pipeline.stage.pinned import PinnedBuffers
 
 
@@ -29,7 +31,8 @@ class SlotKVCache:
     """K/V buffers of shape [layers, slots + 1, kv_heads, max_len, head_dim], plus the free-slot list."""
 
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, max_len: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str, in_place: bool = False):
+                 dtype: torch.dtype, device: torch.device | str, in_place: bool = False, host_bytes: int = 0):
+        """`host_bytes`: host memory for the prefixes of resident slots given up (0: none, they are dropped)."""
         shape = (num_layers, num_slots + 1, num_kv_heads, max_len, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
@@ -40,6 +43,7 @@ class SlotKVCache:
         self._free: deque[int] = deque(range(num_slots))
         self.resident: OrderedDict[int, Any] = OrderedDict()  # slot -> what it holds, least recently used first
         self._staging: PinnedBuffers | None = None  # for `view` (one stage's thread uses a cache)
+        self.host = HostTier(host_bytes) if host_bytes else None
 
     @property
     def num_free_slots(self) -> int:
@@ -55,10 +59,12 @@ class SlotKVCache:
         return None if self.in_place else length_buckets(self.max_len)
 
     def allocate(self) -> int:
-        """A free slot, else the least recently used resident one (what it held is dropped)."""
+        """A free slot, else the least recently used resident one (what it held goes to the host tier, if any)."""
         if self._free:
             return self._free.popleft()
-        return self.resident.popitem(last=False)[0]
+        slot, held = self.resident.popitem(last=False)
+        self._offload(slot, held)
+        return slot
 
     def spare(self, keep: int) -> int | None:
         """A slot for a copy of resident slot `keep`'s prefix: a free one, else the least recently used
@@ -67,8 +73,28 @@ class SlotKVCache:
             return self._free.popleft()
         victim = next((s for s in self.resident if s != keep), None)
         if victim is not None:
-            del self.resident[victim]
+            self._offload(victim, self.resident.pop(victim))
         return victim
+
+    def _offload(self, slot: int, held: Any) -> None:
+        """A resident slot is given up: its prefix to the host tier (async copies on the current stream, which
+        orders them before anything that writes the slot next)."""
+        layers, _, heads, _, head_dim = self.k.shape
+        shape = (layers, heads, held.num_tokens, head_dim)
+        if self.host is None or 2 * math.prod(shape) * self.k.element_size() > self.host.max_bytes:
+            return
+        pin = self.k.device.type != "cpu"
+        k, v = (torch.empty(shape, dtype=self.k.dtype, pin_memory=pin) for _ in range(2))
+        k.copy_(self.k[:, slot, :, :held.num_tokens], non_blocking=True)
+        v.copy_(self.v[:, slot, :, :held.num_tokens], non_blocking=True)
+        self.host.add(Offloaded(k, v, held.to(torch.device("cpu"))))
+
+    def restore(self, entry: Offloaded, slot: int, num_tokens: int) -> Any:
+        """The first `num_tokens` positions of an offloaded prefix into `slot`; returns what it held, on the
+        device."""
+        self.k[:, slot, :, :num_tokens].copy_(entry.k[:, :, :num_tokens], non_blocking=True)
+        self.v[:, slot, :, :num_tokens].copy_(entry.v[:, :, :num_tokens], non_blocking=True)
+        return entry.held.to(self.k.device)
 
     def free(self, slot: int) -> None:
         assert slot not in self._free and slot not in self.resident, f"slot {slot} freed twice"

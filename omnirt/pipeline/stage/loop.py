@@ -86,7 +86,9 @@ class Stage:
                           waiting=self.num_waiting, batch_size_counts=list(c.batch_size_counts), busy_s=c.busy_s,
                           device_wait_s=self.device_wait_s, prefill_tokens=prefix.num_prefill_tokens,
                           cached_tokens=prefix.num_cached_tokens, resident_slots=prefix.num_resident_slots,
-                          resident_bytes=prefix.num_resident_bytes, **self.scheduler.waits.snapshot(),
+                          resident_bytes=prefix.num_resident_bytes, offloaded=prefix.num_offloaded,
+                          offloaded_bytes=prefix.num_offloaded_bytes, restored_tokens=prefix.num_restored_tokens,
+                          **self.scheduler.waits.snapshot(),
                           decode_steps=c.num_decode_steps, decode_busy_s=c.decode_busy_s)
 
     def replica_status(self) -> list[dict[str, Any]]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 import numpy as np
+import torch
 
 from omnirt.pipeline.stage.request import StageRequest
 
@@ -39,6 +40,9 @@ class Held(Protocol):
     @property
     def num_bytes(self) -> int:
         """Memory it keeps beyond the slot's KV (rows for another stage, say)."""
+
+    def to(self, device: torch.device) -> Held:
+        """The same, its tensors on `device` (the host tier keeps it on the host: `host_tier.py`)."""
 
 
 class PrefixReuse(Protocol):

@@ -20,6 +20,9 @@ class PrefixStats(NamedTuple):
     num_cached_tokens: int = 0  # prompt tokens reused from resident slots instead
     num_resident_slots: int = 0  # slots holding an ended request's KV for reuse
     num_resident_bytes: int = 0  # memory those keep beyond the KV cache
+    num_offloaded: int = 0  # prefixes of resident slots given up, kept in the host tier
+    num_offloaded_bytes: int = 0  # host memory those take
+    num_restored_tokens: int = 0  # prompt tokens copied back from there (counted in num_cached_tokens)
 
 
 class Scheduler(Protocol):

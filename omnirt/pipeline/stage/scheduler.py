@@ -21,8 +21,9 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
+from omnirt.pipeline.stage.host_tier import Offloaded
 from omnirt.pipeline.stage.kv_cache import SlotKVCache
-from omnirt.pipeline.stage.prefix_cache import PrefixReuse
+from omnirt.pipeline.stage.prefix_cache import Held, PrefixReuse
 from omnirt.pipeline.stage.priority import Priority, WaitCounts, in_arrival_order, ranked
 from omnirt.pipeline.stage.protocols import PrefixStats
 from omnirt.pipeline.stage.request import RequestStatus, StageRequest
@@ -46,7 +47,8 @@ class SlotScheduler:
         self.running: list[StageRequest] = []
         self._last_was_prefill = False
         self.num_prefill_tokens = 0  # prompt tokens computed by prefill steps
-        self.num_cached_tokens = 0  # prompt tokens taken from resident slots instead
+        self.num_cached_tokens = 0  # prompt tokens taken from resident slots (or the host tier) instead
+        self.num_restored_tokens = 0  # of those, copied back from the host tier
         self._hits: list[tuple[str, int]] = []  # (request id, tokens reused) of hits not yet reported
 
     @property
@@ -66,8 +68,9 @@ class SlotScheduler:
         return self.kv.num_slots
 
     def prefix_stats(self) -> PrefixStats:
-        held = list(self.kv.resident.values())
-        return PrefixStats(self.num_prefill_tokens, self.num_cached_tokens, len(held), sum(h.num_bytes for h in held))
+        held, host = list(self.kv.resident.values()), self.kv.host
+        return PrefixStats(self.num_prefill_tokens, self.num_cached_tokens, len(held), sum(h.num_bytes for h in held),
+                           len(host.entries) if host else 0, host.num_bytes if host else 0, self.num_restored_tokens)
 
     def take_cached(self) -> list[tuple[str, int]]:
         hits, self._hits = self._hits, []
@@ -113,41 +116,59 @@ class SlotScheduler:
     def _place(self, req: StageRequest) -> None:
         """Give `req` a slot: the resident one holding the longest start of its prompt, taken over when that
         covers the ended request's prompt, else copied into another slot (a free one, or the least recently
-        used resident one) so that the rest stays for whoever continues it; without any, a free slot."""
+        used resident one) so that the rest stays for whoever continues it; a prefix in the host tier is copied
+        back into a slot the same way; without any, a free slot."""
         found = self._lookup(req)
         if found is None:
             req.slot = self.kv.allocate()
             return
-        slot, n = found
-        held = self.kv.resident[slot]
-        spare = self.kv.spare(keep=slot) if n < held.num_prompt_tokens else None
-        if spare is None:
-            self.kv.claim(slot)
-            req.slot = slot
+        source, n = found
+        if isinstance(source, Offloaded):
+            held = self._restore(req, source, n)
         else:
-            self.kv.touch(slot)
-            self.kv.copy_prefix(slot, spare, n)
-            req.slot = spare
+            held = self.kv.resident[source]
+            spare = self.kv.spare(keep=source) if n < held.num_prompt_tokens else None
+            if spare is None:
+                self.kv.claim(source)
+                req.slot = source
+            else:
+                self.kv.touch(source)
+                self.kv.copy_prefix(source, spare, n)
+                req.slot = spare
         self.reuse.adopt(req, held, n)
         req.num_computed_tokens = req.num_cached_tokens = n
         self.num_cached_tokens += n
         self._hits.append((req.request_id, n))
 
-    def _lookup(self, req: StageRequest) -> tuple[int, int] | None:
-        """(resident slot, positions of the prompt it has) with the most, if any; the prompt's last token is
-        always left to compute (its logits start the reply)."""
+    def _restore(self, req: StageRequest, entry: Offloaded, n: int) -> Held:
+        """A slot for `req` with the first `n` positions of an offloaded prefix copied back into it; the prefix
+        stays in the host tier for whoever continues it unless `req` takes all of its prompt. Out of the tier
+        while a slot is found: the slot's own prefix may go there meanwhile, and must not push this one out."""
+        self.kv.host.take(entry)
+        req.slot = self.kv.allocate()
+        held = self.kv.restore(entry, req.slot, n)
+        if n < entry.held.num_prompt_tokens:
+            self.kv.host.add(entry)
+        self.num_restored_tokens += n
+        return held
+
+    def _lookup(self, req: StageRequest) -> tuple[int | Offloaded, int] | None:
+        """(resident slot or offloaded prefix, positions of the prompt it has) with the most, if any (a resident
+        slot wins a tie); the prompt's last token is always left to compute (its logits start the reply)."""
         key = self.reuse.key(req) if self.reuse is not None else None
-        if key is None or not self.kv.resident:
+        host = self.kv.host.entries if self.kv.host is not None else {}
+        if key is None or not (self.kv.resident or host):
             return None
-        n, slot = -1, None
-        for resident, held in reversed(self.kv.resident.items()):  # most recently used first: it wins ties
+        n, source = -1, None
+        # most recently used first: it wins ties
+        for where, held in [*reversed(self.kv.resident.items()), *((e, e.held) for e in reversed(host))]:
             matched = self.reuse.match(held, key)
             if matched > n:
-                n, slot = matched, resident
+                n, source = matched, where
                 if n >= req.num_prompt_tokens:  # the whole prompt: no slot can match more
                     break
         n = min(n, req.num_prompt_tokens - 1)
-        return (slot, n) if n > 0 else None
+        return (source, n) if n > 0 else None
 
     def _prefill_batch(self, reqs: list[StageRequest]) -> Batch:
         """Prompt chunks of the first-ranked requests within the token budget."""

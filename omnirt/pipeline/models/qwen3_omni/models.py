@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from omnirt.pipeline.config import EngineConfig
+from omnirt.pipeline.config import EngineConfig, StageConfig
 from omnirt.pipeline.kernels.attention import attend_in_place
 from omnirt.pipeline.kernels.fp8 import BLOCK as FP8_BLOCK
 from omnirt.pipeline.kernels.fp8 import use_dequantized_experts
@@ -103,14 +103,16 @@ class OmniModels:
 
 
 def _kv_for(stack_config, num_slots: int, max_len: int, platform: Platform, dtype: torch.dtype,
-            in_place: bool) -> SlotKVCache:
-    """The slot cache of one decoder stack; `in_place` also points the stack's attention at it."""
+            in_place: bool, sc: StageConfig | None = None) -> SlotKVCache:
+    """The slot cache of one decoder stack; `in_place` also points the stack's attention at it; `sc`: the stage
+    whose requests own the slots (None: a cache of one batch's rows, with no resident prefixes to offload)."""
     c = stack_config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     if in_place:
         attend_in_place(c)
+    host_bytes = int(sc.kv_offload_gib * 2**30) if sc is not None and sc.prefix_caching else 0
     return SlotKVCache(c.num_hidden_layers, num_slots, c.num_key_value_heads, max_len, head_dim, dtype,
-                       platform.device(0), in_place)
+                       platform.device(0), in_place, host_bytes)
 
 
 def _in_place(attention: str, platform: Platform) -> bool:
@@ -180,7 +182,7 @@ def load_models(cfg: EngineConfig, platform: Platform, stages: tuple[str, ...]) 
     if THINKER in stages:
         th_cfg = cfg.stage(THINKER)
         th_kv = _kv_for(hc.thinker_config.text_config, plan.num_slots[THINKER], th_cfg.max_model_len, platform,
-                        dtype, in_place)
+                        dtype, in_place, th_cfg)
         thinker = ThinkerModel(hf.thinker, hc, th_kv, platform, th_cfg.max_num_seqs, th_cfg.enforce_eager, graph_moe,
                                cfg.compiles(THINKER, platform.supports_graphs),
                                tokenizer.convert_tokens_to_ids(CALL_START), th_cfg.compiled_prefill,
@@ -193,7 +195,8 @@ def load_models(cfg: EngineConfig, platform: Platform, stages: tuple[str, ...]) 
         # the code predictor's cache holds one batch: its rows are the batch's, not the requests' slots
         predictor_kv = _kv_for(tkc.code_predictor_config, tk_cfg.max_num_seqs, tkc.num_code_groups, platform, dtype,
                                in_place)
-        talker_kv = _kv_for(tkc.text_config, plan.num_slots[TALKER], tk_cfg.max_model_len, platform, dtype, in_place)
+        talker_kv = _kv_for(tkc.text_config, plan.num_slots[TALKER], tk_cfg.max_model_len, platform, dtype, in_place,
+                            tk_cfg)
         talker = TalkerModel(hf.talker, hc, talker_kv, predictor_kv, _special_rows(hf, device), platform,
                              tk_cfg.max_num_seqs, tk_cfg.enforce_eager, graph_moe,
                              cfg.compiles(TALKER, platform.supports_graphs), tk_cfg.compiled_prefill,

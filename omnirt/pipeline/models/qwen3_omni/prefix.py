@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from omnirt.pipeline.models.qwen3_omni.prompt import PromptKey
 from omnirt.pipeline.models.qwen3_omni.thinker import ThinkerHeld, ThinkerInput
@@ -66,6 +67,10 @@ class TalkerHeld:
     @property
     def num_prompt_tokens(self) -> int:
         return self.num_tokens
+
+    def to(self, device: torch.device) -> TalkerHeld:
+        """No tensors: the Talker's prompt rows come from the Thinker's hand-off."""
+        return self
 
 
 class TalkerPrefixes:

@@ -44,6 +44,9 @@ class ThinkerHeld:
         """What holding only its first `n` positions is."""
         return ThinkerHeld(self.key.head(n), self.embeds[:n], self.tapped[:n])
 
+    def to(self, device: torch.device) -> ThinkerHeld:
+        return ThinkerHeld(self.key, *(t.to(device, non_blocking=True) for t in (self.embeds, self.tapped)))
+
 
 @dataclass(slots=True)
 class ThinkerInput:
