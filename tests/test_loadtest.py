@@ -372,9 +372,27 @@ def test_ab_log_plot_reads_the_chat_points_a_driver_log_printed(tmp_path):
     assert (tmp_path / "ab.png").stat().st_size > 10_000
 
 
+def test_audio_encoder_check_counts_the_operators_one_call_a_layer_saves():
+    """`audio_encoder_check --device meta`: the released encoder's operators for the engine's call, attention per window
+    against one call a layer. Eight utterances (eight windows) dispatch far fewer in one call; one utterance (one
+    window) about as many."""
+    import torch
+
+    from omnirt.loadtest.gpu.audio_encoder_check import op_counts, released_tower
+
+    tower = released_tower(torch.device("meta"), torch.bfloat16)
+    with torch.inference_mode():
+        one, eight = (op_counts(tower, n, torch.device("meta"), torch.bfloat16) for n in (1, 8))
+    layers = len(tower.layers)
+    assert eight["ops_per_window"] - eight["ops_one_call"] > 7 * layers * 3, eight  # >= 3 a window a layer saved
+    assert abs(one["ops_per_window"] - one["ops_one_call"]) < 5 * layers, one
+    assert eight["ops_one_call"] - one["ops_one_call"] < 2 * layers, (one, eight)  # not a few a window a layer
+
+
 def test_audio_encoder_plot_reads_the_checks_json_lines(tmp_path, monkeypatch):
-    """`plot audio-encoder`: a panel per batch line of `audio_encoder_check`'s output, each bar the ready time (the
-    second figure of each pair); its other lines (the model line, the driver's rc line) are passed over."""
+    """`plot audio-encoder`: a panel per timed batch line of `audio_encoder_check`'s output, each bar the ready time
+    (the second figure of each pair), the engine's per-window call where it was timed; its other lines (the model
+    line, a `--device meta` line of operator counts, the driver's rc line) are passed over."""
     from omnirt.loadtest import plot
 
     drawn = []
@@ -386,9 +404,11 @@ def test_audio_encoder_plot_reads_the_checks_json_lines(tmp_path, monkeypatch):
                      '"engine_busy": [48.7, 53.71]}\n'
                      '{"audios": 8, "seconds": 32.9, "equal": false, "transformers_idle": [91.63, 91.71], '
                      '"engine_idle": [34.36, 34.45], "transformers_busy": [132.86, 134.23], '
-                     '"engine_busy": [78.99, 83.69]}\n'
+                     '"engine_busy": [78.99, 83.69], "engine_per_window_idle": [40.1, 40.2], '
+                     '"engine_per_window_busy": [90.1, 90.2]}\n'
+                     '{"audios": 8, "seconds": 32.9, "ops_per_window": 2249, "ops_one_call": 1245}\n'
                      "audio-encoder rc=0\n")
     plot.audio_encoder(str(tmp_path / "enc.png"), str(check))
     assert drawn == [{"transformers": [27.75, 44.41], "engine": [15.55, 53.71]},
-                     {"transformers": [91.71, 134.23], "engine": [34.45, 83.69]}]
+                     {"transformers": [91.71, 134.23], "engine_per_window": [40.2, 90.2], "engine": [34.45, 83.69]}]
     assert (tmp_path / "enc.png").stat().st_size > 10_000

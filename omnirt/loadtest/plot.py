@@ -323,13 +323,16 @@ def fp8_accuracy(out: str, path: str) -> None:
 
 
 def audio_encoder(out: str, path: str) -> None:
-    """Milliseconds until the audio encoder's rows are ready, transformers' call against the engine's, on an idle
-    and a busy device, a panel per batch (`omnirt.loadtest.gpu.audio_encoder_check`'s JSON lines)."""
+    """Milliseconds until the audio encoder's rows are ready, transformers' call against the engine's (and, where the
+    check timed it, the engine's with the attention per window), on an idle and a busy device, a panel per batch
+    (`omnirt.loadtest.gpu.audio_encoder_check`'s JSON lines)."""
     rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.startswith('{"audios"')]
+    rows = [row for row in rows if "engine_idle" in row]  # a `--device meta` run counts operators only
     fig, axes = _figure(1, len(rows), 4.5, 3.8)
     for ax, row in zip(axes[0], rows):
-        grouped_bars(ax, ["idle", "busy device"], {who: [row[f"{who}_{load}"][1] for load in ("idle", "busy")]
-                                                    for who in ("transformers", "engine")}, labels=True)
+        who = [w for w in ("transformers", "engine_per_window", "engine") if f"{w}_idle" in row]
+        grouped_bars(ax, ["idle", "busy device"], {w: [row[f"{w}_{load}"][1] for load in ("idle", "busy")]
+                                                    for w in who}, labels=True)
         ax.set(title=f"{row['audios']} audio(s), {row['seconds']} s")
         _grid(ax, "", "ms until the rows are ready", legend=False)
     _save(fig, out, "audio encoder, full size: one call")

@@ -1,16 +1,19 @@
 """The audio encoder at full size: transformers' call (lengths read back from the device) against the engine's
-(`audio_tower_rows`: lengths worked out on the host, attention off cuDNN), their rows, and what each costs a voice
-turn's prefill.
+(`audio_tower_rows`: lengths worked out on the host, attention off cuDNN, every window of a layer in one call), their
+rows, and what each costs a voice turn's prefill.
 
     python -m omnirt.loadtest.gpu.audio_encoder_check   (the GPU driver's `audio-encoder` scenario)
+    python -m omnirt.loadtest.gpu.audio_encoder_check --device meta   (anywhere: the operator counts alone)
 
 Builds the released audio encoder (random weights, bf16) and encodes batches of 1 and 8 utterances of the bench's
-lengths (1.4-7.7 s; random features, a prefix mask). Per batch, one JSON line: whether the rows are equal and their
-relative RMS difference (the engine's attention avoids cuDNN's kernels: `ENCODER_ATTENTION`), and for each call the
-host's time in it (what the Thinker's stage thread spends before it can launch the prefill) and the time until its
-rows are ready, on an idle device and beside a stream kept busy with other work (as the Talker's and Code2Wav's
-steps keep it while a turn is prefilled). Each timed call has lengths one frame longer than the last, as every
-turn's utterance is new: cuDNN's attention builds a plan for each new shape.
+lengths (1.4-7.7 s; random features, a prefix mask). Per batch, one JSON line: the torch operators the engine's call
+dispatches with the attention per window (transformers' way) and in one call a layer (the host's work, views
+included: a proxy for the kernels launched); whether the rows are equal and their relative RMS difference (the
+engine's attention avoids cuDNN's kernels: `ENCODER_ATTENTION`); and for each call the host's time in it (what the
+Thinker's stage thread spends before it can launch the prefill) and the time until its rows are ready, on an idle
+device and beside a stream kept busy with other work (as the Talker's and Code2Wav's steps keep it while a turn is
+prefilled). Each timed call has lengths one frame longer than the last, as every turn's utterance is new: cuDNN's
+attention builds a plan for each new shape.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import threading
 import time
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.models.qwen3_omni_moe import configuration_qwen3_omni_moe as cfgs
 from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as mods
 
@@ -84,20 +88,53 @@ class BusyStream:
         self.thread.join()
 
 
+class OpCount(TorchDispatchMode):
+    """Counts the torch operators dispatched inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def released_tower(device: torch.device, dtype: torch.dtype):
+    """The released audio encoder's architecture, random weights, built on `device` (no host copy first)."""
+    with device:
+        tower = mods.Qwen3OmniMoeAudioEncoder(cfgs.Qwen3OmniMoeAudioEncoderConfig(**ARCHITECTURE["thinker"]["audio"]))
+    return tower.to(dtype).eval()
+
+
+def op_counts(tower, n: int, device: torch.device, dtype: torch.dtype) -> dict:
+    """Operators of the engine's call for `n` utterances: the attention per window, and in one call a layer."""
+    features, mask = batch(n, tower.config.num_mel_bins)
+    out = {}
+    for name, one_call in (("ops_per_window", False), ("ops_one_call", True)):
+        with OpCount() as ops:
+            audio_tower_rows(tower, features, mask, device, dtype, one_call=one_call)
+        out[name] = ops.count
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--device", default="cuda", help="cuda, or meta: the operator counts alone (no GPU needed)")
     args = p.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("audio_encoder_check needs a CUDA device")
-    device, dtype = torch.device("cuda", 0), torch.bfloat16
-    tower = mods.Qwen3OmniMoeAudioEncoder(cfgs.Qwen3OmniMoeAudioEncoderConfig(**ARCHITECTURE["thinker"]["audio"]))
-    tower = tower.to(device, dtype).eval()
+    if args.device != "meta" and not torch.cuda.is_available():
+        raise SystemExit("audio_encoder_check needs a CUDA device (or --device meta)")
+    device, dtype = torch.device(args.device, 0) if args.device == "cuda" else torch.device("meta"), torch.bfloat16
+    tower = released_tower(device, dtype)
     print(json.dumps({"layers": len(tower.layers), "params_m": round(sum(p.numel() for p in tower.parameters()) / 1e6),
                       "attention": tower.config._attn_implementation}), flush=True)
     with torch.inference_mode():
         for n in (1, 8):
-            print(json.dumps(measure(tower, n, device, dtype, args.repeats)), flush=True)
+            row = {"audios": n, "seconds": round(sum(SECONDS[:n]), 1)} | op_counts(tower, n, device, dtype)
+            if device.type == "cuda":
+                row |= measure(tower, n, device, dtype, args.repeats)
+            print(json.dumps(row), flush=True)
 
 
 def measure(tower, n: int, device, dtype, repeats: int) -> dict:
@@ -105,21 +142,26 @@ def measure(tower, n: int, device, dtype, repeats: int) -> dict:
 
     calls = iter(range(1, 10**6))
 
-    def ours(new: bool = True):  # each call lengths not seen before, as every turn's utterance has
+    def ours(new: bool = True, one_call: bool = True):  # each call lengths not seen before, as every turn's utterance
         f, m = batch(n, tower.config.num_mel_bins, next(calls)) if new else (features, mask)
-        return audio_tower_rows(tower, f, m, device, dtype)
+        return audio_tower_rows(tower, f, m, device, dtype, one_call=one_call)
 
     def theirs(new: bool = True):
         f, m = batch(n, tower.config.num_mel_bins, next(calls)) if new else (features, mask)
         return transformers_rows(tower, f, m, device, dtype)
 
+    def per_window():
+        return ours(one_call=False)
+
     a, b = ours(False).float(), theirs(False).float()
-    row = {"audios": n, "seconds": round(sum(SECONDS[:n]), 1), "equal": bool(torch.equal(a, b)),
-           "rel_rms": float((a - b).norm() / b.norm())}
-    row |= {"transformers_idle": timed(theirs, repeats), "engine_idle": timed(ours, repeats)}
+    row = {"equal": bool(torch.equal(a, b)), "rel_rms": float((a - b).norm() / b.norm()),
+           "rel_rms_per_window": float((ours(False, one_call=False).float() - b).norm() / b.norm())}
+    row |= {"transformers_idle": timed(theirs, repeats), "engine_per_window_idle": timed(per_window, repeats),
+            "engine_idle": timed(ours, repeats)}
     with BusyStream(device):
         time.sleep(0.2)
-        row |= {"transformers_busy": timed(theirs, repeats), "engine_busy": timed(ours, repeats)}
+        row |= {"transformers_busy": timed(theirs, repeats), "engine_per_window_busy": timed(per_window, repeats),
+                "engine_busy": timed(ours, repeats)}
     return row
 
 if __name__ == "__main__":
