@@ -168,6 +168,7 @@ def test_the_global_fraction_comes_from_the_flag_over_the_profile():
     ("moe_backend=eager", lambda c: c.moe_backend, "auto"),
     ("stages.talker.default_sampling_params.max_tokens=8", lambda c: c.stage("talker").default_sampling_params,
      {"temperature": 0.0, "max_tokens": 200, "repetition_penalty": 1.05}),
+    ("stages.thinker.kv_offload_gib=1.5", lambda c: c.stage("thinker").kv_offload_gib, 0.0),
 ])
 def test_set_overrides_a_profile_key_and_otherwise_leaves_the_profiles_value(tmp_path, setting, read, default):
     """The ablations live in the profile: `--set KEY=VALUE` overrides any key (nested ones by their path, a
@@ -194,6 +195,8 @@ def test_set_overrides_a_profile_key_and_otherwise_leaves_the_profiles_value(tmp
     ("stages.9.max_num_seqs=1", r"'9' is not 0..2 \(thinker, talker, code2wav\) or \*"),
     ("stages.code2wav.max_model_len=64", r"stages\[2\].max_model_len is read by the autoregressive stages only"),
     ("engine=vllm", r"--set engine=vllm: engine must be one of omnirt, reference"),
+    ("stages.thinker.kv_offload_gib=-1", r"stages\[0\].kv_offload_gib must be >= 0"),
+    ("stages.code2wav.kv_offload_gib=1", r"stages\[2\].kv_offload_gib is read by the autoregressive stages only"),
     ("dtype=[1, 2", r"its value is not valid YAML"),
 ])
 def test_a_bad_setting_is_refused_naming_the_flag(setting, message):
