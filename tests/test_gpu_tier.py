@@ -23,7 +23,7 @@ def _collected(*args: str) -> list[str]:
 
 
 def test_pytest_m_gpu_selects_exactly_the_gpu_tier():
-    """Five tests that need CUDA, and the bf16 parametrizations of the three kernels (attention 4, fused
+    """Six tests that need CUDA, and the bf16 parametrizations of the three kernels (attention 4, fused
     experts 10, SnakeBeta convolution 11), which exist only there; `make test-gpu`'s files hold them all."""
     everywhere = _collected("-m", "gpu", "tests")
     assert sorted(everywhere) == sorted(_collected("-m", "gpu", *gpu_test_files()))
@@ -32,13 +32,14 @@ def test_pytest_m_gpu_selects_exactly_the_gpu_tier():
                      "tests/test_cudagraph.py::test_cuda_graphs_match_eager_on_the_tiny_model",
                      "tests/test_grammar.py::test_the_mask_replays_in_a_captured_graph",
                      "tests/test_platform.py::test_cuda_platform_is_detected_and_runs_here",
-                     "tests/test_transport.py::test_device_tensors_cross_processes_on_the_device"}
+                     "tests/test_transport.py::test_device_tensors_cross_processes_on_the_device",
+                     "tests/test_units.py::test_the_host_tier_round_trips_a_slot_through_pinned_memory_in_stream_order"}
     kernels = [i for i in everywhere if "[" in i]
     assert all(re.search(r"[\[-]bf16[\]-]", i) for i in kernels)
     per_file = {f: sum(i.startswith(f"tests/{f}") for i in kernels) for f in ("test_attention", "test_moe",
                                                                              "test_snake_conv")}
     assert per_file == {"test_attention": 4, "test_moe": 10, "test_snake_conv": 11}
-    assert len(everywhere) == 30
+    assert len(everywhere) == 31
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine they run (make test-gpu)")
@@ -47,7 +48,7 @@ def test_on_the_cpu_the_gpu_tier_skips_each_test_with_its_reason(tmp_path):
     subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-m", "gpu",
                     f"--junitxml={xml}", *gpu_test_files()], capture_output=True, cwd=ROOT, timeout=600)
     counts = pytest_counts(xml)
-    assert counts["skipped"] == 30 and counts["passed"] == counts["failed"] == counts["errors"] == 0
+    assert counts["skipped"] == 31 and counts["passed"] == counts["failed"] == counts["errors"] == 0
     assert all(re.search(r"CUDA|GPU", s.split(": ", 1)[1]) for s in counts["skips"])
 
 

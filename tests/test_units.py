@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from omnirt.pipeline.models.qwen3_omni.codec_stream import CodecStream
@@ -246,3 +247,35 @@ def test_dummy_weights_are_the_same_on_every_start():
     b, *_ = load_hf_model("tiny", "dummy", torch.float32, torch.device("cpu"), "eager", frozenset(PARTS))
     assert torch.equal(after, expected)
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory and streams need a CUDA device")
+def test_the_host_tier_round_trips_a_slot_through_pinned_memory_in_stream_order():
+    """On a stream of its own, as a stage runs: a resident slot given up is copied to pinned host memory, the slot is
+    overwritten at once, and the prefix copied back equals what it held, with no synchronisation between the copies
+    (they are ordered on the stream)."""
+    from omnirt.pipeline.stage.kv_cache import SlotKVCache
+
+    class Held:
+        num_tokens = num_prompt_tokens = 48
+        num_bytes = 0
+
+        def to(self, device):
+            return self
+
+    kv = SlotKVCache(2, 1, 2, 64, 8, torch.bfloat16, "cuda", host_bytes=2**20)
+    with torch.cuda.stream(torch.cuda.Stream()):
+        kv.k[:, 0].copy_(torch.randn_like(kv.k[:, 0]))
+        kv.v[:, 0].copy_(torch.randn_like(kv.v[:, 0]))
+        k, v = kv.k[:, 0, :, :48].clone(), kv.v[:, 0, :, :48].clone()
+        kv.park(0, Held())
+        assert kv.allocate() == 0  # the only slot: its prefix goes to the host first
+        (entry,) = kv.host.entries
+        kv.k[:, 0].fill_(-1.0)
+        kv.v[:, 0].fill_(-1.0)
+        kv.restore(entry, 0, 48)
+        torch.cuda.current_stream().synchronize()
+    assert entry.k.is_pinned() and entry.v.is_pinned()
+    assert torch.equal(kv.k[:, 0, :, :48], k) and torch.equal(kv.v[:, 0, :, :48], v)
+    assert bool((kv.k[:, 0, :, 48:] == -1).all())
