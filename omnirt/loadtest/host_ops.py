@@ -14,12 +14,12 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from omnirt.pipeline.config import load_profile
 from omnirt.pipeline.models import load_models
+from omnirt.pipeline.models.qwen3_omni.stages import STAGES
 from omnirt.pipeline.models.qwen3_omni.talker import TalkerState
 from omnirt.pipeline.models.qwen3_omni.thinker import ThinkerInput, ThinkerRows
 from omnirt.pipeline.platform import get_platform
-from omnirt.pipeline.profile import DEPLOY_DIR
+from omnirt.pipeline.profile import DEPLOY_DIR, load_profile
 
 NUM_REQUESTS = 64
 
@@ -75,7 +75,7 @@ def turn_encoding_ms(encoder, seed: int, turns: int = 6, seconds: float = 2.0) -
 
 def main() -> None:
     torch.set_num_threads(1)
-    models = load_models(load_profile(DEPLOY_DIR / "tiny.yaml", "cpu"), get_platform("cpu"))
+    models = load_models(load_profile(DEPLOY_DIR / "tiny.yaml", "cpu", STAGES), get_platform("cpu"))
     prompt = models.encoder.encode([{"role": "user", "content": "hello " * 150}])
     models.encoder.encode([{"role": "user", "content": "warm-up"}])
     print(f"{NUM_REQUESTS} new requests of {len(prompt.input_ids)} tokens: Thinker states "

@@ -24,10 +24,10 @@ import threading
 import time
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.models.qwen3_omni_moe import configuration_qwen3_omni_moe as cfgs
 from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as mods
 
+from omnirt.loadtest.host_ops import OpCount
 from omnirt.pipeline.models.qwen3_omni.encoders import audio_tower_rows
 from omnirt.pipeline.models.qwen3_omni.released import ARCHITECTURE
 
@@ -86,18 +86,6 @@ class BusyStream:
     def __exit__(self, *exc):
         self.stop.set()
         self.thread.join()
-
-
-class OpCount(TorchDispatchMode):
-    """Counts the torch operators dispatched inside it."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 def released_tower(device: torch.device, dtype: torch.dtype):
