@@ -9,12 +9,12 @@ import sys
 import torch
 
 from omnirt.app.cli import build_parser, engine_options
-from omnirt.pipeline.config import load_profile
-from omnirt.pipeline.models import load_models
+from omnirt.pipeline.models import load_models, model_spec
 from omnirt.pipeline.platform import get_platform
+from omnirt.pipeline.profile import engine_config
 
 opts = engine_options(build_parser().parse_args(["serve", *sys.argv[1:]]))
-cfg = load_profile(opts.deploy_config, "cuda", {"model": opts.model, "load_format": opts.load_format})
+cfg = engine_config(opts, "cuda", model_spec(opts.model))
 for stages in (("code2wav",), ("talker",), ("thinker", "talker", "code2wav")):
     before = torch.cuda.memory_allocated()
     models = load_models(cfg, get_platform("cuda"), stages)
