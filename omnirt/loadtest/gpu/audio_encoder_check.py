@@ -130,13 +130,14 @@ def measure(tower, n: int, device, dtype, repeats: int) -> dict:
 
     calls = iter(range(1, 10**6))
 
-    def ours(new: bool = True, one_call: bool = True):  # each call lengths not seen before, as every turn's utterance
-        f, m = batch(n, tower.config.num_mel_bins, next(calls)) if new else (features, mask)
-        return audio_tower_rows(tower, f, m, device, dtype, one_call=one_call)
+    def inputs(new: bool) -> tuple[torch.Tensor, torch.Tensor]:  # new: lengths not seen before, as every turn's
+        return batch(n, tower.config.num_mel_bins, next(calls)) if new else (features, mask)
+
+    def ours(new: bool = True, one_call: bool = True):
+        return audio_tower_rows(tower, *inputs(new), device, dtype, one_call=one_call)
 
     def theirs(new: bool = True):
-        f, m = batch(n, tower.config.num_mel_bins, next(calls)) if new else (features, mask)
-        return transformers_rows(tower, f, m, device, dtype)
+        return transformers_rows(tower, *inputs(new), device, dtype)
 
     def per_window():
         return ours(one_call=False)

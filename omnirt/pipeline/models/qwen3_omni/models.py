@@ -219,10 +219,11 @@ def load_models(cfg: EngineConfig, platform: Platform, stages: tuple[str, ...]) 
                      "approximates the one-shot decode (docs/architecture.md, Parity)",
                      cc.codec_left_context_frames, code2wav.receptive_field_frames)
     voices = {k.lower(): v for k, v in hc.talker_config.speaker_id.items()} if has_talker else {}
+    host = {THINKER: thinker and thinker.kv.host, TALKER: talker and talker.kv.host}
     for stage, n in kv_bytes.items():
-        tier = cfg.stage(stage).kv_offload_gib if cfg.stage(stage).prefix_caching else 0
+        tier = host[stage]
         log.info("%s KV cache: %.1f MiB allocated, %d slots%s", stage, n / 2**20, plan.num_slots[stage],
-                 f", a host tier of {tier:g} GiB behind them" if tier else "")
+                 f", a host tier of {tier.max_bytes / 2**30:g} GiB behind them" if tier else "")
     log.info("device memory after load: %.2f GiB allocated", platform.memory_allocated(device) / 2**30)
     models = OmniModels(encoder, thinker, talker, code2wav, voices, tokenizer, kv_bytes, hf, platform, plan,
                         grammars=Grammars(tokenizer, hc.thinker_config.text_config.vocab_size,
