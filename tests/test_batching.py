@@ -167,10 +167,10 @@ def test_audio_rows_equal_transformers_encoder_with_no_device_reads(engine):
 
 
 def test_audio_windows_attend_in_one_call_a_layer(engine, monkeypatch):
-    """With `one_call` (the default off the CPU) each encoder layer attends over every window of every audio in one
-    SDPA call, where transformers makes one a window, and the rows equal transformers' (fp32, to 1e-5 of the
-    largest: the padded batch sums in another order, so not bit for bit); with the padding left unmasked they
-    would not."""
+    """With `one_call` (the default off the CPU for more than one window) each encoder layer attends over every
+    window of every audio in one SDPA call, where transformers makes one a window, and the rows equal transformers'
+    (fp32, to 1e-5 of the largest: the padded batch sums in another order, so not bit for bit); with the padding
+    left unmasked they would not."""
     import dataclasses
 
     import numpy as np
@@ -200,6 +200,17 @@ def test_audio_windows_attend_in_one_call_a_layer(engine, monkeypatch):
     assert model.audio_tower.config._attn_implementation not in (None, encoders.AudioWindows.NAME)  # put back
     error, leak = ((rows - theirs).abs().max() / theirs.abs().max() for rows in (ours, unmasked))
     assert error < 1e-5 < 1e-3 < leak, (error, leak)
+
+
+def test_one_call_is_the_default_only_for_several_windows_off_the_cpu():
+    """A single window gains nothing from the padded batch (slower on an H100), and the CPU keeps transformers' path."""
+    import torch
+
+    from omnirt.pipeline.models.qwen3_omni.encoders import attends_in_one_call
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert [attends_in_one_call(cuda, n) for n in (1, 2, 7)] == [False, True, True]
+    assert not attends_in_one_call(cpu, 7)
 
 
 @contextlib.contextmanager
