@@ -367,6 +367,8 @@ async def test_resident_slots_are_evicted_under_pressure_and_answers_stay_the_sa
     # ...then its last turn finds the one before resident again, and reuses all of it
     assert cached[7] >= with_reuse[6][1].prompt_tokens, cached
     assert len(on.stage("thinker").scheduler.kv.resident) <= 2 and on.num_free_slots() == on.num_slots()
+    placements = on.stage("thinker").scheduler.placements
+    assert placements["taken_over"] >= 1 and placements["restored"] == 0, placements  # conversation 0's last turn
 
 
 async def test_with_a_host_tier_every_turn_reuses_its_whole_conversation_and_answers_the_same(engines,
@@ -387,6 +389,10 @@ async def test_with_a_host_tier_every_turn_reuses_its_whole_conversation_and_ans
         assert usage[n - 3].prompt_tokens <= usage[n].cached_tokens < usage[n].prompt_tokens, (n, usage)
     assert stats.num_restored_tokens == sum(u.cached_tokens for u in usage[3:])  # each from the host tier
     assert stats.num_offloaded == len(host.entries) > 0 and stats.num_offloaded_bytes == host.num_bytes
+    # how each turn got its slot: the first fresh, the next two copying the instructions from another
+    # conversation's slot, every later one restored; each after the first two gave a resident slot up
+    assert stats.placements == {"fresh": 1, "taken_over": 0, "copied": 2, "restored": 6}, stats.placements
+    assert stats.num_given_up == len(order) - 2, stats.num_given_up
 
 
 async def test_an_aborted_reply_leaves_a_prefix_the_next_turn_reuses_exactly(engines):

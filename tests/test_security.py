@@ -174,6 +174,10 @@ def test_metrics_and_structured_request_logs(secure_server):
         assert first and float(first.group(1)) >= 1, stage
         assert f'omnirt_stage_max_wait_steps{{stage="{stage}"}}' in text
         assert f'omnirt_stage_deferred_rows_total{{stage="{stage}"}}' in text
+    placement = r'omnirt_stage_placements_total\{how="(\w+)",stage="thinker"\} (\S+)'
+    placed = {how: float(n) for how, n in re.findall(placement, text)}
+    assert set(placed) == {"fresh", "taken_over", "copied", "restored"} and sum(placed.values()) >= 1, placed
+    assert 'omnirt_stage_given_up_slots_total{stage="thinker"}' in text
     assert firsts[0] >= firsts[1] >= firsts[2] >= 1  # each stage's first output timed, audio ones downstream too
     lines = [json.loads(line) for line in secure_server.log.read_text().splitlines() if line.startswith("{")]
     done = [rec for rec in lines if rec.get("request_id") == rid]

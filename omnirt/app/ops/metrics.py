@@ -212,7 +212,15 @@ def _prefix_reuse(stages: list[StageStats]):
                                         labels=["stage"])
     restored = CounterMetricFamily("omnirt_stage_restored_tokens", "Prompt tokens copied back into a slot from "
                                    "host memory (counted in the cached ones)", labels=["stage"])
+    placed = CounterMetricFamily("omnirt_stage_placements", "Requests by how they got their KV slot: fresh (no "
+                                 "prefix to reuse), taken_over or copied (a resident prefix), restored (from host "
+                                 "memory)", labels=["stage", "how"])
+    given_up = CounterMetricFamily("omnirt_stage_given_up_slots", "Resident slots given up for another request "
+                                   "(their prefix kept in host memory only with kv_offload_gib)", labels=["stage"])
     for st in stages:
+        for how, n in (st.placements or {}).items():
+            placed.add_metric([st.name, how], n)
+        given_up.add_metric([st.name], st.given_up)
         tokens.add_metric([st.name, "computed"], st.prefill_tokens)
         tokens.add_metric([st.name, "cached"], st.cached_tokens)
         resident.add_metric([st.name], st.resident_slots)
@@ -220,7 +228,7 @@ def _prefix_reuse(stages: list[StageStats]):
         offloaded.add_metric([st.name], st.offloaded)
         offloaded_bytes.add_metric([st.name], st.offloaded_bytes)
         restored.add_metric([st.name], st.restored_tokens)
-    yield from (tokens, resident, held, offloaded, offloaded_bytes, restored)
+    yield from (tokens, resident, held, offloaded, offloaded_bytes, restored, placed, given_up)
 
 
 def _waits(stages: list[StageStats]):

@@ -40,8 +40,10 @@ ABLATION_PARAMS = {"concurrency": "64", "prompt": "160", "point_limit": "200", "
 
 # the server's precision and memory
 PRECISION_LINES = "quantization|fp8:|weights of|memory plan|KV cache:|graphs captured"
-# what prefix reuse did: prompt tokens computed and reused, resident slots, the host tier behind them
-PREFIX_METRICS = "omnirt_stage_prefill omnirt_stage_resident omnirt_stage_offloaded omnirt_stage_restored"
+# what prefix reuse did: prompt tokens computed and reused, resident slots, the host tier behind them, how each
+# request got its slot and how many resident ones were given up
+PREFIX_METRICS = ("omnirt_stage_prefill omnirt_stage_resident omnirt_stage_offloaded omnirt_stage_restored "
+                  "omnirt_stage_placements omnirt_stage_given_up")
 PARITY_VARIANT = "four-requests"  # the parity check's server (omnirt/loadtest/variants.py)
 
 

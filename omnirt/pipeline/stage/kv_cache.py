@@ -44,6 +44,7 @@ class SlotKVCache:
         self.resident: OrderedDict[int, Any] = OrderedDict()  # slot -> what it holds, least recently used first
         self._staging: PinnedBuffers | None = None  # for `view` (one stage's thread uses a cache)
         self.host = HostTier(host_bytes) if host_bytes else None
+        self.num_given_up = 0  # resident slots given up for a slot, since start-up
 
     @property
     def num_free_slots(self) -> int:
@@ -79,6 +80,7 @@ class SlotKVCache:
     def _offload(self, slot: int, held: Any) -> None:
         """A resident slot is given up: its prefix to the host tier (async copies on the current stream, which
         orders them before anything that writes the slot next)."""
+        self.num_given_up += 1
         layers, _, heads, _, head_dim = self.k.shape
         shape = (layers, heads, held.num_tokens, head_dim)
         if self.host is None or 2 * math.prod(shape) * self.k.element_size() > self.host.max_bytes:

@@ -88,6 +88,7 @@ class Stage:
                           cached_tokens=prefix.num_cached_tokens, resident_slots=prefix.num_resident_slots,
                           resident_bytes=prefix.num_resident_bytes, offloaded=prefix.num_offloaded,
                           offloaded_bytes=prefix.num_offloaded_bytes, restored_tokens=prefix.num_restored_tokens,
+                          placements=prefix.placements, given_up=prefix.num_given_up,
                           **self.scheduler.waits.snapshot(),
                           decode_steps=c.num_decode_steps, decode_busy_s=c.decode_busy_s)
 

@@ -14,6 +14,8 @@ from omnirt.pipeline.stage.request import RequestStatus, StageRequest
 from omnirt.pipeline.stage.step import Batch, RowOutput
 from omnirt.pipeline.types import StageStats
 
+PLACEMENTS = ("fresh", "taken_over", "copied", "restored")  # how a request got its slot (`SlotScheduler._place`)
+
 
 class PrefixStats(NamedTuple):
     num_prefill_tokens: int = 0  # prompt tokens computed by prefill steps
@@ -23,6 +25,8 @@ class PrefixStats(NamedTuple):
     num_offloaded: int = 0  # prefixes of resident slots given up, kept in the host tier
     num_offloaded_bytes: int = 0  # host memory those take
     num_restored_tokens: int = 0  # prompt tokens copied back from there (counted in num_cached_tokens)
+    placements: dict[str, int] | None = None  # requests by how they got their slot (PLACEMENTS)
+    num_given_up: int = 0  # resident slots given up for another request (to the host tier, if any)
 
 
 class Scheduler(Protocol):

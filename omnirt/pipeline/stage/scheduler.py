@@ -25,7 +25,7 @@ from omnirt.pipeline.stage.host_tier import Offloaded
 from omnirt.pipeline.stage.kv_cache import SlotKVCache
 from omnirt.pipeline.stage.prefix_cache import Held, PrefixReuse
 from omnirt.pipeline.stage.priority import Priority, WaitCounts, in_arrival_order, ranked
-from omnirt.pipeline.stage.protocols import PrefixStats
+from omnirt.pipeline.stage.protocols import PLACEMENTS, PrefixStats
 from omnirt.pipeline.stage.request import RequestStatus, StageRequest
 from omnirt.pipeline.stage.step import Batch, RowOutput
 
@@ -49,6 +49,9 @@ class SlotScheduler:
         self.num_prefill_tokens = 0  # prompt tokens computed by prefill steps
         self.num_cached_tokens = 0  # prompt tokens taken from resident slots (or the host tier) instead
         self.num_restored_tokens = 0  # of those, copied back from the host tier
+        # how each request got its slot: a free or given-up one (fresh), a resident match taken over or copied, a
+        # prefix copied back from the host tier; a conversation whose turns keep taking their slot over holds one
+        self.placements = dict.fromkeys(PLACEMENTS, 0)
         self._hits: list[tuple[str, int]] = []  # (request id, tokens reused) of hits not yet reported
 
     @property
@@ -70,7 +73,8 @@ class SlotScheduler:
     def prefix_stats(self) -> PrefixStats:
         held, host = list(self.kv.resident.values()), self.kv.host
         return PrefixStats(self.num_prefill_tokens, self.num_cached_tokens, len(held), sum(h.num_bytes for h in held),
-                           len(host.entries) if host else 0, host.num_bytes if host else 0, self.num_restored_tokens)
+                           len(host.entries) if host else 0, host.num_bytes if host else 0, self.num_restored_tokens,
+                           dict(self.placements), self.kv.num_given_up)
 
     def take_cached(self) -> list[tuple[str, int]]:
         hits, self._hits = self._hits, []
@@ -121,10 +125,12 @@ class SlotScheduler:
         found = self._lookup(req)
         if found is None:
             req.slot = self.kv.allocate()
+            self.placements["fresh"] += 1
             return
         source, n = found
         if isinstance(source, Offloaded):
             held = self._restore(req, source, n)
+            self.placements["restored"] += 1
         else:
             held = self.kv.resident[source]
             spare = self.kv.spare(keep=source) if n < held.num_prompt_tokens else None
@@ -135,6 +141,7 @@ class SlotScheduler:
                 self.kv.touch(source)
                 self.kv.copy_prefix(source, spare, n)
                 req.slot = spare
+            self.placements["taken_over" if spare is None else "copied"] += 1
         self.reuse.adopt(req, held, n)
         req.num_computed_tokens = req.num_cached_tokens = n
         self.num_cached_tokens += n
