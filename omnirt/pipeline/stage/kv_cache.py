@@ -64,7 +64,7 @@ class SlotKVCache:
         if self._free:
             return self._free.popleft()
         slot, held = self.resident.popitem(last=False)
-        self._offload(slot, held)
+        self._give_up(slot, held)
         return slot
 
     def spare(self, keep: int) -> int | None:
@@ -74,12 +74,12 @@ class SlotKVCache:
             return self._free.popleft()
         victim = next((s for s in self.resident if s != keep), None)
         if victim is not None:
-            self._offload(victim, self.resident.pop(victim))
+            self._give_up(victim, self.resident.pop(victim))
         return victim
 
-    def _offload(self, slot: int, held: Any) -> None:
-        """A resident slot is given up: its prefix to the host tier (async copies on the current stream, which
-        orders them before anything that writes the slot next)."""
+    def _give_up(self, slot: int, held: Any) -> None:
+        """A resident slot is given up for another request: counted, and its prefix to the host tier if there is
+        one (async copies on the current stream, which orders them before anything that writes the slot next)."""
         self.num_given_up += 1
         layers, _, heads, _, head_dim = self.k.shape
         shape = (layers, heads, held.num_tokens, head_dim)
